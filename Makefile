@@ -1,0 +1,29 @@
+# The two commands of the README. Both create .venv and install everything on a fresh machine.
+# torch is pinned *before* the project so pip never resolves a bare torch (a multi-GB CUDA build).
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION := 2.13.0
+
+.PHONY: demo test setup clean bench
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/lightning-ciuic fit --config examples/configs/demo.yaml
+
+test: setup
+	$(PY) -m pytest tests
+
+bench: setup
+	$(PY) benchmarks/strategy_vs_ddp.py
+
+clean:
+	rm -rf $(VENV) lightning_logs demo_logs .pytest_cache

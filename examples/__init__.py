@@ -1,0 +1,1 @@
+"""The main job's model, data and configs (see examples/README.md)."""

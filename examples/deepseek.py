@@ -1,0 +1,257 @@
+"""A small DeepSeek-style decoder in plain torch, and its LightningModule.
+
+Architecture (after DeepSeek-V2/V3, scaled down to about a million parameters):
+
+* Multi-head latent attention (MLA): keys and values are reconstructed from a low-rank latent
+  ``c_kv`` (``kv_lora_rank``) plus a small rotary key part shared by all heads.
+* Mixture-of-experts feed-forward: ``n_shared_experts`` always-on experts plus ``n_routed_experts``
+  SwiGLU experts of which each token uses the top ``n_activated_experts`` (normalized softmax gates).
+  The first ``n_dense_layers`` blocks use a dense SwiGLU feed-forward instead.
+* Byte-level tokens (vocabulary 256), RMSNorm, rotary position embeddings.
+
+Tensor parallelism: :meth:`DeepSeekMini.tensor_parallel_plan` shards attention heads (query and latent
+up-projections column-wise, output row-wise) and every expert (gate/up column-wise, down row-wise); the
+router, norms and embeddings stay replicated. Every expert runs on every step (on zero tokens if none
+are routed to it) so all ranks run the same collectives and every parameter receives a gradient.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from lightning_ciuic import apply_tensor_parallel
+from lightning_ciuic.parallel.tensor import sum_grad_over
+
+
+@dataclass
+class DeepSeekConfig:
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    n_dense_layers: int = 1
+    dense_inter_dim: int = 256
+    n_routed_experts: int = 4
+    n_shared_experts: int = 1
+    n_activated_experts: int = 2
+    moe_inter_dim: int = 96
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(seq_len).float(), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of ``x`` (batch, seq, heads, dim) by the position angles."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, cfg: DeepSeekConfig) -> None:
+        super().__init__()
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * (self.nope + self.rope), bias=False)
+        self.wkv_a = nn.Linear(cfg.dim, cfg.kv_lora_rank + self.rope, bias=False)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank)
+        self.wkv_b = nn.Linear(cfg.kv_lora_rank, cfg.n_heads * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.v_dim, cfg.dim, bias=False)
+        self.tp_mesh = None  # set when tensor parallelism is applied
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.nope + self.rope)  # local heads under tensor parallelism
+        heads = q.size(2)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(b, s, heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k_rope = sum_grad_over(k_rope, self.tp_mesh)  # shared by this rank's heads only: sum its gradient
+        k_rope = apply_rotary(k_rope.unsqueeze(2), cos, sin).expand(-1, -1, heads, -1)
+        q = torch.cat([q_nope, apply_rotary(q_rope, cos, sin)], dim=-1)
+        k = torch.cat([k_nope, k_rope], dim=-1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, inter_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, inter_dim, bias=False)
+        self.w3 = nn.Linear(dim, inter_dim, bias=False)
+        self.w2 = nn.Linear(inter_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MixtureOfExperts(nn.Module):
+    def __init__(self, cfg: DeepSeekConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.n_activated_experts
+        self.gate = nn.Linear(cfg.dim, cfg.n_routed_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(cfg.dim, cfg.moe_inter_dim) for _ in range(cfg.n_routed_experts))
+        self.shared = SwiGLU(cfg.dim, cfg.n_shared_experts * cfg.moe_inter_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, chosen = self.gate(x).softmax(dim=-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        routed = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == index)
+            routed = routed.index_add(0, token, expert(x[token]) * weights[token, slot, None])
+        return (routed + self.shared(x)).view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DeepSeekConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim)
+        self.attn = MultiHeadLatentAttention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim)
+        self.ffn = SwiGLU(cfg.dim, cfg.dense_inter_dim) if layer < cfg.n_dense_layers else MixtureOfExperts(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class DeepSeekTransformer(nn.Module):
+    def __init__(self, cfg: DeepSeekConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rotary_tables(cfg.qk_rope_head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.size(1)
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.head(self.norm(x))
+
+    def tensor_parallel_plan(self) -> dict:
+        plan = {}
+        for i, layer in enumerate(self.layers):
+            prefix = f"layers.{i}"
+            plan[f"{prefix}.attn.wq"] = ColwiseParallel()
+            plan[f"{prefix}.attn.wkv_b"] = ColwiseParallel()
+            plan[f"{prefix}.attn.wo"] = RowwiseParallel()
+            mlps = [f"{prefix}.ffn"] if isinstance(layer.ffn, SwiGLU) else [
+                f"{prefix}.ffn.shared", *(f"{prefix}.ffn.experts.{j}" for j in range(len(layer.ffn.experts)))
+            ]
+            for mlp in mlps:
+                plan[f"{mlp}.w1"] = ColwiseParallel()
+                plan[f"{mlp}.w3"] = ColwiseParallel()
+                plan[f"{mlp}.w2"] = RowwiseParallel()
+        return plan
+
+
+class DeepSeekMini(LightningModule):
+    """Next-byte language modelling with :class:`DeepSeekTransformer`; works with any strategy.
+
+    Under ``HybridParallelStrategy(tensor_parallel_size>1)`` it shards itself in ``configure_model``.
+    """
+
+    def __init__(
+        self,
+        dim: int = 128,
+        n_layers: int = 4,
+        n_heads: int = 4,
+        kv_lora_rank: int = 32,
+        n_routed_experts: int = 4,
+        n_shared_experts: int = 1,
+        n_activated_experts: int = 2,
+        moe_inter_dim: int = 96,
+        dense_inter_dim: int = 256,
+        max_seq_len: int = 256,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = DeepSeekConfig(
+            dim=dim, n_layers=n_layers, n_heads=n_heads, kv_lora_rank=kv_lora_rank,
+            n_routed_experts=n_routed_experts, n_shared_experts=n_shared_experts,
+            n_activated_experts=n_activated_experts, moe_inter_dim=moe_inter_dim,
+            dense_inter_dim=dense_inter_dim, max_seq_len=max_seq_len,
+        )
+        self.model = DeepSeekTransformer(self.config)
+        self._last_step_time: float | None = None
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+            return
+        tp = mesh["tp"].size()
+        if self.config.n_heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide n_heads={self.config.n_heads}; use a tensor_parallel_size"
+                f" among {[d for d in range(1, self.config.n_heads + 1) if self.config.n_heads % d == 0]}."
+            )
+        plan = {f"model.{name}": style for name, style in self.model.tensor_parallel_plan().items()}
+        apply_tensor_parallel(self, mesh["tp"], plan)
+        for layer in self.model.layers:
+            layer.attn.tp_mesh = mesh["tp"] if tp > 1 else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        logits = self(inputs)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        now = time.perf_counter()
+        if self._last_step_time is not None:
+            replicas = (getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1)
+            tokens = batch[0].numel() * replicas
+            self.log("train/tokens_per_sec", tokens / (now - self._last_step_time), prog_bar=True)
+        self._last_step_time = now
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val/loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, betas=(0.9, 0.95)
+        )

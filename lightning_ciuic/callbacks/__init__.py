@@ -1,0 +1,5 @@
+"""Lightning callbacks of the pack: thin glue over the framework-free packages."""
+
+from lightning_ciuic.callbacks.lr_schedule import WarmupCosineAnnealingLR, WarmupCosineSchedule
+
+__all__ = ["WarmupCosineAnnealingLR", "WarmupCosineSchedule"]

@@ -1,0 +1,1 @@
+"""Gradient communication: synchronizer, codecs, collectives. No Lightning imports."""

@@ -1,0 +1,225 @@
+"""Data-parallel gradient synchronization: buckets, overlap with backward, no-sync, timeout.
+
+Contract of ``GradientSynchronizer(parameters, group, ...)``:
+
+* Trainable parameters are packed, in reverse registration order (roughly the order backward produces
+  their gradients), into flat buckets of at most ``bucket_size_mb`` per dtype and device.
+* A post-accumulate-grad hook copies each gradient (the local shard of a DTensor gradient) into its
+  bucket. Buckets are launched strictly in index order as soon as they are complete, so every rank
+  issues the same collectives in the same order and communication overlaps the rest of backward.
+* ``finish()`` (called after backward) launches what is left, waits with ``timeout`` seconds per
+  collective, and writes the averaged gradient back. A parameter that got no gradient on this rank
+  contributes zeros and still receives the average, so replicas never diverge. A collective that does
+  not finish in time raises :class:`GradientSyncTimeoutError` naming the bucket, the axis and the timeout.
+* Inside ``no_sync()`` hooks do nothing: gradients accumulate locally (``accumulate_grad_batches``).
+* How a bucket is reduced is the one seam for compression: ``reducer`` turns a flat buffer into an
+  in-flight operation; the default is an exact mean (``all_reduce`` SUM of the pre-divided buffer).
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+class GradientSyncTimeoutError(RuntimeError):
+    """A gradient collective did not complete within ``sync_timeout`` seconds."""
+
+
+class PendingReduction(Protocol):
+    def wait(self, timeout: timedelta) -> None: ...
+
+
+class BucketReducer(Protocol):
+    """Starts averaging ``buffer`` in place across ``group``; returns what ``finish`` waits on."""
+
+    def __call__(self, buffer: torch.Tensor, group: dist.ProcessGroup) -> PendingReduction: ...
+
+
+class _Done:
+    def wait(self, timeout: timedelta) -> None:
+        return None
+
+
+def mean_all_reduce(buffer: torch.Tensor, group: dist.ProcessGroup) -> PendingReduction:
+    """Exact average: divide by the group size, then an asynchronous ``all_reduce`` SUM."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return _Done()
+    buffer.div_(size)
+    return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+@dataclass
+class SyncStats:
+    """Counters since construction: collectives launched, payload bytes reduced, seconds spent waiting."""
+
+    collectives: int = 0
+    bytes_reduced: int = 0
+    wait_seconds: float = 0.0
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@dataclass
+class _Bucket:
+    index: int
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    buffer: torch.Tensor
+    ready: list[bool] = field(default_factory=list)
+    pending: PendingReduction | None = None
+
+    def __post_init__(self) -> None:
+        self.ready = [False] * len(self.params)
+
+    @property
+    def complete(self) -> bool:
+        return all(self.ready)
+
+    def slice(self, slot: int) -> torch.Tensor:
+        start = self.offsets[slot]
+        return self.buffer[start : start + _local(self.params[slot]).numel()]
+
+
+def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
+    groups: dict[tuple[torch.device, torch.dtype], list[list[torch.nn.Parameter]]] = {}
+    for p in reversed(params):
+        local = _local(p)
+        key = (local.device, local.dtype)
+        chunks = groups.setdefault(key, [[]])
+        current = chunks[-1]
+        current_bytes = sum(_local(q).numel() for q in current) * local.element_size()
+        if current and current_bytes + local.numel() * local.element_size() > bucket_bytes:
+            chunks.append(current := [])
+        current.append(p)
+    buckets = []
+    for (device, dtype), chunks in groups.items():
+        for chunk in chunks:
+            offsets, total = [], 0
+            for p in chunk:
+                offsets.append(total)
+                total += _local(p).numel()
+            buckets.append(_Bucket(len(buckets), chunk, offsets, torch.zeros(total, dtype=dtype, device=device)))
+    return buckets
+
+
+class GradientSynchronizer:
+    """Averages gradients of ``parameters`` over ``group`` during backward (see module docstring)."""
+
+    def __init__(
+        self,
+        parameters: Iterable[torch.nn.Parameter],
+        group: dist.ProcessGroup,
+        bucket_size_mb: float = 25.0,
+        timeout: float = 300.0,
+        axis_name: str = "dp",
+        reducer: BucketReducer = mean_all_reduce,
+    ) -> None:
+        if bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb!r} (25.0 is a good default).")
+        if timeout <= 0:
+            raise ValueError(f"sync_timeout must be > 0 seconds, got {timeout!r} (the default is 300.0).")
+        self.group = group
+        self.timeout = timedelta(seconds=float(timeout))
+        self.axis_name = axis_name
+        self.reducer = reducer
+        self.stats = SyncStats()
+        self._enabled = True
+        self._next_bucket = 0
+        params = [p for p in parameters if p.requires_grad]
+        self.buckets = _make_buckets(params, int(bucket_size_mb * 1024 * 1024))
+        self._slots = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def remove(self) -> None:
+        """Detach the hooks; the synchronizer does nothing afterwards."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Let gradients accumulate locally for the backward passes run inside this context."""
+        previous, self._enabled = self._enabled, False
+        try:
+            yield
+        finally:
+            self._enabled = previous
+
+    @torch.no_grad()
+    def broadcast_parameters(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Make ``tensors`` (parameters and buffers) equal on every rank of the group, from its first rank."""
+        if dist.get_world_size(self.group) == 1:
+            return
+        src = dist.get_global_rank(self.group, 0)
+        for tensor in tensors:
+            dist.broadcast(_local(tensor).data, src=src, group=self.group)
+
+    # -- the step ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        if not self._enabled:
+            return
+        bucket, slot = self._slots[id(param)]
+        bucket.slice(slot).copy_(_local(param.grad).reshape(-1))
+        bucket.ready[slot] = True
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].complete:
+            self._launch(self.buckets[self._next_bucket])
+
+    def _launch(self, bucket: _Bucket) -> None:
+        for slot, ready in enumerate(bucket.ready):
+            if not ready:  # no gradient on this rank: contribute zeros
+                bucket.slice(slot).zero_()
+        bucket.pending = self.reducer(bucket.buffer, self.group)
+        self.stats.collectives += 1
+        self.stats.bytes_reduced += bucket.buffer.numel() * bucket.buffer.element_size()
+        self._next_bucket = bucket.index + 1
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Launch the remaining buckets, wait for all, and write the averaged gradients back."""
+        if not self._enabled or not self._handles:
+            return
+        for bucket in self.buckets[self._next_bucket :]:
+            self._launch(bucket)
+        start = time.perf_counter()
+        for bucket in self.buckets:
+            self._wait(bucket)
+            for slot, p in enumerate(bucket.params):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                local = _local(p.grad)
+                local.copy_(bucket.slice(slot).view_as(local))
+            bucket.ready = [False] * len(bucket.params)
+            bucket.pending = None
+        self.stats.wait_seconds += time.perf_counter() - start
+        self._next_bucket = 0
+
+    def _wait(self, bucket: _Bucket) -> None:
+        assert bucket.pending is not None
+        try:
+            bucket.pending.wait(self.timeout)
+        except RuntimeError as err:
+            if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
+                raise
+            numel = bucket.buffer.numel()
+            raise GradientSyncTimeoutError(
+                f"gradient all-reduce of bucket {bucket.index} ({len(bucket.params)} parameters, {numel} elements)"
+                f" over mesh axis '{self.axis_name}' (ranks {dist.get_process_group_ranks(self.group)}) did not finish"
+                f" within sync_timeout={self.timeout.total_seconds():g}s. A peer rank stalled or died; raise"
+                f" `sync_timeout` if steps are legitimately slower than that."
+            ) from err

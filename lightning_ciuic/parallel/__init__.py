@@ -1,0 +1,1 @@
+"""Data, tensor and pipeline parallel building blocks. No Lightning imports."""

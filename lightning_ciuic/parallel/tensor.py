@@ -1,0 +1,79 @@
+"""Tensor-parallel plans, validated before they are applied.
+
+Contract: ``apply_tensor_parallel(module, tp_mesh, plan)`` checks that every ``nn.Linear`` the plan
+shards splits evenly (``ColwiseParallel``: ``out_features % tp == 0``; ``RowwiseParallel``:
+``in_features % tp == 0``; ``nn.Embedding`` likewise on its sharded dimension) and then calls
+``torch.distributed.tensor.parallel.parallelize_module``. A plan entry that matches no sub-module is an
+error too: a typo in a plan must not silently leave a layer unsharded. With a mesh of size 1 the module
+is returned untouched, so one LightningModule runs with and without tensor parallelism.
+
+``sum_grad_over(activation, tp_mesh)`` is Megatron's "copy to tensor-parallel region": identity forward,
+gradient summed over the ``tp`` axis backward. Use it where a replicated activation feeds rank-local
+computation outside a parallelized module (e.g. MLA's rotary key shared by all heads), or the replicated
+weights that produced it receive only this rank's share of the gradient and the replicas drift apart.
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+
+def _sharded_dimension(module: nn.Module, style: ParallelStyle) -> tuple[str, int] | None:
+    """The (name, size) of the dimension ``style`` splits on ``module``, or None if it splits none we know."""
+    if isinstance(module, nn.Linear):
+        if isinstance(style, ColwiseParallel):
+            return "out_features", module.out_features
+        if isinstance(style, RowwiseParallel):
+            return "in_features", module.in_features
+    if isinstance(module, nn.Embedding):
+        if isinstance(style, ColwiseParallel):
+            return "embedding_dim", module.embedding_dim
+        if isinstance(style, RowwiseParallel):
+            return "num_embeddings", module.num_embeddings
+    return None
+
+
+def validate_tensor_parallel_plan(module: nn.Module, tp_size: int, plan: Mapping[str, ParallelStyle]) -> None:
+    """Raise ``ValueError`` naming the layer, its dimension and the valid sizes if ``plan`` cannot split evenly."""
+    names = dict(module.named_modules())
+    for pattern, style in plan.items():
+        matches = [name for name in names if name and fnmatch.fnmatchcase(name, pattern)]
+        if not matches:
+            raise ValueError(
+                f"tensor-parallel plan entry {pattern!r} matches no sub-module of {type(module).__name__};"
+                f" sub-module names look like {sorted(n for n in names if n)[:5]}."
+            )
+        for name in matches:
+            dim = _sharded_dimension(names[name], style)
+            if dim is not None and dim[1] % tp_size != 0:
+                valid = [d for d in range(1, dim[1] + 1) if dim[1] % d == 0 and d <= 64]
+                raise ValueError(
+                    f"tensor_parallel_size={tp_size} does not divide {name}.{dim[0]}={dim[1]}"
+                    f" ({type(style).__name__}); use a tensor_parallel_size that divides it, e.g. one of {valid}."
+                )
+
+
+def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> nn.Module:
+    """Validate ``plan`` for ``tp_mesh.size()`` and apply it in place; a no-op when the mesh has one rank."""
+    tp_size = tp_mesh.size()
+    if tp_size == 1:
+        return module
+    validate_tensor_parallel_plan(module, tp_size, plan)
+    return parallelize_module(module, tp_mesh, dict(plan))
+
+
+def sum_grad_over(activation: torch.Tensor, tp_mesh: DeviceMesh | None) -> torch.Tensor:
+    """Identity forward; backward all-reduces (sums) the gradient over ``tp_mesh``. No-op without TP."""
+    if tp_mesh is None or tp_mesh.size() == 1:
+        return activation
+    replicated = DTensor.from_local(activation, tp_mesh, [Replicate()], run_check=False)
+    return replicated.to_local(grad_placements=[Partial()])

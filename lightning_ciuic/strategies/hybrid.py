@@ -1,0 +1,400 @@
+"""HybridParallelStrategy: Lightning glue for data x tensor parallelism on one (pp, dp, tp) device mesh.
+
+Contract:
+
+* Processes and the mesh: the strategy starts the process group (gloo on CPU, NCCL on CUDA unless
+  ``process_group_backend`` says otherwise), builds the mesh from :class:`ParallelDims` and hands it to
+  the LightningModule as ``self.device_mesh`` before ``configure_model()`` runs, where the module applies
+  its tensor-parallel plan to ``self.device_mesh["tp"]``.
+* Data parallel is our own :class:`GradientSynchronizer` over the ``dp`` axis (not torch DDP): bucketed,
+  overlapped with backward, skipped on accumulation micro-steps, bounded by ``sync_timeout``.
+* Samplers split data over the ``dp`` axis only; every ``tp`` rank of a group sees the same batch.
+* Gradient clipping by norm uses the global norm across tensor-parallel shards.
+* Checkpoints are ``torch.distributed.checkpoint`` directories (sharded state, any layout can load
+  them) with the non-tensor Lightning state in ``meta.pt``; ``Trainer.fit(ckpt_path=...)`` resumes exactly.
+
+Pipeline parallelism (``pipeline_parallel_size > 1``) is rejected at construction until it lands.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import types
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from typing_extensions import override
+
+from lightning_ciuic.comm.grad_sync import GradientSynchronizer
+from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.parallel.grad_norm import clip_grad_norm_
+
+StartMethod = Literal["popen", "spawn", "fork"]
+_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+_META_FILE = "meta.pt"
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+def _positive_seconds(name: str, value: Union[float, timedelta]) -> timedelta:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if seconds <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}.")
+    return timedelta(seconds=seconds)
+
+
+class HybridParallelStrategy(ParallelStrategy):
+    """Pipeline x data x tensor parallelism with our own data-parallel gradient synchronizer.
+
+    Args:
+        tensor_parallel_size: ranks that shard each layer (``tp`` axis); the module applies its plan in
+            ``configure_model()`` using ``self.device_mesh["tp"]``.
+        data_parallel_size: model replicas (``dp`` axis); ``"auto"`` takes what is left of the world size.
+        pipeline_parallel_size: pipeline stages (``pp`` axis). Only 1 is supported in this release.
+        bucket_size_mb: size of each gradient bucket all-reduced as one collective.
+        sync_timeout: seconds a gradient collective may take before the step fails with a clear error.
+        process_group_backend: ``"gloo"``, ``"nccl"`` (``None``: gloo on CPU, NCCL on CUDA).
+        start_method: ``"popen"`` re-runs the script per rank (like ``DDPStrategy``); ``"spawn"``/``"fork"``
+            start processes with multiprocessing (notebooks, tests).
+        timeout: seconds (or a ``timedelta``) for process-group set-up and non-gradient collectives.
+    """
+
+    strategy_name = "ciuic"
+
+    def __init__(
+        self,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: Union[int, Literal["auto"]] = "auto",
+        pipeline_parallel_size: int = 1,
+        bucket_size_mb: float = 25.0,
+        sync_timeout: float = 300.0,
+        process_group_backend: Optional[str] = None,
+        start_method: StartMethod = "popen",
+        timeout: Union[float, timedelta] = 1800.0,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if pipeline_parallel_size != 1:
+            raise ValueError(
+                f"pipeline_parallel_size={pipeline_parallel_size!r}: pipeline parallelism is not supported yet;"
+                " use pipeline_parallel_size=1 with data and tensor parallelism."
+            )
+        if process_group_backend is not None and process_group_backend not in _BACKENDS:
+            raise ValueError(
+                f"process_group_backend={process_group_backend!r} is not a torch.distributed backend;"
+                f" use one of {_BACKENDS} or None (gloo on CPU, NCCL on CUDA)."
+            )
+        if start_method not in ("popen", "spawn", "fork"):
+            raise ValueError(f"start_method={start_method!r}; use 'popen', 'spawn' or 'fork'.")
+        if bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb!r} (25.0 is a good default).")
+        self._sync_timeout = _positive_seconds("sync_timeout", sync_timeout)
+        self._timeout = _positive_seconds("timeout", timeout)
+        self._requested = dict(
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+        )
+        ParallelDims.check_degrees(**self._requested)
+        self.bucket_size_mb = float(bucket_size_mb)
+        self._process_group_backend = process_group_backend
+        self._start_method = start_method
+        self.num_nodes = 1
+        self.parallel_dims: Optional[ParallelDims] = None
+        self._device_mesh: Optional[DeviceMesh] = None
+        self.grad_sync: Optional[GradientSynchronizer] = None
+
+    # -- processes and the mesh --------------------------------------------------------------------
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists once the processes are set up (in configure_model and later).")
+        return self._device_mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str:
+        return self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dp_mesh = self.device_mesh["dp"]
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        if self.process_group_backend == "nccl" and self.root_device.type != "cuda":
+            raise ValueError(f"process_group_backend='nccl' needs CUDA devices, but this rank runs on {self.root_device}; use 'gloo'.")
+        self._init_process_group()
+        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # Like torchrun: several ranks on one machine must not each take every core (oversubscribed
+            # intra-op threads make CPU collectives several times slower).
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
+        self.parallel_dims = ParallelDims.resolve(self.world_size, **self._requested)
+        self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
+        rank_zero_info(f"HybridParallelStrategy: {self.parallel_dims}, backend {self.process_group_backend}")
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh  # read by LightningModule.device_mesh
+
+    def _init_process_group(self) -> None:
+        if dist.is_initialized():
+            return
+        assert self.cluster_environment is not None
+        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        dist.init_process_group(
+            self.process_group_backend, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout
+        )
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._setup_grad_sync()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self.barrier("setup")
+
+    def _setup_grad_sync(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.remove()
+            self.grad_sync = None
+        assert self.parallel_dims is not None and self.model is not None
+        if not self.parallel_dims.dp_enabled:
+            return
+        self.grad_sync = GradientSynchronizer(
+            self.model.parameters(),
+            group=self.device_mesh["dp"].get_group(),
+            bucket_size_mb=self.bucket_size_mb,
+            timeout=self._sync_timeout.total_seconds(),
+            axis_name="dp",
+        )
+        # Like DDP: every replica starts from the weights of the first rank of its dp group.
+        self.grad_sync.broadcast_parameters([*self.model.parameters(), *self.model.buffers()])
+
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # -- gradient synchronization ------------------------------------------------------------------
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self.grad_sync is None:
+            yield
+            return
+        with self.grad_sync.no_sync():
+            yield
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self.precision_plugin = Precision()
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        # Clipping by norm must see the whole model: route the plugin's norm clipping through ours.
+        if plugin is not None:
+            plugin.clip_grad_by_norm = types.MethodType(_clip_grad_by_global_norm, plugin)
+        self._precision_plugin = plugin
+
+    # -- collectives -------------------------------------------------------------------------------
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Union[torch.Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[torch.Tensor, Any]:
+        """Reduce over ``group`` (default: all ranks). Values are equal across ``tp`` ranks, so the mean
+        over all ranks equals the mean over data-parallel replicas."""
+        if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
+            return tensor
+        op_name = "mean" if reduce_op is None else getattr(reduce_op, "name", str(reduce_op)).split(".")[-1].lower()
+        if op_name not in _REDUCE_OPS:
+            raise ValueError(f"reduce_op={reduce_op!r} is not supported; use one of {sorted(_REDUCE_OPS)}.")
+        result = tensor.detach().clone()
+        if op_name in ("mean", "avg") and not result.is_floating_point():
+            result = result.float()
+        dist.all_reduce(result, op=_REDUCE_OPS[op_name], group=group)
+        if op_name in ("mean", "avg"):
+            result = result / dist.get_world_size(group)
+        return result
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return get_model_state_dict(self.model)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        assert self.model is not None
+        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer))
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in place by load_checkpoint()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in place by load_checkpoint()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write a DCP directory at ``filepath``: tensors sharded per rank, the rest in ``meta.pt``."""
+        import torch.distributed.checkpoint as dcp
+
+        if storage_options is not None:
+            raise TypeError("HybridParallelStrategy.save_checkpoint does not take storage_options.")
+        path = Path(self.broadcast(str(filepath)))
+        if self.is_global_zero:
+            if path.is_file():
+                path.unlink()
+            path.mkdir(parents=True, exist_ok=True)
+        self.barrier("checkpoint-dir")
+        tensors = {"state_dict": checkpoint.pop("state_dict")}
+        tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        dcp.save(tensors, checkpoint_id=str(path))
+        if self.is_global_zero:
+            torch.save(checkpoint, path / _META_FILE)
+        self.barrier("checkpoint-saved")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load a directory written by :meth:`save_checkpoint` into the (already set-up) model and optimizers."""
+        import torch.distributed.checkpoint as dcp
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not (path / _META_FILE).is_file():
+            raise FileNotFoundError(
+                f"{path} is not a HybridParallelStrategy checkpoint (a directory with {_META_FILE} and DCP shards);"
+                " pass a path written by trainer.save_checkpoint or ModelCheckpoint under this strategy."
+            )
+        assert self.model is not None and self.lightning_module is not None
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, o) for i, o in enumerate(optimizers)})
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(self.model, state["state_dict"])
+        for i, optimizer in enumerate(optimizers):
+            set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
+        return torch.load(path / _META_FILE, weights_only=False)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True)
+
+    @override
+    def teardown(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.remove()
+            self.grad_sync = None
+        super().teardown()
+
+
+def _clip_grad_by_global_norm(plugin: Precision, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
+    clip_grad_norm_(plugin.main_params(optimizer), clip_val)
