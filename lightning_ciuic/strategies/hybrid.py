@@ -18,9 +18,10 @@ Pipeline parallelism (``pipeline_parallel_size > 1``) is rejected at constructio
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
-import types
+import tempfile
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -36,9 +37,11 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -163,6 +166,11 @@ class HybridParallelStrategy(ParallelStrategy):
         return self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
 
     @property
+    def is_distributed(self) -> bool:
+        """Read by Lightning's accelerator connector: inject distributed samplers for this strategy."""
+        return True
+
+    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         dp_mesh = self.device_mesh["dp"]
@@ -181,12 +189,16 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        if self.process_group_backend == "nccl" and self.root_device.type != "cuda":
+            raise ValueError(
+                f"process_group_backend='nccl' needs CUDA devices, but this rank runs on {self.root_device}; use 'gloo'."
+            )
         if self.cluster_environment.creates_processes_externally:
             return
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _FullWeightsMultiProcessingLauncher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -198,8 +210,6 @@ class HybridParallelStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
-        if self.process_group_backend == "nccl" and self.root_device.type != "cuda":
-            raise ValueError(f"process_group_backend='nccl' needs CUDA devices, but this rank runs on {self.root_device}; use 'gloo'.")
         self._init_process_group()
         if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # Like torchrun: several ranks on one machine must not each take every core (oversubscribed
@@ -287,7 +297,7 @@ class HybridParallelStrategy(ParallelStrategy):
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         # Clipping by norm must see the whole model: route the plugin's norm clipping through ours.
         if plugin is not None:
-            plugin.clip_grad_by_norm = types.MethodType(_clip_grad_by_global_norm, plugin)
+            plugin.clip_grad_by_norm = functools.partial(_clip_grad_by_global_norm, plugin)  # picklable for spawn
         self._precision_plugin = plugin
 
     # -- collectives -------------------------------------------------------------------------------
@@ -398,3 +408,21 @@ class HybridParallelStrategy(ParallelStrategy):
 
 def _clip_grad_by_global_norm(plugin: Precision, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
     clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+
+
+class _FullWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, except that the weights handed back to the main process are full
+    tensors: tensor-parallel DTensors are gathered on every rank first (the main process has no mesh)."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Optional[_WorkerOutput]:
+        checkpoint_callback = trainer.checkpoint_callback
+        best_model_path = getattr(checkpoint_callback, "best_model_path", None)
+        state_dict = get_model_state_dict(trainer.lightning_module, options=StateDictOptions(full_state_dict=True))
+        if self._strategy.local_rank != 0:
+            return None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))

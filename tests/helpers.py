@@ -1,0 +1,95 @@
+"""Shared test helpers: real multi-process runs on CPU with gloo, and a tiny copy of the main job's model."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.data import DataLoader, Dataset
+
+TINY_MODEL = dict(
+    dim=32, n_layers=2, n_heads=2, kv_lora_rank=8, n_routed_experts=3, n_shared_experts=1,
+    n_activated_experts=2, moe_inter_dim=16, dense_inter_dim=32, max_seq_len=16, lr=1e-2, weight_decay=0.0,
+)
+SEQ_LEN = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, fn: Callable[..., None], world_size: int, port: int, args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_workers(fn: Callable[..., None], world_size: int, *args: Any) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined by a gloo group.
+    An exception in any worker fails the calling test with that worker's traceback."""
+    mp.start_processes(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size, start_method="spawn")
+
+
+class TokenWindows(Dataset):
+    """Deterministic synthetic byte sequences: (inputs, next-byte targets)."""
+
+    def __init__(self, n: int, seq_len: int = SEQ_LEN, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, 256, (n, seq_len + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i, :-1], self.data[i, 1:]
+
+
+def loader(n: int, batch_size: int) -> DataLoader:
+    return DataLoader(TokenWindows(n), batch_size=batch_size, shuffle=False)
+
+
+def lightning_epoch_order(n: int) -> list[int]:
+    """The order in which Lightning's injected ``DistributedSampler`` (it always shuffles training data) walks
+    an epoch of ``n`` samples, concatenated over ranks: rank ``r``'s ``i``-th batch of ``B`` samples is
+    ``order[(i * B * dp) + r :: dp]`` restricted to that window, so global batch ``i`` is the contiguous window
+    ``order[i * B * dp : (i + 1) * B * dp]``."""
+    g = torch.Generator().manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0)))  # seed + epoch 0
+    return torch.randperm(n, generator=g).tolist()
+
+
+def reference_training(
+    module_factory: Callable[[], Any], steps: int, global_batch: int, clip: float | None = None
+) -> dict[str, torch.Tensor]:
+    """Single-process training: ``steps`` optimizer steps on the global batches a data-parallel run sees."""
+    module = module_factory()
+    optimizer = module.configure_optimizers()
+    dataset = TokenWindows(steps * global_batch)
+    order = lightning_epoch_order(len(dataset))
+    for step in range(steps):
+        window = order[step * global_batch : (step + 1) * global_batch]
+        batch = (dataset.data[window, :-1], dataset.data[window, 1:])
+        loss = module._loss(batch)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def assert_state_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol=1e-4, atol=1e-5) -> None:
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}")

@@ -1,0 +1,49 @@
+import pytest
+
+from lightning_ciuic import ParallelDims
+
+
+def test_auto_data_parallel_takes_the_rest_of_the_world():
+    dims = ParallelDims.resolve(8, pipeline_parallel_size=2, tensor_parallel_size=2)
+    assert (dims.pp, dims.dp, dims.tp) == (2, 2, 2)
+    assert dims.pp_enabled and dims.dp_enabled and dims.tp_enabled
+    assert str(dims) == "pp=2 x dp=2 x tp=2 (world size 8)"
+
+
+def test_single_process_has_nothing_enabled():
+    dims = ParallelDims.resolve(1)
+    assert not (dims.pp_enabled or dims.dp_enabled or dims.tp_enabled)
+
+
+def test_world_not_divisible_by_model_parallel_names_the_factors():
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by .* = 1 \* 4 = 4; .* among \[1, 2, 3, 6\]"):
+        ParallelDims.resolve(6, tensor_parallel_size=4)
+
+
+def test_product_must_equal_world_size_and_says_what_works():
+    with pytest.raises(ValueError, match=r"= 1 \* 4 \* 2 = 8, but the world size is 4; .*data_parallel_size=2 \(or 'auto'\)"):
+        ParallelDims.resolve(4, data_parallel_size=4, tensor_parallel_size=2)
+
+
+def test_product_mismatch_when_pp_tp_do_not_divide():
+    with pytest.raises(ValueError, match=r"pp \* tp must also divide it \(one of \[1, 2, 4\]\)"):
+        ParallelDims.resolve(4, data_parallel_size=1, tensor_parallel_size=3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
+        ({"pipeline_parallel_size": 1.5}, "pipeline_parallel_size must be a positive integer, got 1.5"),
+        ({"data_parallel_size": "many"}, "data_parallel_size must be a positive integer or 'auto', got 'many'"),
+        ({"tensor_parallel_size": True}, "tensor_parallel_size must be a positive integer, got True"),
+    ],
+)
+def test_bad_degrees(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelDims.resolve(4, **kwargs)
+
+
+def test_bad_world_size():
+    with pytest.raises(ValueError, match="world_size must be a positive integer, got 0"):
+        ParallelDims.resolve(0)

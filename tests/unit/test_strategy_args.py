@@ -1,0 +1,46 @@
+from datetime import timedelta
+
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_ciuic
+from lightning_ciuic import HybridParallelStrategy
+
+
+def test_registered_names():
+    for name in ("ciuic", "ciuic_spawn", "ciuic_fork"):
+        assert name in StrategyRegistry
+    trainer = Trainer(strategy="ciuic_spawn", accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
+    assert isinstance(trainer.strategy, HybridParallelStrategy)
+    assert trainer.strategy._start_method == "spawn"
+    assert Trainer(strategy="ciuic", accelerator="cpu", devices=2, logger=False).strategy._start_method == "popen"
+
+
+def test_seed_names_stay_importable():
+    assert lightning_ciuic.HybridParallelEngine is HybridParallelStrategy
+    assert lightning_ciuic.GradientSyncOptimizer is HybridParallelStrategy
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"pipeline_parallel_size": 2}, r"pipeline_parallel_size=2: pipeline parallelism is not supported yet; use pipeline_parallel_size=1"),
+        ({"process_group_backend": "nccl2"}, r"process_group_backend='nccl2' is not a torch.distributed backend; use one of \('gloo', 'nccl'"),
+        ({"start_method": "thread"}, "start_method='thread'; use 'popen', 'spawn' or 'fork'"),
+        ({"bucket_size_mb": 0}, r"bucket_size_mb must be > 0, got 0 \(25.0 is a good default\)"),
+        ({"sync_timeout": -1}, "sync_timeout must be a positive number of seconds, got -1"),
+        ({"timeout": timedelta(0)}, "timeout must be a positive number of seconds"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
+        ({"data_parallel_size": 0}, "data_parallel_size must be a positive integer or 'auto', got 0"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        HybridParallelStrategy(**kwargs)
+
+
+def test_nccl_on_cpu_is_rejected_before_any_process_starts():
+    strategy = HybridParallelStrategy(process_group_backend="nccl")
+    with pytest.raises(ValueError, match=r"process_group_backend='nccl' needs CUDA devices, but this rank runs on cpu; use 'gloo'"):
+        Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
