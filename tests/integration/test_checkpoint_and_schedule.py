@@ -1,0 +1,81 @@
+"""Through the Trainer: DCP checkpoints resume exactly, accumulation syncs once per optimizer step, and the
+warmup-cosine callback drives the LR (and resumes with it)."""
+
+import json
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from examples.deepseek import DeepSeekMini
+from lightning_ciuic import HybridParallelStrategy, WarmupCosineSchedule, warmup_cosine_lr
+from tests.helpers import TINY_MODEL, assert_state_close, loader, reference_training
+
+
+class Record(Callback):
+    """Writes what each optimizer step saw (LR) and the synchronizer's collective count to a JSON file."""
+
+    def __init__(self, path):
+        self.path, self.lrs = str(path), []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            sync = trainer.strategy.grad_sync
+            record = {"lrs": self.lrs, "collectives": sync.stats.collectives, "buckets": len(sync.buckets)}
+            with open(self.path, "w") as f:
+                json.dump(record, f)
+
+
+def _tiny():
+    seed_everything(11)
+    return DeepSeekMini(**TINY_MODEL)
+
+
+def _trainer(tmp_path, max_steps, callbacks, **kwargs):
+    strategy = HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn")
+    return Trainer(
+        strategy=strategy, accelerator="cpu", devices=4, max_steps=max_steps, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, callbacks=callbacks,
+        **kwargs,
+    )
+
+
+def test_save_and_exact_resume_with_schedule(tmp_path):
+    data = loader(3 * 2 * 2, 2)  # 3 steps per epoch: the checkpoint at step 3 closes epoch 0
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    straight = _tiny()
+    _trainer(tmp_path, 6, [checkpoints, WarmupCosineSchedule(warmup_ratio=0.34), Record(tmp_path / "a.json")]).fit(straight, data)
+    step3 = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
+    assert (step3 / "meta.pt").is_file() and any(step3.glob("*.distcp")), "a DCP directory with sharded files"
+
+    resumed = _tiny()
+    trainer = _trainer(tmp_path, 6, [WarmupCosineSchedule(warmup_ratio=0.34), Record(tmp_path / "b.json")])
+    trainer.fit(resumed, data, ckpt_path=str(step3))
+    assert_state_close(resumed.state_dict(), straight.state_dict(), rtol=1e-5, atol=1e-6)
+
+    lrs = json.loads((tmp_path / "a.json").read_text())["lrs"]
+    expected = [warmup_cosine_lr(t, TINY_MODEL["lr"], 2, 6, TINY_MODEL["lr"] * 0.01) for t in range(6)]
+    assert lrs == pytest.approx(expected)
+    assert json.loads((tmp_path / "b.json").read_text())["lrs"] == pytest.approx(expected[3:])
+
+
+def test_accumulation_syncs_once_per_optimizer_step(tmp_path):
+    module = _tiny()
+    data = loader(2 * 3 * 2 * 2, 2)
+    _trainer(tmp_path, 2, [Record(tmp_path / "r.json")], accumulate_grad_batches=3).fit(module, data)
+    record = json.loads((tmp_path / "r.json").read_text())
+    assert record["collectives"] == 2 * record["buckets"]  # 6 backward passes, 2 synchronizations
+    expected = reference_training(_tiny, 2, 3 * 2 * 2)
+    assert_state_close(module.state_dict(), expected)
+
+
+def test_loading_a_file_that_is_not_our_checkpoint_says_so(tmp_path):
+    bogus = tmp_path / "model.ckpt"
+    torch.save({"state_dict": {}}, bogus)
+    trainer = _trainer(tmp_path, 1, [])
+    with pytest.raises(Exception, match="is not a HybridParallelStrategy checkpoint"):
+        trainer.fit(_tiny(), loader(8, 2), ckpt_path=str(bogus))
