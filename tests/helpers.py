@@ -70,9 +70,14 @@ def lightning_epoch_order(n: int) -> list[int]:
 
 
 def reference_training(
-    module_factory: Callable[[], Any], steps: int, global_batch: int, clip: float | None = None
+    module_factory: Callable[[], Any],
+    steps: int,
+    global_batch: int,
+    clip: float | None = None,
+    lr_at: Callable[[int], float] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Single-process training: ``steps`` optimizer steps on the global batches a data-parallel run sees."""
+    """Single-process training: ``steps`` optimizer steps on the global batches a data-parallel run sees
+    (optionally with the learning rate ``lr_at(step)``)."""
     module = module_factory()
     optimizer = module.configure_optimizers()
     dataset = TokenWindows(steps * global_batch)
@@ -80,6 +85,9 @@ def reference_training(
     for step in range(steps):
         window = order[step * global_batch : (step + 1) * global_batch]
         batch = (dataset.data[window, :-1], dataset.data[window, 1:])
+        if lr_at is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step)
         loss = module._loss(batch)
         loss.backward()
         if clip is not None:

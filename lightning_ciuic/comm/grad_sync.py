@@ -3,7 +3,8 @@
 Contract of ``GradientSynchronizer(parameters, group, ...)``:
 
 * Trainable parameters are packed, in reverse registration order (roughly the order backward produces
-  their gradients), into flat buckets of at most ``bucket_size_mb`` per dtype and device.
+  their gradients), into flat buckets of at most ``bucket_size_mb`` per dtype and device; the first
+  bucket holds at most 1 MB (as in torch DDP) so communication starts early in backward.
 * A post-accumulate-grad hook copies each gradient (the local shard of a DTensor gradient) into its
   bucket. Buckets are launched strictly in index order as soon as they are complete, so every rank
   issues the same collectives in the same order and communication overlaps the rest of backward.
@@ -94,6 +95,9 @@ class _Bucket:
         return self.buffer[start : start + _local(self.params[slot]).numel()]
 
 
+FIRST_BUCKET_BYTES = 1024 * 1024  # as torch DDP: a small first bucket starts communication early in backward
+
+
 def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
     groups: dict[tuple[torch.device, torch.dtype], list[list[torch.nn.Parameter]]] = {}
     for p in reversed(params):
@@ -102,7 +106,8 @@ def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[_
         chunks = groups.setdefault(key, [[]])
         current = chunks[-1]
         current_bytes = sum(_local(q).numel() for q in current) * local.element_size()
-        if current and current_bytes + local.numel() * local.element_size() > bucket_bytes:
+        cap = min(bucket_bytes, FIRST_BUCKET_BYTES) if len(chunks) == 1 else bucket_bytes
+        if current and current_bytes + local.numel() * local.element_size() > cap:
             chunks.append(current := [])
         current.append(p)
     buckets = []

@@ -193,6 +193,8 @@ class HybridParallelStrategy(ParallelStrategy):
             raise ValueError(
                 f"process_group_backend='nccl' needs CUDA devices, but this rank runs on {self.root_device}; use 'gloo'."
             )
+        # Fail in the launching process, before any worker starts, when the layout cannot fit the world.
+        ParallelDims.resolve(self.num_nodes * self.num_processes, **self._requested)
         if self.cluster_environment.creates_processes_externally:
             return
         if self._start_method == "popen":

@@ -23,9 +23,17 @@ class Record(Callback):
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
     def on_train_end(self, trainer, pl_module):
+        strategy, rank = trainer.strategy, trainer.global_rank
+        collectives = {
+            "mean": strategy.reduce(torch.tensor(float(rank)), reduce_op="mean").item(),
+            "sum": strategy.reduce(torch.tensor(rank), reduce_op="sum").item(),
+            "max": strategy.reduce(torch.tensor(rank), reduce_op="max").item(),
+            "gathered": strategy.all_gather(torch.tensor([rank])).flatten().tolist(),
+            "broadcast": strategy.broadcast(f"from {rank}", src=0),
+        }
         if trainer.is_global_zero:
-            sync = trainer.strategy.grad_sync
-            record = {"lrs": self.lrs, "collectives": sync.stats.collectives, "buckets": len(sync.buckets)}
+            sync = strategy.grad_sync
+            record = {"lrs": self.lrs, "collectives": sync.stats.collectives, "buckets": len(sync.buckets), **collectives}
             with open(self.path, "w") as f:
                 json.dump(record, f)
 
@@ -63,14 +71,22 @@ def test_save_and_exact_resume_with_schedule(tmp_path):
     assert json.loads((tmp_path / "b.json").read_text())["lrs"] == pytest.approx(expected[3:])
 
 
-def test_accumulation_syncs_once_per_optimizer_step(tmp_path):
+def test_accumulation_syncs_once_per_optimizer_step_with_linearly_scaled_lr(tmp_path):
     module = _tiny()
     data = loader(2 * 3 * 2 * 2, 2)
-    _trainer(tmp_path, 2, [Record(tmp_path / "r.json")], accumulate_grad_batches=3).fit(module, data)
+    # effective batch = 2 per rank x 3 micro-steps x 2 replicas = 12; reference 4 -> peak LR x3
+    schedule = WarmupCosineSchedule(scale_lr_with_batch="linear", reference_batch_size=4, batch_size=2)
+    _trainer(tmp_path, 2, [schedule, Record(tmp_path / "r.json")], accumulate_grad_batches=3).fit(module, data)
     record = json.loads((tmp_path / "r.json").read_text())
     assert record["collectives"] == 2 * record["buckets"]  # 6 backward passes, 2 synchronizations
-    expected = reference_training(_tiny, 2, 3 * 2 * 2)
+    peak = 3 * TINY_MODEL["lr"]
+    lr_at = lambda t: warmup_cosine_lr(t, peak, 0, 2, peak * 0.01)  # noqa: E731
+    assert record["lrs"][::3] == pytest.approx([lr_at(0), lr_at(1)])
+    expected = reference_training(_tiny, 2, 3 * 2 * 2, lr_at=lr_at)
     assert_state_close(module.state_dict(), expected)
+    # the strategy's collectives over the 4 ranks
+    assert record["mean"] == 1.5 and record["sum"] == 6 and record["max"] == 3
+    assert record["gathered"] == [0, 1, 2, 3] and record["broadcast"] == "from 0"
 
 
 def test_loading_a_file_that_is_not_our_checkpoint_says_so(tmp_path):

@@ -44,3 +44,9 @@ def test_nccl_on_cpu_is_rejected_before_any_process_starts():
     strategy = HybridParallelStrategy(process_group_backend="nccl")
     with pytest.raises(ValueError, match=r"process_group_backend='nccl' needs CUDA devices, but this rank runs on cpu; use 'gloo'"):
         Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+
+
+def test_layout_that_cannot_fit_the_world_fails_before_processes_start():
+    strategy = HybridParallelStrategy(tensor_parallel_size=4)
+    with pytest.raises(ValueError, match=r"world size 2 is not divisible by .* = 1 \* 4 = 4"):
+        Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)

@@ -1,0 +1,58 @@
+"""Benchmark plumbing: a per-step timer callback and the writer of results into docs/benchmarks.md.
+
+Results are ratios measured side by side in one run (this machine is noisy); each section of
+docs/benchmarks.md is replaced between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` markers and
+carries the command that produced it.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "benchmarks.md"
+
+
+class StepTimer(Callback):
+    """Rank 0 writes the wall time of every training step (batch start to batch end) to ``path`` as JSON."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.times, self._start = str(path), [], 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.times.append(time.perf_counter() - self._start)
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            loss = trainer.callback_metrics.get("train/loss")
+            Path(self.path).write_text(json.dumps({"times": self.times, "loss": None if loss is None else float(loss)}))
+
+
+def median_after_warmup(times: list[float], warmup: int) -> float:
+    return statistics.median(times[warmup:])
+
+
+def machine() -> str:
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def write_section(name: str, markdown: str) -> None:
+    """Replace (or append) the ``name`` section of docs/benchmarks.md."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    block = f"{start}\n{markdown.strip()}\n{end}"
+    if start in text and end in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    DOC.write_text(text)
