@@ -13,8 +13,10 @@ Contract of ``GradientSynchronizer(parameters, group, ...)``:
   contributes zeros and still receives the average, so replicas never diverge. A collective that does
   not finish in time raises :class:`GradientSyncTimeoutError` naming the bucket, the axis and the timeout.
 * Inside ``no_sync()`` hooks do nothing: gradients accumulate locally (``accumulate_grad_batches``).
-* How a bucket is reduced is the one seam for compression: ``reducer`` turns a flat buffer into an
-  in-flight operation; the default is an exact mean (``all_reduce`` SUM of the pre-divided buffer).
+* How a bucket is reduced is the one seam for compression: ``reducer(key, buffer, shapes, group)`` turns
+  a flat buffer into an in-flight operation whose ``wait`` returns the bytes sent; the default is an exact
+  mean (the backend's ``all_reduce`` SUM of the pre-divided buffer), the strategy passes
+  :class:`~lightning_ciuic.comm.compression.GradientCompression` for the compressed modes.
 
 No Lightning imports.
 """
@@ -38,35 +40,47 @@ class GradientSyncTimeoutError(RuntimeError):
 
 
 class PendingReduction(Protocol):
-    def wait(self, timeout: timedelta) -> None: ...
+    def wait(self, timeout: timedelta) -> int:
+        """Block until done (or raise after ``timeout``); return the payload bytes this rank sent."""
+        ...
 
 
 class BucketReducer(Protocol):
-    """Starts averaging ``buffer`` in place across ``group``; returns what ``finish`` waits on."""
+    """Starts averaging ``buffer`` (made of tensors of ``shapes``) in place across ``group``; ``key`` names the
+    bucket for codecs that keep per-bucket state (error feedback, PowerSGD)."""
 
-    def __call__(self, buffer: torch.Tensor, group: dist.ProcessGroup) -> PendingReduction: ...
-
-
-class _Done:
-    def wait(self, timeout: timedelta) -> None:
-        return None
+    def __call__(self, key: str, buffer: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup) -> PendingReduction: ...
 
 
-def mean_all_reduce(buffer: torch.Tensor, group: dist.ProcessGroup) -> PendingReduction:
-    """Exact average: divide by the group size, then an asynchronous ``all_reduce`` SUM."""
+class _NativeReduction:
+    def __init__(self, work: dist.Work | None, nbytes: int) -> None:
+        self.work, self.nbytes = work, nbytes
+
+    def wait(self, timeout: timedelta) -> int:
+        if self.work is not None:
+            self.work.wait(timeout)
+        return self.nbytes
+
+
+def mean_all_reduce(key: str, buffer: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup) -> PendingReduction:
+    """Exact average: divide by the group size, then the backend's asynchronous ``all_reduce`` SUM
+    (bytes counted as a ring all-reduce: ``2 (w-1)/w`` of the buffer)."""
     size = dist.get_world_size(group)
     if size == 1:
-        return _Done()
+        return _NativeReduction(None, 0)
     buffer.div_(size)
-    return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _NativeReduction(work, 2 * (size - 1) * buffer.numel() * buffer.element_size() // size)
 
 
 @dataclass
 class SyncStats:
-    """Counters since construction: collectives launched, payload bytes reduced, seconds spent waiting."""
+    """Counters since construction: bucket reductions launched, gradient bytes reduced (float32 payload),
+    bytes this rank sent on the wire, seconds spent waiting for them after backward."""
 
     collectives: int = 0
     bytes_reduced: int = 0
+    bytes_sent: int = 0
     wait_seconds: float = 0.0
 
 
@@ -189,7 +203,8 @@ class GradientSynchronizer:
         for slot, ready in enumerate(bucket.ready):
             if not ready:  # no gradient on this rank: contribute zeros
                 bucket.slice(slot).zero_()
-        bucket.pending = self.reducer(bucket.buffer, self.group)
+        shapes = [_local(p).shape for p in bucket.params]
+        bucket.pending = self.reducer(f"bucket{bucket.index}", bucket.buffer, shapes, self.group)
         self.stats.collectives += 1
         self.stats.bytes_reduced += bucket.buffer.numel() * bucket.buffer.element_size()
         self._next_bucket = bucket.index + 1
@@ -217,7 +232,7 @@ class GradientSynchronizer:
     def _wait(self, bucket: _Bucket) -> None:
         assert bucket.pending is not None
         try:
-            bucket.pending.wait(self.timeout)
+            self.stats.bytes_sent += bucket.pending.wait(self.timeout)
         except RuntimeError as err:
             if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
                 raise

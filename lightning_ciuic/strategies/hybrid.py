@@ -7,7 +7,10 @@ Contract:
   the LightningModule as ``self.device_mesh`` before ``configure_model()`` runs, where the module applies
   its tensor-parallel plan to ``self.device_mesh["tp"]``.
 * Data parallel is our own :class:`GradientSynchronizer` over the ``dp`` axis (not torch DDP): bucketed,
-  overlapped with backward, skipped on accumulation micro-steps, bounded by ``sync_timeout``.
+  overlapped with backward, skipped on accumulation micro-steps, bounded by ``sync_timeout``; with
+  ``communication_compression`` its buckets go through :class:`GradientCompression` (error feedback,
+  ring/tree, ``"auto"`` decided from measured bandwidth). ``comm/bytes_sent`` and ``comm/sync_time``
+  (the previous synchronization) are logged every training step.
 * Samplers split data over the ``dp`` axis only; every ``tp`` rank of a group sees the same batch.
 * Gradient clipping by norm uses the global norm across tensor-parallel shards.
 * Checkpoints are ``torch.distributed.checkpoint`` directories (sharded state, any layout can load
@@ -50,7 +53,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_ciuic.comm.grad_sync import GradientSynchronizer
+from lightning_ciuic.comm.auto import AutoCompression
+from lightning_ciuic.comm.compression import (
+    AllReduceAlgorithm,
+    CompressionMode,
+    GradientCompression,
+    validate_compression,
+)
+from lightning_ciuic.comm.grad_sync import GradientSynchronizer, mean_all_reduce
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.grad_norm import clip_grad_norm_
 
@@ -87,6 +97,15 @@ class HybridParallelStrategy(ParallelStrategy):
         start_method: ``"popen"`` re-runs the script per rank (like ``DDPStrategy``); ``"spawn"``/``"fork"``
             start processes with multiprocessing (notebooks, tests).
         timeout: seconds (or a ``timedelta``) for process-group set-up and non-gradient collectives.
+        communication_compression: ``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"nf4"``, ``"topk"``,
+            ``"powersgd"`` or ``"auto"`` (chosen from measured bandwidth and codec speed, re-checked every
+            ``auto_recheck_steps`` optimizer steps).
+        compression_ratio: fraction of values ``"topk"`` keeps.
+        powersgd_rank: rank of PowerSGD's approximation.
+        error_feedback: add what compression dropped to the next step's gradient (recommended).
+        compression_warmup_steps: optimizer steps synchronized uncompressed before compression starts.
+        allreduce_algorithm: ``"auto"`` (the backend's all-reduce), ``"ring"`` or ``"tree"`` (ours, for
+            ``none``/``fp16``/``bf16``).
     """
 
     strategy_name = "ciuic"
@@ -101,6 +120,13 @@ class HybridParallelStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         start_method: StartMethod = "popen",
         timeout: Union[float, timedelta] = 1800.0,
+        communication_compression: CompressionMode = "none",
+        compression_ratio: float = 0.01,
+        powersgd_rank: int = 4,
+        error_feedback: bool = True,
+        compression_warmup_steps: int = 0,
+        allreduce_algorithm: AllReduceAlgorithm = "auto",
+        auto_recheck_steps: int = 500,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -128,6 +154,30 @@ class HybridParallelStrategy(ParallelStrategy):
             raise ValueError(f"start_method={start_method!r}; use 'popen', 'spawn' or 'fork'.")
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb!r} (25.0 is a good default).")
+        validate_compression(
+            communication_compression, compression_ratio, powersgd_rank, compression_warmup_steps, allreduce_algorithm
+        )
+        if communication_compression != "none" and process_group_backend in ("mpi", "ucc"):
+            raise ValueError(
+                f"communication_compression={communication_compression!r} needs all_to_all, all_gather_into_tensor and"
+                f" point-to-point sends, supported here on 'gloo' and 'nccl'; got process_group_backend="
+                f"{process_group_backend!r}. Use 'gloo'/'nccl' or communication_compression='none'."
+            )
+        if auto_recheck_steps < 1:
+            raise ValueError(f"auto_recheck_steps must be >= 1, got {auto_recheck_steps}.")
+        self._compression_config = dict(
+            mode=communication_compression,
+            compression_ratio=compression_ratio,
+            powersgd_rank=powersgd_rank,
+            error_feedback=error_feedback,
+            warmup_steps=compression_warmup_steps,
+            algorithm=allreduce_algorithm,
+        )
+        self._auto_recheck_steps = auto_recheck_steps
+        self.compression: Optional[GradientCompression] = None
+        self.auto: Optional[AutoCompression] = None
+        self._logged = (0, 0.0)
+        self._auto_checked_step = -1
         self._sync_timeout = _positive_seconds("sync_timeout", sync_timeout)
         self._timeout = _positive_seconds("timeout", timeout)
         self._requested = dict(
@@ -246,21 +296,66 @@ class HybridParallelStrategy(ParallelStrategy):
         self.barrier("setup")
 
     def _setup_grad_sync(self) -> None:
-        if self.grad_sync is not None:
-            self.grad_sync.remove()
-            self.grad_sync = None
+        self._close_grad_sync()
         assert self.parallel_dims is not None and self.model is not None
         if not self.parallel_dims.dp_enabled:
             return
+        config = self._compression_config
+        if config["mode"] != "none" or config["algorithm"] != "auto":
+            self.compression = GradientCompression(**config)
+            if config["mode"] == "auto":
+                self.auto = AutoCompression(self.compression, self._auto_recheck_steps)
         self.grad_sync = GradientSynchronizer(
             self.model.parameters(),
             group=self.device_mesh["dp"].get_group(),
             bucket_size_mb=self.bucket_size_mb,
             timeout=self._sync_timeout.total_seconds(),
             axis_name="dp",
+            reducer=self.compression or mean_all_reduce,
         )
         # Like DDP: every replica starts from the weights of the first rank of its dp group.
         self.grad_sync.broadcast_parameters([*self.model.parameters(), *self.model.buffers()])
+
+    def _close_grad_sync(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.remove()
+        if self.compression is not None:
+            self.compression.close()
+        self.grad_sync = self.compression = self.auto = None
+
+    def _decide_auto_compression(self) -> None:
+        assert self.auto is not None and self.grad_sync is not None
+        numel = sum(bucket.buffer.numel() for bucket in self.grad_sync.buckets)
+        decision = self.auto.decide(self.grad_sync.group, numel, len(self.grad_sync.buckets))
+        rank_zero_info(decision.reason)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.auto is not None:
+            self._decide_auto_compression()
+            self._auto_checked_step = self.lightning_module.trainer.global_step
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.grad_sync is not None:
+            self._before_training_step(self.lightning_module.trainer.global_step)
+        return super().training_step(*args, **kwargs)
+
+    def _before_training_step(self, global_step: int) -> None:
+        """Per step: compression warm-up, "auto" re-checks, and logging of the previous synchronization."""
+        assert self.grad_sync is not None
+        if self.compression is not None:
+            self.compression.set_step(global_step)
+        if self.auto is not None and global_step % self._auto_recheck_steps == 0 and global_step != self._auto_checked_step:
+            self._decide_auto_compression()
+            self._auto_checked_step = global_step
+        stats, (logged_bytes, logged_seconds) = self.grad_sync.stats, self._logged
+        if stats.bytes_sent != logged_bytes or stats.wait_seconds != logged_seconds:
+            module = self.lightning_module
+            module.log("comm/bytes_sent", float(stats.bytes_sent - logged_bytes), on_step=True, on_epoch=False)
+            module.log("comm/sync_time", stats.wait_seconds - logged_seconds, on_step=True, on_epoch=False)
+            self._logged = (stats.bytes_sent, stats.wait_seconds)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -369,6 +464,9 @@ class HybridParallelStrategy(ParallelStrategy):
         self.barrier("checkpoint-dir")
         tensors = {"state_dict": checkpoint.pop("state_dict")}
         tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        if self.compression is not None:  # error-feedback residuals differ per rank: one key per rank
+            tensors[self._compression_key] = _flatten_compression_state(self.compression.state_dict())
+            checkpoint["hybrid_parallel"] = {"mode": self.compression.mode, "algorithm": self.compression.algorithm}
         dcp.save(tensors, checkpoint_id=str(path))
         if self.is_global_zero:
             torch.save(checkpoint, path / _META_FILE)
@@ -389,11 +487,26 @@ class HybridParallelStrategy(ParallelStrategy):
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
         state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, o) for i, o in enumerate(optimizers)})
+        meta = torch.load(path / _META_FILE, weights_only=False)
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        compression_keys = [k for k in saved if k.startswith(self._compression_key + ".")]
+        if self.compression is not None and compression_keys:
+            state[self._compression_key] = {k[len(self._compression_key) + 1 :]: torch.empty(saved[k].size) for k in compression_keys}
+        elif self.compression is not None:
+            rank_zero_info("checkpoint has no gradient-compression state for this rank: residuals start at zero.")
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(self.model, state["state_dict"])
         for i, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
-        return torch.load(path / _META_FILE, weights_only=False)
+        if self._compression_key in state:
+            restored = _unflatten_compression_state(state[self._compression_key])
+            restored.update(meta.pop("hybrid_parallel", {}))
+            self.compression.load_state_dict(restored)
+        return meta
+
+    @property
+    def _compression_key(self) -> str:
+        return f"grad_compression_rank{self.global_rank}"
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -402,9 +515,7 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.grad_sync is not None:
-            self.grad_sync.remove()
-            self.grad_sync = None
+        self._close_grad_sync()
         super().teardown()
 
 
@@ -428,3 +539,19 @@ class _FullWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+
+def _flatten_compression_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Tensors only, flat names: ``residual.<bucket>`` and ``q.<bucket>.<i>`` (DCP stores tensors)."""
+    flat = {f"residual.{key}": value for key, value in state["residuals"].items()}
+    for key, qs in state["powersgd_q"].items():
+        flat.update({f"q.{key}.{i}": q for i, q in enumerate(qs)})
+    return flat
+
+
+def _unflatten_compression_state(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
+    residuals = {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith("residual.")}
+    qs: dict[str, list[torch.Tensor]] = {}
+    for name in sorted((k for k in flat if k.startswith("q.")), key=lambda k: int(k.rsplit(".", 1)[1])):
+        qs.setdefault(name.split(".")[1], []).append(flat[name])
+    return {"residuals": residuals, "powersgd_q": qs}

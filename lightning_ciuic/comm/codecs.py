@@ -1,0 +1,239 @@
+"""Gradient codecs: fp16 / bf16 casts, block-wise int8 and nf4 quantizers, top-k sparsification, and
+the error-feedback memory that makes lossy codecs converge.
+
+Contract of a dense :class:`Codec`: ``encode(x)`` turns a flat float32 tensor into a ``uint8`` tensor of
+exactly ``nbytes(x.numel())`` bytes, ``decode(data, numel)`` returns float32 again. Inputs whose length is
+not a multiple of ``block`` are zero-padded internally. Stated error bounds (tested):
+
+* ``fp16``: relative error <= 2**-11 for normal-range values; ``bf16``: <= 2**-8.
+* ``int8``: per block of 256 values, absolute error <= absmax(block) / 254 (half a quantization step);
+  wire size 1 + 4/256 bytes per value (25.4% of fp32).
+* ``nf4``: the 16 NormalFloat levels of QLoRA (Dettmers et al., 2023) scaled by each block's absmax, blocks
+  of 64; absolute error <= 0.152 * absmax(block) (half the widest gap between levels); wire size
+  0.5 + 4/64 bytes per value (14.1% of fp32).
+
+:class:`TopK` keeps the ``ratio`` largest-magnitude values with their indices (8 bytes per kept value).
+:class:`ErrorFeedback` keeps, per buffer, what compression dropped and adds it back next time (Seide et
+al., 2014; Karimireddy et al., 2019), so the running sum of decoded values tracks the true sum.
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Literal
+
+import torch
+
+DenseCodecName = Literal["none", "fp16", "bf16", "int8", "nf4"]
+
+NF4_LEVELS = torch.tensor(
+    [
+        -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+        0.7229568362236023, 1.0,
+    ]
+)
+_NF4_MIDPOINTS = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
+
+
+class Codec(ABC):
+    """A dense codec: fixed wire size for a given number of values, so chunks can be exchanged blindly."""
+
+    name: str = "codec"
+    block: int = 1
+
+    @abstractmethod
+    def nbytes(self, numel: int) -> int: ...
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def decode(self, data: torch.Tensor, numel: int) -> torch.Tensor: ...
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(x), x.numel())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class FullPrecision(Codec):
+    """float32 on the wire: no compression (the reference the others are measured against)."""
+
+    name = "none"
+
+    def nbytes(self, numel: int) -> int:
+        return 4 * numel
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1).float().contiguous().view(torch.uint8)
+
+    def decode(self, data: torch.Tensor, numel: int) -> torch.Tensor:
+        return data.view(torch.float32)[:numel]
+
+
+def _padded_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    x = x.reshape(-1).float()
+    pad = (-x.numel()) % block
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad)])
+    return x.view(-1, block)
+
+
+class HalfPrecision(Codec):
+    """Cast to a 16-bit float on the wire."""
+
+    def __init__(self, dtype: torch.dtype = torch.float16) -> None:
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"HalfPrecision takes torch.float16 or torch.bfloat16, got {dtype}.")
+        self.dtype = dtype
+        self.name = "fp16" if dtype == torch.float16 else "bf16"
+
+    def nbytes(self, numel: int) -> int:
+        return 2 * numel
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1).to(self.dtype).contiguous().view(torch.uint8)
+
+    def decode(self, data: torch.Tensor, numel: int) -> torch.Tensor:
+        return data.view(self.dtype)[:numel].float()
+
+    def __repr__(self) -> str:
+        return f"HalfPrecision({self.dtype})"
+
+
+class BlockInt8(Codec):
+    """Symmetric int8 per block: ``q = round(x / scale)``, ``scale = absmax / 127``."""
+
+    name = "int8"
+
+    def __init__(self, block: int = 256) -> None:
+        if block < 1:
+            raise ValueError(f"block must be >= 1, got {block}.")
+        self.block = block
+
+    def nbytes(self, numel: int) -> int:
+        blocks = math.ceil(numel / self.block)
+        return 4 * blocks + blocks * self.block
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = _padded_blocks(x, self.block)
+        scale = blocks.abs().amax(dim=1) / 127.0
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+        return torch.cat([scale.view(torch.uint8), q.view(torch.uint8).reshape(-1)])
+
+    def decode(self, data: torch.Tensor, numel: int) -> torch.Tensor:
+        blocks = math.ceil(numel / self.block)
+        scale = data[: 4 * blocks].view(torch.float32)
+        q = data[4 * blocks :].view(torch.int8).view(blocks, self.block).float()
+        return (q * scale[:, None]).reshape(-1)[:numel]
+
+    def __repr__(self) -> str:
+        return f"BlockInt8(block={self.block})"
+
+
+class NF4(Codec):
+    """4-bit NormalFloat per block: each value becomes the nearest of 16 levels times the block's absmax."""
+
+    name = "nf4"
+
+    def __init__(self, block: int = 64) -> None:
+        if block < 2 or block % 2:
+            raise ValueError(f"block must be an even number >= 2, got {block}.")
+        self.block = block
+
+    def nbytes(self, numel: int) -> int:
+        blocks = math.ceil(numel / self.block)
+        return 4 * blocks + blocks * self.block // 2
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = _padded_blocks(x, self.block)
+        scale = blocks.abs().amax(dim=1)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.bucketize(blocks / safe[:, None], _NF4_MIDPOINTS.to(blocks.device)).to(torch.uint8)
+        packed = (codes[:, 0::2] << 4) | codes[:, 1::2]
+        return torch.cat([scale.view(torch.uint8), packed.reshape(-1)])
+
+    def decode(self, data: torch.Tensor, numel: int) -> torch.Tensor:
+        blocks = math.ceil(numel / self.block)
+        scale = data[: 4 * blocks].view(torch.float32)
+        packed = data[4 * blocks :].view(blocks, self.block // 2)
+        codes = torch.stack([packed >> 4, packed & 0x0F], dim=-1).reshape(blocks, self.block).long()
+        return (NF4_LEVELS.to(data.device)[codes] * scale[:, None]).reshape(-1)[:numel]
+
+    def __repr__(self) -> str:
+        return f"NF4(block={self.block})"
+
+
+def dense_codec(name: str) -> Codec:
+    """The dense codec for a mode name (``none``, ``fp16``, ``bf16``, ``int8``, ``nf4``)."""
+    codecs = {
+        "none": FullPrecision,
+        "fp16": lambda: HalfPrecision(torch.float16),
+        "bf16": lambda: HalfPrecision(torch.bfloat16),
+        "int8": BlockInt8,
+        "nf4": NF4,
+    }
+    if name not in codecs:
+        raise ValueError(f"no dense codec named {name!r}; use one of {sorted(codecs)}.")
+    return codecs[name]()
+
+
+class TopK:
+    """Keep the ``ratio`` fraction of largest-magnitude values: (int32 index, float32 value) pairs."""
+
+    name = "topk"
+
+    def __init__(self, ratio: float = 0.01) -> None:
+        if not 0.0 < ratio <= 1.0:
+            raise ValueError(f"compression_ratio must be in (0, 1], got {ratio!r} (0.01 keeps the top 1%).")
+        self.ratio = ratio
+
+    def k(self, numel: int) -> int:
+        return max(1, min(numel, math.ceil(self.ratio * numel)))
+
+    def nbytes(self, numel: int) -> int:
+        return 8 * self.k(numel)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = x.reshape(-1)
+        indices = flat.abs().topk(self.k(flat.numel()), sorted=False).indices
+        return indices.to(torch.int32), flat[indices].float()
+
+    @staticmethod
+    def decode(indices: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
+        out = values.new_zeros(numel)
+        return out.index_add_(0, indices.long(), values)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(*self.encode(x), x.numel())
+
+    def __repr__(self) -> str:
+        return f"TopK(ratio={self.ratio})"
+
+
+class ErrorFeedback:
+    """Per-buffer residual memory: ``compensate`` adds the stored residual; ``update`` stores what the
+    codec dropped (``compensated - transmitted``)."""
+
+    def __init__(self) -> None:
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def compensate(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        residual = self.residuals.get(key)
+        return x if residual is None else x + residual
+
+    def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
+        self.residuals[key] = (compensated - transmitted).detach()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.residuals)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.residuals = {k: v.clone() for k, v in state.items()}

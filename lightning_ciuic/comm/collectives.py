@@ -1,0 +1,152 @@
+"""Averaging collectives that send fewer bytes, and count every byte they send.
+
+Each function averages a flat float32 tensor ``x`` in place over ``group`` and returns
+``(transmitted, bytes_sent)``: ``transmitted`` is what this rank's contribution became after encoding
+(what error feedback subtracts from the input), ``bytes_sent`` the payload bytes this rank put on the wire.
+Every rank ends with bit-identical results: whatever is encoded once is decoded the same way everywhere.
+
+* :func:`native_allreduce_` — torch's all-reduce (gloo/NCCL choose the algorithm); float32, or a 16-bit cast.
+  Counted as a ring: ``2 (w-1)/w * bytes``.
+* :func:`ring_allreduce_` — reduce-scatter then all-gather around a ring of point-to-point messages,
+  ``2 (w-1)`` steps of ``1/w`` of the data: bandwidth-optimal.
+* :func:`tree_allreduce_` — binomial-tree reduce to the first rank, then broadcast back down:
+  ``2 log2(w)`` steps of the whole tensor: latency-optimal for small tensors.
+* :func:`quantized_allreduce_` — for int8/nf4: encode ``w`` chunks, exchange them with one all-to-all
+  (rank ``j`` receives everyone's chunk ``j``), decode and sum in float32, re-encode the sum once and
+  all-gather it. Quantization error is incurred twice, never once per hop.
+* :func:`topk_allreduce_` — all-gather of (index, value) pairs; the average is their scattered sum / w.
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from lightning_ciuic.comm.codecs import Codec, TopK
+
+
+def _ring_bytes(nbytes: int, world: int) -> int:
+    return 2 * (world - 1) * nbytes // world
+
+
+def native_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, int]:
+    """``all_reduce`` SUM / w, on the wire in ``dtype`` (float32, float16 or bfloat16)."""
+    world = dist.get_world_size(group)
+    wire = x.to(dtype, copy=True)
+    transmitted = wire.float().clone()
+    dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group)
+    x.copy_(wire.float() / world)
+    return transmitted, _ring_bytes(wire.numel() * wire.element_size(), world)
+
+
+def _exchange(send: torch.Tensor, send_to: int, recv: torch.Tensor, recv_from: int, group: dist.ProcessGroup) -> None:
+    ops = [dist.P2POp(dist.isend, send, dist.get_global_rank(group, send_to), group),
+           dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, recv_from), group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def _chunks(x: torch.Tensor, world: int, block: int) -> tuple[torch.Tensor, int]:
+    """``x`` zero-padded so it splits into ``world`` chunks of whole codec blocks; returns (padded, chunk)."""
+    chunk = math.ceil(x.numel() / (world * block)) * block
+    padded = x.new_zeros(chunk * world)
+    padded[: x.numel()] = x
+    return padded, chunk
+
+
+def ring_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, codec: Codec) -> tuple[torch.Tensor, int]:
+    """Ring reduce-scatter + all-gather with every message encoded by ``codec`` (sums stay float32)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world == 1:
+        return x.clone(), 0
+    padded, chunk = _chunks(x, world, codec.block)
+    parts = list(padded.split(chunk))
+    nxt, prev, sent = (rank + 1) % world, (rank - 1) % world, 0
+    transmitted = torch.cat([codec.roundtrip(p) for p in parts])[: x.numel()]
+    incoming = torch.empty(codec.nbytes(chunk), dtype=torch.uint8)
+    for step in range(world - 1):  # reduce-scatter: after it, rank r owns the sum of chunk (r + 1) % w
+        out_index, in_index = (rank - step) % world, (rank - step - 1) % world
+        message = codec.encode(parts[out_index])
+        _exchange(message, nxt, incoming, prev, group)
+        parts[in_index] = parts[in_index] + codec.decode(incoming, chunk)
+        sent += message.numel()
+    owned = (rank + 1) % world
+    encoded = [None] * world
+    encoded[owned] = codec.encode(parts[owned] / world)
+    for step in range(world - 1):  # all-gather: forward the encoded averages unchanged
+        out_index, in_index = (owned - step) % world, (owned - step - 1) % world
+        received = torch.empty_like(incoming)
+        _exchange(encoded[out_index], nxt, received, prev, group)
+        encoded[in_index] = received
+        sent += encoded[out_index].numel()
+    x.copy_(torch.cat([codec.decode(e, chunk) for e in encoded])[: x.numel()])
+    return transmitted, sent
+
+
+def tree_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, codec: Codec) -> tuple[torch.Tensor, int]:
+    """Binomial-tree reduce to group rank 0, average there, broadcast the encoded average down the tree."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world == 1:
+        return x.clone(), 0
+    numel, nbytes, sent = x.numel(), codec.nbytes(x.numel()), 0
+    transmitted = codec.roundtrip(x)
+    total = x.clone()
+    mask = 1
+    while mask < world:  # reduce: a rank sends its partial sum up once, at its lowest set bit
+        if rank & mask:
+            message = codec.encode(total)
+            dist.send(message, dist.get_global_rank(group, rank - mask), group=group)
+            sent += message.numel()
+            break
+        if rank + mask < world:
+            incoming = torch.empty(nbytes, dtype=torch.uint8)
+            dist.recv(incoming, dist.get_global_rank(group, rank + mask), group=group)
+            total += codec.decode(incoming, numel)
+        mask <<= 1
+    result = codec.encode(total / world) if rank == 0 else torch.empty(nbytes, dtype=torch.uint8)
+    if rank:  # receive from the parent (clear the lowest set bit), then serve children below that bit
+        dist.recv(result, dist.get_global_rank(group, rank & (rank - 1)), group=group)
+    mask = (rank & -rank) >> 1 if rank else 1 << (world - 1).bit_length() - 1
+    while mask:
+        if rank + mask < world:
+            dist.send(result, dist.get_global_rank(group, rank + mask), group=group)
+            sent += result.numel()
+        mask >>= 1
+    x.copy_(codec.decode(result, numel))
+    return transmitted, sent
+
+
+def quantized_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, codec: Codec) -> tuple[torch.Tensor, int]:
+    """All-to-all reduce-scatter of encoded chunks, float32 sum, one re-encode, all-gather."""
+    world = dist.get_world_size(group)
+    padded, chunk = _chunks(x, world, codec.block)
+    encoded = [codec.encode(part) for part in padded.split(chunk)]
+    piece = encoded[0].numel()
+    transmitted = torch.cat([codec.decode(e, chunk) for e in encoded])[: x.numel()]
+    if world == 1:
+        x.copy_(transmitted)
+        return transmitted, 0
+    received = torch.empty(piece * world, dtype=torch.uint8)
+    dist.all_to_all_single(received, torch.cat(encoded), group=group)
+    mine = sum(codec.decode(part, chunk) for part in received.split(piece)) / world
+    gathered = torch.empty(piece * world, dtype=torch.uint8)
+    dist.all_gather_into_tensor(gathered, codec.encode(mine), group=group)
+    x.copy_(torch.cat([codec.decode(part, chunk) for part in gathered.split(piece)])[: x.numel()])
+    return transmitted, 2 * (world - 1) * piece
+
+
+def topk_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, topk: TopK) -> tuple[torch.Tensor, int]:
+    """Each rank contributes its top-k (index, value) pairs; the average is their scattered sum / w."""
+    world, numel = dist.get_world_size(group), x.numel()
+    indices, values = topk.encode(x)
+    transmitted = TopK.decode(indices, values, numel)
+    all_indices = torch.empty(world * indices.numel(), dtype=indices.dtype)
+    all_values = torch.empty(world * values.numel(), dtype=values.dtype)
+    dist.all_gather_into_tensor(all_indices, indices, group=group)
+    dist.all_gather_into_tensor(all_values, values, group=group)
+    x.copy_(TopK.decode(all_indices, all_values, numel) / world)
+    return transmitted, (world - 1) * topk.nbytes(numel)

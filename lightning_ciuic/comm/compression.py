@@ -1,0 +1,151 @@
+"""Compressed gradient averaging: the reducer the strategy plugs into :class:`GradientSynchronizer`.
+
+Contract of ``GradientCompression(mode, ...)``, called per bucket as ``reducer(key, buffer, shapes, group)``:
+
+* ``mode``: ``"none"`` (float32), ``"fp16"``/``"bf16"`` (16-bit casts), ``"int8"``/``"nf4"`` (block-wise
+  quantization through :func:`quantized_allreduce_`), ``"topk"`` (``compression_ratio`` of the values with
+  their indices), ``"powersgd"`` (rank ``powersgd_rank``). ``"auto"`` is resolved by
+  :class:`~lightning_ciuic.comm.auto.AutoCompression` into one of the dense modes and set with
+  :meth:`set_mode`.
+* ``algorithm`` for ``none``/``fp16``/``bf16``: ``"ring"`` or ``"tree"`` run our point-to-point
+  implementations; ``"native"`` (what ``"auto"`` resolves to unless the selector prefers a tree) is the
+  backend's own all-reduce. Quantized, top-k and PowerSGD modes have their own collectives.
+* With ``error_feedback=True`` every lossy mode keeps, per bucket, what compression dropped and adds it
+  to the next step's gradient. Residuals and PowerSGD's warm-start ``Q`` are in :meth:`state_dict`.
+* For the first ``warmup_steps`` optimizer steps (``set_step``) buckets go uncompressed.
+* The reduction runs on one background thread (collectives in bucket order, overlapping backward);
+  the returned object's ``wait(timeout)`` returns the bytes this rank sent.
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from datetime import timedelta
+from typing import Literal, get_args
+
+import torch
+import torch.distributed as dist
+
+from lightning_ciuic.comm.codecs import ErrorFeedback, TopK, dense_codec
+from lightning_ciuic.comm.collectives import (
+    native_allreduce_,
+    quantized_allreduce_,
+    ring_allreduce_,
+    topk_allreduce_,
+    tree_allreduce_,
+)
+from lightning_ciuic.comm.powersgd import PowerSGD
+
+CompressionMode = Literal["none", "fp16", "bf16", "int8", "nf4", "topk", "powersgd", "auto"]
+AllReduceAlgorithm = Literal["auto", "ring", "tree"]
+COMPRESSION_MODES: tuple[str, ...] = get_args(CompressionMode)
+ALGORITHMS: tuple[str, ...] = get_args(AllReduceAlgorithm)
+_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class _FutureReduction:
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def wait(self, timeout: timedelta) -> int:
+        try:
+            return self.future.result(timeout=timeout.total_seconds())
+        except FutureTimeout as err:
+            raise RuntimeError("compressed all-reduce timed out") from err
+
+
+def validate_compression(mode: str, compression_ratio: float, powersgd_rank: int, warmup_steps: int, algorithm: str) -> None:
+    """Raise ``ValueError`` naming the bad argument and the valid choices."""
+    if mode not in COMPRESSION_MODES:
+        raise ValueError(f"communication_compression={mode!r} is not a mode; use one of {COMPRESSION_MODES}.")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"allreduce_algorithm={algorithm!r}; use one of {ALGORITHMS}.")
+    TopK(compression_ratio)
+    PowerSGD(powersgd_rank)
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"compression_warmup_steps must be an integer >= 0, got {warmup_steps!r}.")
+
+
+class GradientCompression:
+    """Reducer for :class:`~lightning_ciuic.comm.grad_sync.GradientSynchronizer` (see module docstring)."""
+
+    def __init__(
+        self,
+        mode: CompressionMode = "none",
+        compression_ratio: float = 0.01,
+        powersgd_rank: int = 4,
+        error_feedback: bool = True,
+        warmup_steps: int = 0,
+        algorithm: AllReduceAlgorithm = "auto",
+    ) -> None:
+        validate_compression(mode, compression_ratio, powersgd_rank, warmup_steps, algorithm)
+        self.requested_mode = mode
+        self.mode = "none" if mode == "auto" else mode
+        self.algorithm = "native" if algorithm == "auto" else algorithm
+        self.error_feedback = ErrorFeedback() if error_feedback else None
+        self.warmup_steps = warmup_steps
+        self.topk = TopK(compression_ratio)
+        self.powersgd = PowerSGD(powersgd_rank)
+        self.step = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ciuic-grad-sync")
+
+    def set_mode(self, mode: str, algorithm: str = "native") -> None:
+        """Switch the active mode/algorithm (used by ``"auto"``); takes effect at the next bucket."""
+        self.mode, self.algorithm = mode, algorithm
+
+    def set_step(self, step: int) -> None:
+        self.step = step
+
+    @property
+    def active_mode(self) -> str:
+        return "none" if self.step < self.warmup_steps else self.mode
+
+    def __call__(self, key: str, buffer: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup) -> _FutureReduction:
+        mode, algorithm = self.active_mode, self.algorithm
+        return _FutureReduction(self._executor.submit(self.reduce_, key, buffer, shapes, group, mode, algorithm))
+
+    def reduce_(
+        self, key: str, buffer: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup, mode: str, algorithm: str
+    ) -> int:
+        """Average ``buffer`` in place with ``mode``; returns bytes sent. Runs on the worker thread."""
+        lossy = mode != "none"
+        feedback = self.error_feedback if lossy else None
+        work = (feedback.compensate(key, buffer) if feedback else buffer).float().clone()
+        compensated = work.clone() if feedback else None
+        if mode == "powersgd":
+            sent = self.powersgd.allreduce_(key, work, shapes, group)
+            transmitted = work
+        elif mode == "topk":
+            transmitted, sent = topk_allreduce_(work, group, self.topk)
+        elif mode in ("int8", "nf4"):
+            transmitted, sent = quantized_allreduce_(work, group, dense_codec(mode))
+        elif algorithm == "ring":
+            transmitted, sent = ring_allreduce_(work, group, dense_codec(mode))
+        elif algorithm == "tree":
+            transmitted, sent = tree_allreduce_(work, group, dense_codec(mode))
+        else:
+            transmitted, sent = native_allreduce_(work, group, _HALF.get(mode, torch.float32))
+        if feedback is not None:
+            feedback.update(key, compensated, transmitted)
+        buffer.copy_(work)
+        return sent
+
+    def state_dict(self) -> dict:
+        return {
+            "mode": self.mode,
+            "algorithm": self.algorithm,
+            "residuals": self.error_feedback.state_dict() if self.error_feedback else {},
+            "powersgd_q": self.powersgd.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mode, self.algorithm = state["mode"], state["algorithm"]
+        if self.error_feedback is not None:
+            self.error_feedback.load_state_dict(state["residuals"])
+        self.powersgd.load_state_dict(state["powersgd_q"])
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,96 @@
+import math
+
+import pytest
+import torch
+
+from lightning_ciuic.comm.codecs import NF4, BlockInt8, ErrorFeedback, HalfPrecision, TopK, dense_codec
+from lightning_ciuic.comm.powersgd import PowerSGD
+
+
+def _x(n=5000, seed=0):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * torch.linspace(0.01, 10, n)
+
+
+@pytest.mark.parametrize("n", [1, 255, 256, 1000, 5000])
+def test_int8_error_bound_and_size(n):
+    codec, x = BlockInt8(), _x(n)
+    data = codec.encode(x)
+    assert data.dtype == torch.uint8 and data.numel() == codec.nbytes(n)
+    err = (codec.decode(data, n) - x).abs()
+    blocks = torch.nn.functional.pad(x, (0, (-n) % 256)).view(-1, 256).abs().amax(1)
+    bound = blocks.repeat_interleave(256)[:n] / 254 + 1e-7
+    assert (err <= bound).all()
+
+
+@pytest.mark.parametrize("n", [2, 63, 64, 1000, 5000])
+def test_nf4_error_bound_and_size(n):
+    codec, x = NF4(), _x(n)
+    data = codec.encode(x)
+    assert data.numel() == codec.nbytes(n)
+    err = (codec.decode(data, n) - x).abs()
+    blocks = torch.nn.functional.pad(x, (0, (-n) % 64)).view(-1, 64).abs().amax(1)
+    assert (err <= 0.152 * blocks.repeat_interleave(64)[:n] + 1e-7).all()
+
+
+def test_wire_sizes_against_fp32():
+    n = 8_000_000
+    assert BlockInt8().nbytes(n) / (4 * n) <= 0.27
+    assert NF4().nbytes(n) / (4 * n) <= 0.15
+    assert TopK(0.01).nbytes(n) / (4 * n) <= 0.03
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float16, 2**-11), (torch.bfloat16, 2**-8)])
+def test_half_precision_relative_error(dtype, bound):
+    codec, x = HalfPrecision(dtype), _x()
+    x = x[x.abs() > 1e-3]
+    rel = ((codec.roundtrip(x) - x).abs() / x.abs()).max()
+    assert rel <= bound
+
+
+def test_zero_blocks_stay_zero():
+    for codec in (BlockInt8(), NF4()):
+        assert torch.equal(codec.roundtrip(torch.zeros(300)), torch.zeros(300))
+
+
+def test_topk_keeps_the_largest():
+    x = torch.tensor([0.1, -5.0, 0.2, 3.0, -0.3, 0.0, 0.0, 0.0, 0.0, 0.0])
+    out = TopK(0.2).roundtrip(x)
+    assert torch.equal(out, torch.tensor([0, -5.0, 0, 3.0, 0, 0, 0, 0, 0, 0]))
+
+
+@pytest.mark.parametrize("codec", [BlockInt8(), NF4(), TopK(0.05)], ids=repr)
+def test_error_feedback_makes_the_running_sum_track_the_true_sum(codec):
+    feedback, true_sum, sent_sum = ErrorFeedback(), torch.zeros(2000), torch.zeros(2000)
+    naive_sum = torch.zeros(2000)
+    for step in range(50):
+        g = _x(2000, seed=step)
+        true_sum += g
+        naive_sum += codec.roundtrip(g)
+        compensated = feedback.compensate("b", g)
+        sent = codec.roundtrip(compensated)
+        feedback.update("b", compensated, sent)
+        sent_sum += sent
+    # the gap is exactly the last residual, bounded by one step's error, while the naive gap accumulates
+    torch.testing.assert_close(true_sum - sent_sum, feedback.residuals["b"], atol=1e-3, rtol=1e-3)
+    assert (true_sum - sent_sum).norm() < 0.5 * (true_sum - naive_sum).norm()
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: TopK(0.0), r"compression_ratio must be in \(0, 1\], got 0.0"),
+        (lambda: TopK(1.5), r"compression_ratio must be in \(0, 1\], got 1.5"),
+        (lambda: PowerSGD(0), "powersgd_rank must be an integer >= 1, got 0"),
+        (lambda: dense_codec("int4"), "no dense codec named 'int4'"),
+        (lambda: HalfPrecision(torch.float32), "HalfPrecision takes torch.float16 or torch.bfloat16"),
+    ],
+)
+def test_bad_codec_arguments(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_powersgd_byte_count():
+    shapes = [torch.Size([64, 32]), torch.Size([32]), torch.Size([3, 3])]
+    assert PowerSGD(4).nbytes(shapes) == 4 * ((64 + 32) * 4 + 32 + 9)
+    assert math.isclose(PowerSGD(4).nbytes([torch.Size([1024, 1024])]) / (4 * 1024 * 1024), 8 / 1024)
