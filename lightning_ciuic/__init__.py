@@ -8,7 +8,9 @@ Importing the package registers the strategy names with Lightning's ``StrategyRe
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_ciuic.callbacks.lr_schedule import WarmupCosineAnnealingLR, WarmupCosineSchedule, warmup_cosine_lr
+from lightning_ciuic.comm.compression import GradientCompression
 from lightning_ciuic.comm.grad_sync import GradientSynchronizer, GradientSyncTimeoutError
+from lightning_ciuic.comm.hooks import GradientQuantizer, register_compression_hook
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.tensor import apply_tensor_parallel
 from lightning_ciuic.strategies.hybrid import HybridParallelStrategy
@@ -18,6 +20,8 @@ HybridParallelEngine = HybridParallelStrategy
 GradientSyncOptimizer = HybridParallelStrategy
 
 __all__ = [
+    "GradientCompression",
+    "GradientQuantizer",
     "GradientSyncOptimizer",
     "GradientSyncTimeoutError",
     "GradientSynchronizer",
@@ -27,6 +31,7 @@ __all__ = [
     "WarmupCosineAnnealingLR",
     "WarmupCosineSchedule",
     "apply_tensor_parallel",
+    "register_compression_hook",
     "warmup_cosine_lr",
 ]
 

@@ -61,6 +61,7 @@ from lightning_ciuic.comm.compression import (
     validate_compression,
 )
 from lightning_ciuic.comm.grad_sync import GradientSynchronizer, mean_all_reduce
+from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.grad_norm import clip_grad_norm_
 
@@ -99,7 +100,7 @@ class HybridParallelStrategy(ParallelStrategy):
         timeout: seconds (or a ``timedelta``) for process-group set-up and non-gradient collectives.
         communication_compression: ``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"nf4"``, ``"topk"``,
             ``"powersgd"`` or ``"auto"`` (chosen from measured bandwidth and codec speed, re-checked every
-            ``auto_recheck_steps`` optimizer steps).
+            ``auto_recheck_steps`` optimizer steps), or a ``GradientQuantizer(bits=...)``.
         compression_ratio: fraction of values ``"topk"`` keeps.
         powersgd_rank: rank of PowerSGD's approximation.
         error_feedback: add what compression dropped to the next step's gradient (recommended).
@@ -120,7 +121,7 @@ class HybridParallelStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         start_method: StartMethod = "popen",
         timeout: Union[float, timedelta] = 1800.0,
-        communication_compression: CompressionMode = "none",
+        communication_compression: Union[CompressionMode, GradientQuantizer] = "none",
         compression_ratio: float = 0.01,
         powersgd_rank: int = 4,
         error_feedback: bool = True,
@@ -154,6 +155,9 @@ class HybridParallelStrategy(ParallelStrategy):
             raise ValueError(f"start_method={start_method!r}; use 'popen', 'spawn' or 'fork'.")
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb!r} (25.0 is a good default).")
+        if isinstance(communication_compression, GradientQuantizer):
+            error_feedback = communication_compression.error_feedback
+            communication_compression = communication_compression.mode
         validate_compression(
             communication_compression, compression_ratio, powersgd_rank, compression_warmup_steps, allreduce_algorithm
         )
