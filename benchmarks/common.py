@@ -19,6 +19,18 @@ from lightning.pytorch import Callback
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
 
+# DeepSeekMini sizes used by the benchmarks (keyword arguments of examples.deepseek.DeepSeekMini).
+MODELS = {
+    "example": {},
+    "medium": dict(dim=256, moe_inter_dim=256, dense_inter_dim=768, kv_lora_rank=64),
+    "large": dict(dim=384, moe_inter_dim=384, dense_inter_dim=1152, kv_lora_rank=96),
+}
+
+
+def describe(model: torch.nn.Module, name: str) -> str:
+    """``name (N.NNM params)``, counted, never typed in by hand."""
+    return f"{name} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params)"
+
 
 class StepTimer(Callback):
     """Rank 0 writes the wall time of every training step (batch start to batch end) to ``path`` as JSON."""

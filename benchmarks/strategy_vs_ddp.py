@@ -24,15 +24,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
-from benchmarks.common import StepTimer, machine, median_after_warmup, write_section  # noqa: E402
+from benchmarks.common import MODELS, StepTimer, describe, machine, median_after_warmup, write_section  # noqa: E402
 from examples.data import ByteCorpusDataModule  # noqa: E402
 from examples.deepseek import DeepSeekMini  # noqa: E402
 from lightning_ciuic import HybridParallelStrategy  # noqa: E402
 
-MODELS = {
-    "example (0.84M params)": dict(),
-    "wide (6.9M params)": dict(dim=256, moe_inter_dim=256, dense_inter_dim=768, kv_lora_rank=64),
-}
 WARMUP = 5
 
 
@@ -60,7 +56,9 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for label, kwargs in MODELS.items():
+        for name in ("example", "medium"):
+            kwargs = MODELS[name]
+            label = describe(DeepSeekMini(**kwargs), name)
             medians = {"DDPStrategy": [], "HybridParallelStrategy": []}
             for _ in range(args.rounds):
                 for name in medians:

@@ -1,0 +1,91 @@
+"""A simulated cluster on one machine: network namespaces joined by a veth/bridge, links capped with ``tc``.
+
+``SimulatedCluster(nodes=2, rate="1gbit")`` creates namespaces ``ciuic-n0..`` each with one interface
+(``10.77.0.<i+1>/24``) plugged into a bridge that lives in its own namespace, and caps every interface's
+egress with a ``tbf`` qdisc at ``rate`` (both directions of every link: node side and bridge side).
+``rate=None`` leaves the links uncapped. ``run(node, argv, env)`` starts a process inside a node, with
+``GLOO_SOCKET_IFNAME`` set so gloo uses the capped link. Everything is removed on exit, also after an error.
+
+Needs root and iproute2 (``ip``, ``tc``); :func:`available` says why not when it cannot work. Traffic stays on
+addresses this module creates inside its own namespaces.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from typing import Optional
+
+PREFIX = "ciuic"
+SUBNET = "10.77.0"
+
+
+def available() -> Optional[str]:
+    """None if a simulated cluster can be built here, else the reason it cannot."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"needs iproute2 ('{tool}' not found)"
+    return None
+
+
+def _sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True, text=True)
+
+
+class SimulatedCluster:
+    def __init__(self, nodes: int = 2, rate: Optional[str] = "1gbit") -> None:
+        reason = available()
+        if reason:
+            raise RuntimeError(f"cannot build a simulated cluster: {reason}")
+        self.nodes, self.rate = nodes, rate
+        self.switch = f"{PREFIX}-sw"
+
+    def namespace(self, node: int) -> str:
+        return f"{PREFIX}-n{node}"
+
+    def address(self, node: int) -> str:
+        return f"{SUBNET}.{node + 1}"
+
+    def _cap(self, namespace: str, device: str) -> None:
+        if self.rate:
+            _sh("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
+                "rate", self.rate, "burst", "512kb", "latency", "100ms")
+
+    def __enter__(self) -> "SimulatedCluster":
+        self._teardown()
+        try:
+            _sh("ip", "netns", "add", self.switch)
+            _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+            for node in range(self.nodes):
+                ns, inner, outer = self.namespace(node), f"{PREFIX}{node}", f"{PREFIX}{node}p"
+                _sh("ip", "netns", "add", ns)
+                _sh("ip", "link", "add", inner, "type", "veth", "peer", "name", outer)
+                _sh("ip", "link", "set", inner, "netns", ns)
+                _sh("ip", "link", "set", outer, "netns", self.switch)
+                _sh("ip", "-n", self.switch, "link", "set", outer, "master", "br0")
+                _sh("ip", "-n", self.switch, "link", "set", outer, "up")
+                _sh("ip", "-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", inner)
+                _sh("ip", "-n", ns, "link", "set", inner, "up")
+                _sh("ip", "-n", ns, "link", "set", "lo", "up")
+                self._cap(ns, inner)
+                self._cap(self.switch, outer)
+        except BaseException:
+            self._teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._teardown()
+
+    def _teardown(self) -> None:
+        for node in range(self.nodes):
+            subprocess.run(["ip", "netns", "del", self.namespace(node)], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.switch], capture_output=True)
+
+    def run(self, node: int, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        env = {**env, "GLOO_SOCKET_IFNAME": f"{PREFIX}{node}"}
+        return subprocess.Popen(["ip", "netns", "exec", self.namespace(node), *argv], env=env)
