@@ -230,7 +230,11 @@ class ErrorFeedback:
         return x if residual is None else x + residual
 
     def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
-        self.residuals[key] = (compensated - transmitted).detach()
+        residual = self.residuals.get(key)
+        if residual is None or residual.shape != compensated.shape:
+            self.residuals[key] = (compensated - transmitted).detach()
+        else:  # in place: no new allocation of a bucket-sized tensor every step
+            torch.sub(compensated, transmitted, out=residual)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.residuals)

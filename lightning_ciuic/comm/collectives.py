@@ -37,7 +37,7 @@ def native_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dt
     """``all_reduce`` SUM / w, on the wire in ``dtype`` (float32, float16 or bfloat16)."""
     world = dist.get_world_size(group)
     wire = x.to(dtype, copy=True)
-    transmitted = wire.float().clone()
+    transmitted = wire.to(torch.float32, copy=True)
     dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group)
     x.copy_(wire.float() / world)
     return transmitted, _ring_bytes(wire.numel() * wire.element_size(), world)

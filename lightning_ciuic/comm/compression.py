@@ -111,10 +111,9 @@ class GradientCompression:
         self, key: str, buffer: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup, mode: str, algorithm: str
     ) -> int:
         """Average ``buffer`` in place with ``mode``; returns bytes sent. Runs on the worker thread."""
-        lossy = mode != "none"
-        feedback = self.error_feedback if lossy else None
-        work = (feedback.compensate(key, buffer) if feedback else buffer).float().clone()
-        compensated = work.clone() if feedback else None
+        feedback = self.error_feedback if mode != "none" else None
+        compensated = feedback.compensate(key, buffer) if feedback else buffer
+        work = compensated.clone() if feedback else buffer  # the collectives overwrite their input
         if mode == "powersgd":
             sent = self.powersgd.allreduce_(key, work, shapes, group)
             transmitted = work
@@ -130,7 +129,7 @@ class GradientCompression:
             transmitted, sent = native_allreduce_(work, group, _HALF.get(mode, torch.float32))
         if feedback is not None:
             feedback.update(key, compensated, transmitted)
-        buffer.copy_(work)
+            buffer.copy_(work)
         return sent
 
     def state_dict(self) -> dict:

@@ -33,6 +33,17 @@ def test_seed_names_stay_importable():
         ({"timeout": timedelta(0)}, "timeout must be a positive number of seconds"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
         ({"data_parallel_size": 0}, "data_parallel_size must be a positive integer or 'auto', got 0"),
+        ({"communication_compression": "int4"}, r"communication_compression='int4' is not a mode; use one of \('none', 'fp16'"),
+        ({"communication_compression": "topk", "compression_ratio": 0}, r"compression_ratio must be in \(0, 1\], got 0"),
+        ({"communication_compression": "topk", "compression_ratio": 1.01}, r"compression_ratio must be in \(0, 1\], got 1.01"),
+        ({"communication_compression": "powersgd", "powersgd_rank": 0}, "powersgd_rank must be an integer >= 1, got 0"),
+        ({"allreduce_algorithm": "butterfly"}, r"allreduce_algorithm='butterfly'; use one of \('auto', 'ring', 'tree'\)"),
+        ({"compression_warmup_steps": -5}, "compression_warmup_steps must be an integer >= 0, got -5"),
+        ({"communication_compression": "auto", "auto_recheck_steps": 0}, "auto_recheck_steps must be >= 1, got 0"),
+        (
+            {"communication_compression": "int8", "process_group_backend": "mpi"},
+            r"communication_compression='int8' needs all_to_all.*got process_group_backend='mpi'",
+        ),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, message):
