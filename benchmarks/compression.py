@@ -2,9 +2,9 @@
 
 Three parts, each a set of runs with 2 processes (one per simulated node, gloo, ``num_nodes=2``):
 
-1. speed: the "large" model (>= 8M parameters) on links capped at ``--rate`` (default 1 Gbit/s): median
-   step time, bytes this rank sent per step, ratio to ``DDPStrategy`` (fp32). Every mode of ours, plus
-   torch's fp16 and PowerSGD DDP hooks registered on Lightning's DDP model;
+1. speed: the "large" model (>= 8M parameters) on capped links, for each ``RATE:BATCH`` of ``--speed-runs``:
+   median step time, bytes this rank sent per step, ratio to ``DDPStrategy`` (fp32). Every mode of ours,
+   plus torch's fp16 and PowerSGD DDP hooks registered on Lightning's DDP model;
 2. fast link: the same model on loopback: ``"auto"`` against uncompressed;
 3. loss: the example model for ``--loss-steps`` steps per mode (same seed and data order); mean training
    loss of the last 20 steps against uncompressed.
@@ -12,7 +12,7 @@ Three parts, each a set of runs with 2 processes (one per simulated node, gloo, 
 Needs root and iproute2 for part 1 (see benchmarks/sim_cluster.py); says so and skips it otherwise.
 Writes the ``compression`` section of docs/benchmarks.md.
 
-    .venv/bin/python benchmarks/compression.py [--steps 25] [--loss-steps 200] [--rate 1gbit]
+    .venv/bin/python benchmarks/compression.py [--steps 25] [--loss-steps 200] [--speed-runs 1gbit:16 1gbit:4 200mbit:4]
 """
 
 from __future__ import annotations
@@ -43,7 +43,10 @@ def _strategy(variant: str):
 
     if variant in DDP_VARIANTS:
         return DDPStrategy()
-    return HybridParallelStrategy(communication_compression=variant, compression_ratio=0.01, powersgd_rank=4)
+    mode, _, warmup = variant.partition(" warm-up ")  # e.g. "topk warm-up 20"
+    return HybridParallelStrategy(
+        communication_compression=mode, compression_ratio=0.01, powersgd_rank=4, compression_warmup_steps=int(warmup or 0)
+    )
 
 
 class _TorchHook:
@@ -132,12 +135,12 @@ def summarize(result: dict) -> tuple[float, float | None]:
     return step, per_step
 
 
-def speed_section(args: argparse.Namespace, workdir: Path, batch_size: int) -> str:
+def speed_section(rate: str, steps: int, workdir: Path, batch_size: int) -> str:
     rows, results, failures = [], {}, {}
-    with SimulatedCluster(nodes=2, rate=args.rate) as cluster:
+    with SimulatedCluster(nodes=2, rate=rate) as cluster:
         for variant in DDP_VARIANTS + OURS:
             try:
-                results[variant] = run(variant, "large", args.steps, workdir, cluster, batch_size)
+                results[variant] = run(variant, "large", steps, workdir, cluster, batch_size)
                 print(batch_size, variant, summarize(results[variant]), flush=True)
             except RuntimeError as err:  # reported in the table, not hidden
                 failures[variant] = str(err)
@@ -153,7 +156,7 @@ def speed_section(args: argparse.Namespace, workdir: Path, batch_size: int) -> s
         rows.append(f"| {variant} | {step * 1e3:.0f} | **{step / ddp_step:.2f}** | {share} |")
     auto_reason = results["auto"]["auto"][0] if results.get("auto", {}).get("auto") else ""
     return (
-        f"### 1. Speed on a simulated {args.rate} link ({params / 1e6:.2f}M-parameter model, batch {batch_size} x 64 bytes per rank)\n\n"
+        f"### Speed on a simulated {rate} link ({params / 1e6:.2f}M-parameter model, batch {batch_size} x 64 bytes per rank)\n\n"
         f"| variant | ms/step | step time / DDPStrategy | bytes sent per step per rank (share of fp32) |\n"
         f"|---|---|---|---|\n" + "\n".join(rows) + f"\n\n`auto` said: {auto_reason}"
     )
@@ -166,9 +169,9 @@ def main() -> None:
     parser.add_argument("--model", default="large")
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--loss-steps", type=int, default=200)
-    parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--batch-size", type=int, default=16, help="worker: samples of 64 bytes per rank")
-    parser.add_argument("--speed-batch-sizes", type=int, nargs="+", default=[16, 4])
+    parser.add_argument("--speed-runs", nargs="+", default=["1gbit:16", "1gbit:4", "200mbit:4"],
+                        help="RATE:BATCH pairs for the simulated-cluster speed tables")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if args.worker:
@@ -179,25 +182,27 @@ def main() -> None:
         workdir = Path(tmp)
         reason = available()
         if reason:
-            sections.append(f"### 1. Speed on a simulated {args.rate} link\n\nSkipped: {reason}.")
-        for batch_size in [] if reason else args.speed_batch_sizes:
-            sections.append(speed_section(args, workdir, batch_size))
+            sections.append(f"### Speed on a simulated cluster\n\nSkipped: {reason}.")
+        for pair in [] if reason else args.speed_runs:
+            rate, batch_size = pair.split(":")
+            sections.append(speed_section(rate, args.steps, workdir, int(batch_size)))
 
         fast = {v: run(v, "large", args.steps, workdir, None) for v in ("none", "auto")}
         none_step, auto_step = summarize(fast["none"])[0], summarize(fast["auto"])[0]
         sections.append(
-            "### 2. Fast link (loopback)\n\n"
+            "### Fast link (loopback)\n\n"
             f"uncompressed {none_step * 1e3:.0f} ms/step, auto {auto_step * 1e3:.0f} ms/step: ratio **{auto_step / none_step:.2f}** "
             f"(target <= 1.05).\n\n`auto` said: {fast['auto']['auto'][0] if fast['auto']['auto'] else ''}"
         )
 
-        losses = {v: run(v, "example", args.loss_steps, workdir, None)["losses"] for v in ["none", "fp16", "bf16", "int8", "nf4", "topk", "powersgd"]}
+        loss_variants = ["none", "fp16", "bf16", "int8", "nf4", "topk", "topk warm-up 20", "powersgd", "powersgd warm-up 20"]
+        losses = {v: run(v, "example", args.loss_steps, workdir, None)["losses"] for v in loss_variants}
         reference = sum(losses["none"][-20:]) / 20
         loss_rows = "\n".join(
             f"| {v} | {sum(l[-20:]) / 20:.4f} | **{(sum(l[-20:]) / 20 - reference) / reference:+.2%}** |" for v, l in losses.items()
         )
         sections.append(
-            f"### 3. Loss after {args.loss_steps} steps (example model, error feedback on)\n\n"
+            f"### Loss after {args.loss_steps} steps (example model, AdamW, error feedback on)\n\n"
             "| mode | mean train loss, last 20 steps | vs uncompressed |\n|---|---|---|\n" + loss_rows
         )
 
@@ -207,7 +212,7 @@ def main() -> None:
         f"""
 ## Compressed gradient synchronization on a simulated 2-node cluster
 
-Command: `.venv/bin/python benchmarks/compression.py --steps {args.steps} --loss-steps {args.loss_steps} --rate {args.rate} --speed-batch-sizes {' '.join(map(str, args.speed_batch_sizes))}`
+Command: `.venv/bin/python benchmarks/compression.py --steps {args.steps} --loss-steps {args.loss_steps} --speed-runs {' '.join(args.speed_runs)}`
 (2 processes, one per network namespace, 1 intra-op thread each, gloo, `num_nodes=2`; both "nodes" share this
 machine's 2 cores, so codec time competes with compute as it would not on two real nodes; median step time after {WARMUP} warm-up steps; machine: {machine()}). Targets at 1 Gbit/s: int8 step time
 <= 0.45x DDPStrategy, bytes <= 27% of fp32 (nf4 <= 15%, top-k 1% <= 3%); loss within 2% of uncompressed (5% for

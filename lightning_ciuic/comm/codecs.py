@@ -124,15 +124,18 @@ class BlockInt8(Codec):
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         blocks = _padded_blocks(x, self.block)
         scale = blocks.abs().amax(dim=1) / 127.0
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
-        return torch.cat([scale.view(torch.uint8), q.view(torch.uint8).reshape(-1)])
+        inverse = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
+        out = torch.empty(self.nbytes(x.numel()), dtype=torch.uint8, device=x.device)
+        out[: scale.numel() * 4] = scale.view(torch.uint8)
+        q = out[scale.numel() * 4 :].view(torch.int8).view_as(blocks)
+        q.copy_(blocks.mul(inverse[:, None]).round_().clamp_(-127, 127))  # one temporary, written once as int8
+        return out
 
     def decode(self, data: torch.Tensor, numel: int) -> torch.Tensor:
         blocks = math.ceil(numel / self.block)
         scale = data[: 4 * blocks].view(torch.float32)
         q = data[4 * blocks :].view(torch.int8).view(blocks, self.block).float()
-        return (q * scale[:, None]).reshape(-1)[:numel]
+        return q.mul_(scale[:, None]).reshape(-1)[:numel]
 
     def __repr__(self) -> str:
         return f"BlockInt8(block={self.block})"

@@ -14,7 +14,9 @@ Contract of ``GradientCompression(mode, ...)``, called per bucket as ``reducer(k
   to the next step's gradient. Residuals and PowerSGD's warm-start ``Q`` are in :meth:`state_dict`.
 * For the first ``warmup_steps`` optimizer steps (``set_step``) buckets go uncompressed.
 * The reduction runs on one background thread (collectives in bucket order, overlapping backward);
-  the returned object's ``wait(timeout)`` returns the bytes this rank sent.
+  the returned object's ``wait(timeout)`` returns the bytes this rank sent. Uncompressed buckets with the
+  backend's algorithm (warm-up steps, or ``"auto"`` choosing ``none``) take the synchronizer's own async
+  path instead, so they cost exactly what ``communication_compression="none"`` costs.
 
 No Lightning imports.
 """
@@ -37,6 +39,7 @@ from lightning_ciuic.comm.collectives import (
     topk_allreduce_,
     tree_allreduce_,
 )
+from lightning_ciuic.comm.grad_sync import PendingReduction, mean_all_reduce
 from lightning_ciuic.comm.powersgd import PowerSGD
 
 CompressionMode = Literal["none", "fp16", "bf16", "int8", "nf4", "topk", "powersgd", "auto"]
@@ -103,8 +106,10 @@ class GradientCompression:
     def active_mode(self) -> str:
         return "none" if self.step < self.warmup_steps else self.mode
 
-    def __call__(self, key: str, buffer: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup) -> _FutureReduction:
+    def __call__(self, key: str, buffer: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup) -> PendingReduction:
         mode, algorithm = self.active_mode, self.algorithm
+        if mode == "none" and algorithm == "native":  # exactly the uncompressed path: async, no worker thread
+            return mean_all_reduce(key, buffer, shapes, group)
         return _FutureReduction(self._executor.submit(self.reduce_, key, buffer, shapes, group, mode, algorithm))
 
     def reduce_(
@@ -132,19 +137,20 @@ class GradientCompression:
             buffer.copy_(work)
         return sent
 
-    def state_dict(self) -> dict:
-        return {
-            "mode": self.mode,
-            "algorithm": self.algorithm,
-            "residuals": self.error_feedback.state_dict() if self.error_feedback else {},
-            "powersgd_q": self.powersgd.state_dict(),
-        }
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors, flat names: ``residual.<bucket>`` and ``powersgd_q.<bucket>.<i>``."""
+        state = {f"residual.{key}": value for key, value in (self.error_feedback.state_dict() if self.error_feedback else {}).items()}
+        for key, qs in self.powersgd.state_dict().items():
+            state.update({f"powersgd_q.{key}.{i}": q for i, q in enumerate(qs)})
+        return state
 
-    def load_state_dict(self, state: dict) -> None:
-        self.mode, self.algorithm = state["mode"], state["algorithm"]
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if self.error_feedback is not None:
-            self.error_feedback.load_state_dict(state["residuals"])
-        self.powersgd.load_state_dict(state["powersgd_q"])
+            self.error_feedback.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("residual.")})
+        qs: dict[str, list[torch.Tensor]] = {}
+        for name in sorted((k for k in state if k.startswith("powersgd_q.")), key=lambda k: int(k.rsplit(".", 1)[1])):
+            qs.setdefault(name.split(".")[1], []).append(state[name])
+        self.powersgd.load_state_dict(qs)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import tempfile
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -39,20 +38,14 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from lightning_ciuic.checkpoint.sharded import load_sharded, save_sharded
 from lightning_ciuic.comm.auto import AutoCompression
 from lightning_ciuic.comm.compression import (
     AllReduceAlgorithm,
@@ -64,10 +57,10 @@ from lightning_ciuic.comm.grad_sync import GradientSynchronizer, mean_all_reduce
 from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.grad_norm import clip_grad_norm_
+from lightning_ciuic.strategies.launchers import FullWeightsMultiProcessingLauncher
 
 StartMethod = Literal["popen", "spawn", "fork"]
 _BACKENDS = ("gloo", "nccl", "mpi", "ucc")
-_META_FILE = "meta.pt"
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "mean": dist.ReduceOp.SUM,
@@ -254,7 +247,7 @@ class HybridParallelStrategy(ParallelStrategy):
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _FullWeightsMultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = FullWeightsMultiProcessingLauncher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -456,8 +449,6 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write a DCP directory at ``filepath``: tensors sharded per rank, the rest in ``meta.pt``."""
-        import torch.distributed.checkpoint as dcp
-
         if storage_options is not None:
             raise TypeError("HybridParallelStrategy.save_checkpoint does not take storage_options.")
         path = Path(self.broadcast(str(filepath)))
@@ -466,51 +457,32 @@ class HybridParallelStrategy(ParallelStrategy):
                 path.unlink()
             path.mkdir(parents=True, exist_ok=True)
         self.barrier("checkpoint-dir")
-        tensors = {"state_dict": checkpoint.pop("state_dict")}
-        tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
+        rank_state = None
         if self.compression is not None:  # error-feedback residuals differ per rank: one key per rank
-            tensors[self._compression_key] = _flatten_compression_state(self.compression.state_dict())
-            checkpoint["hybrid_parallel"] = {"mode": self.compression.mode, "algorithm": self.compression.algorithm}
-        dcp.save(tensors, checkpoint_id=str(path))
-        if self.is_global_zero:
-            torch.save(checkpoint, path / _META_FILE)
+            rank_state = self.compression.state_dict()
+            checkpoint["gradient_compression"] = {"mode": self.compression.mode, "algorithm": self.compression.algorithm}
+        save_sharded(path, model_state, optimizer_states, checkpoint, rank_state, self._rank_key, self.is_global_zero)
         self.barrier("checkpoint-saved")
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load a directory written by :meth:`save_checkpoint` into the (already set-up) model and optimizers."""
-        import torch.distributed.checkpoint as dcp
-
         path = Path(self.broadcast(str(checkpoint_path)))
-        if not (path / _META_FILE).is_file():
-            raise FileNotFoundError(
-                f"{path} is not a HybridParallelStrategy checkpoint (a directory with {_META_FILE} and DCP shards);"
-                " pass a path written by trainer.save_checkpoint or ModelCheckpoint under this strategy."
-            )
-        assert self.model is not None and self.lightning_module is not None
+        assert self.model is not None
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
-        state.update({f"optimizer_{i}": get_optimizer_state_dict(self.model, o) for i, o in enumerate(optimizers)})
-        meta = torch.load(path / _META_FILE, weights_only=False)
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        compression_keys = [k for k in saved if k.startswith(self._compression_key + ".")]
-        if self.compression is not None and compression_keys:
-            state[self._compression_key] = {k[len(self._compression_key) + 1 :]: torch.empty(saved[k].size) for k in compression_keys}
+        meta, rank_state = load_sharded(path, self.model, optimizers, self._rank_key)
+        compression_config = meta.pop("gradient_compression", None)
+        if self.compression is not None and rank_state is not None:
+            self.compression.load_state_dict(rank_state)
+            self.compression.set_mode(**compression_config)
         elif self.compression is not None:
             rank_zero_info("checkpoint has no gradient-compression state for this rank: residuals start at zero.")
-        dcp.load(state, checkpoint_id=str(path))
-        set_model_state_dict(self.model, state["state_dict"])
-        for i, optimizer in enumerate(optimizers):
-            set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"])
-        if self._compression_key in state:
-            restored = _unflatten_compression_state(state[self._compression_key])
-            restored.update(meta.pop("hybrid_parallel", {}))
-            self.compression.load_state_dict(restored)
         return meta
 
     @property
-    def _compression_key(self) -> str:
-        return f"grad_compression_rank{self.global_rank}"
+    def _rank_key(self) -> str:
+        return f"rank{self.global_rank}_state"
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -525,37 +497,3 @@ class HybridParallelStrategy(ParallelStrategy):
 
 def _clip_grad_by_global_norm(plugin: Precision, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
     clip_grad_norm_(plugin.main_params(optimizer), clip_val)
-
-
-class _FullWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn/fork launcher, except that the weights handed back to the main process are full
-    tensors: tensor-parallel DTensors are gathered on every rank first (the main process has no mesh)."""
-
-    @override
-    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Optional[_WorkerOutput]:
-        checkpoint_callback = trainer.checkpoint_callback
-        best_model_path = getattr(checkpoint_callback, "best_model_path", None)
-        state_dict = get_model_state_dict(trainer.lightning_module, options=StateDictOptions(full_state_dict=True))
-        if self._strategy.local_rank != 0:
-            return None
-        weights_path = None
-        if trainer.state.fn == TrainerFn.FITTING:
-            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
-            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
-        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
-
-
-def _flatten_compression_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Tensors only, flat names: ``residual.<bucket>`` and ``q.<bucket>.<i>`` (DCP stores tensors)."""
-    flat = {f"residual.{key}": value for key, value in state["residuals"].items()}
-    for key, qs in state["powersgd_q"].items():
-        flat.update({f"q.{key}.{i}": q for i, q in enumerate(qs)})
-    return flat
-
-
-def _unflatten_compression_state(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
-    residuals = {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith("residual.")}
-    qs: dict[str, list[torch.Tensor]] = {}
-    for name in sorted((k for k in flat if k.startswith("q.")), key=lambda k: int(k.rsplit(".", 1)[1])):
-        qs.setdefault(name.split(".")[1], []).append(flat[name])
-    return {"residuals": residuals, "powersgd_q": qs}

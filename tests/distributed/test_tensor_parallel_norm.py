@@ -1,7 +1,6 @@
 """Global gradient norm across tensor-parallel shards equals the single-process norm."""
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel

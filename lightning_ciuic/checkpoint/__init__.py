@@ -1,0 +1,1 @@
+"""Checkpoint formats and storage. No Lightning imports."""

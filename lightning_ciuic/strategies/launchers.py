@@ -1,0 +1,38 @@
+"""Launchers of HybridParallelStrategy: Lightning's, with one difference for spawn/fork.
+
+``FullWeightsMultiProcessingLauncher`` is Lightning's multiprocessing launcher, except that the weights it
+hands back to the main process after ``fit`` are full tensors: tensor-parallel DTensors are gathered on
+every rank first, because the main process has no device mesh to rebuild them on.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Optional
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from typing_extensions import override
+
+
+class FullWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, except that the weights handed back to the main process are full
+    tensors: tensor-parallel DTensors are gathered on every rank first (the main process has no mesh)."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Optional[_WorkerOutput]:
+        checkpoint_callback = trainer.checkpoint_callback
+        best_model_path = getattr(checkpoint_callback, "best_model_path", None)
+        state_dict = get_model_state_dict(trainer.lightning_module, options=StateDictOptions(full_state_dict=True))
+        if self._strategy.local_rank != 0:
+            return None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
