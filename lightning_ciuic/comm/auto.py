@@ -1,15 +1,18 @@
-"""``communication_compression="auto"``: choose the mode that minimizes predicted gradient-sync time.
+"""``communication_compression="auto"``: choose the mode that makes training steps fastest.
 
-Contract of ``AutoCompression(compression).decide(group, gradient_numel, buckets)`` (a collective: every
-rank of ``group`` calls it at the same point):
+Contract of ``AutoCompression(compression).on_step(group, global_step, gradient_numel, buckets)``, called
+by every data-parallel rank at the start of every optimizer step (its collectives need all of them):
 
-1. measures the link: median time of the backend's all-reduce at 16 KiB and 4 MiB, fitted to
-   ``t = latency + ring_bytes / bandwidth`` (``ring_bytes = 2 (w-1)/w * bytes``);
-2. measures this machine's encode + decode time per value for every candidate codec;
-3. predicts, per mode, ``collectives * 2 (w-1) * latency + wire_bytes / bandwidth + codec time`` for this
-   model's gradient (``gradient_numel`` values in ``buckets`` buckets) and picks the minimum;
-4. the first rank decides and broadcasts, so all ranks switch together; the decision, every prediction
-   and the measured link are returned as :class:`AutoDecision` (its ``reason`` is logged).
+1. every ``recheck_steps`` optimizer steps (and at step 0) it measures the link — median time of the
+   backend's all-reduce at 16 KiB and 4 MiB, fitted to ``t = latency + ring_bytes / bandwidth`` — and this
+   machine's encode + decode time per value for every candidate codec, and *predicts* each mode's sync
+   time for this model's gradient (``collectives * 2 (w-1) * latency + wire_bytes / bandwidth + codec``);
+2. it then *tries* the candidates, fastest predicted first, ``trial_steps`` optimizer steps each, timing
+   whole steps (the slowest rank counts), because a prediction cannot see what the hardware does when
+   encoding competes with backward for the same cores or when communication hides behind compute;
+3. it keeps the mode with the lowest measured step time. All ranks take the same decision (the measured
+   times are reduced with MAX across ranks first); it is returned as :class:`AutoDecision`, whose
+   ``reason`` (measured link, predictions, measurements) the strategy logs.
 
 Candidates are the dense modes ``none``, ``fp16``, ``int8``, ``nf4`` (their error is bounded and error
 feedback covers it); ``topk`` and ``powersgd`` change convergence too much to be picked silently.
@@ -31,6 +34,7 @@ from lightning_ciuic.comm.codecs import dense_codec
 from lightning_ciuic.comm.compression import GradientCompression
 
 CANDIDATES = ("none", "fp16", "int8", "nf4")
+TRIAL_STEPS = 4  # per candidate; the first is dropped (warm-up of a mode switch)
 _WIRE_FRACTION = {"none": 1.0, "fp16": 0.5}
 
 
@@ -40,13 +44,17 @@ class AutoDecision:
     latency_s: float
     bandwidth_bytes_per_s: float
     predicted_s: dict[str, float] = field(default_factory=dict)
+    measured_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def reason(self) -> str:
-        ranked = ", ".join(f"{m} {t * 1e3:.1f} ms" for m, t in sorted(self.predicted_s.items(), key=lambda kv: kv[1]))
+        def ranked(times: dict[str, float]) -> str:
+            return ", ".join(f"{m} {t * 1e3:.1f} ms" for m, t in sorted(times.items(), key=lambda kv: kv[1]))
+
         return (
-            f"communication_compression='auto' chose {self.mode!r}: measured {self.bandwidth_bytes_per_s * 8 / 1e9:.2f} Gbit/s,"
-            f" {self.latency_s * 1e6:.0f} us latency; predicted sync per step: {ranked}"
+            f"communication_compression='auto' chose {self.mode!r}: measured step time {ranked(self.measured_s)};"
+            f" link {self.bandwidth_bytes_per_s * 8 / 1e9:.2f} Gbit/s, {self.latency_s * 1e6:.0f} us latency;"
+            f" predicted sync {ranked(self.predicted_s)}"
         )
 
 
@@ -87,12 +95,19 @@ def codec_seconds_per_value(mode: str, sample: int = 1 << 18) -> float:
 
 
 class AutoCompression:
-    def __init__(self, compression: GradientCompression, recheck_steps: int = 500) -> None:
+    def __init__(self, compression: GradientCompression, recheck_steps: int = 500, trial_steps: int = TRIAL_STEPS) -> None:
         if recheck_steps < 1:
             raise ValueError(f"auto recheck interval must be >= 1 optimizer step, got {recheck_steps}.")
+        if trial_steps < 2:
+            raise ValueError(f"trial_steps must be >= 2 (the first step of a trial is dropped), got {trial_steps}.")
         self.compression = compression
         self.recheck_steps = recheck_steps
+        self.trial_steps = trial_steps
         self.history: list[AutoDecision] = []
+        self._pending: AutoDecision | None = None  # the decision being measured
+        self._order: list[str] = []
+        self._times: dict[str, list[float]] = {}
+        self._last: tuple[int, float] | None = None
 
     def predict(self, mode: str, numel: int, buckets: int, world: int, latency: float, bandwidth: float, codec_s: float) -> float:
         if mode in _WIRE_FRACTION:
@@ -102,17 +117,48 @@ class AutoCompression:
         ring = 2 * (world - 1) / world
         return collectives * 2 * (world - 1) * latency + ring * wire / bandwidth + codec_s * numel
 
-    def decide(self, group: dist.ProcessGroup, gradient_numel: int, buckets: int) -> AutoDecision:
+    def on_step(self, group: dist.ProcessGroup, global_step: int, gradient_numel: int, buckets: int) -> AutoDecision | None:
+        """Advance the trial by one optimizer step; returns a decision on the step it is taken."""
+        now = time.perf_counter()
+        if self._pending is not None and self._last is not None and self._last[0] == global_step - 1:
+            self._times.setdefault(self.compression.mode, []).append(now - self._last[1])
+        self._last = (global_step, now)
+        if self._pending is None:
+            if global_step % self.recheck_steps == 0:
+                self._start(group, gradient_numel, buckets)
+            return None
+        tried = self._times.get(self.compression.mode, [])
+        if len(tried) < self.trial_steps:
+            return None
+        untried = [m for m in self._order if m not in self._times]
+        if untried:
+            self.compression.set_mode(untried[0], self.compression.algorithm)
+            return None
+        return self._finish(group)
+
+    def _start(self, group: dist.ProcessGroup, gradient_numel: int, buckets: int) -> None:
         world = dist.get_world_size(group)
         latency, bandwidth = measure_link(group)
         predicted = {
             mode: self.predict(mode, gradient_numel, buckets, world, latency, bandwidth, codec_seconds_per_value(mode))
             for mode in CANDIDATES
         }
-        decision = AutoDecision(min(predicted, key=predicted.get), latency, bandwidth, predicted)
-        box = [decision]
+        box = [predicted]  # the first rank's predictions order the trial everywhere
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-        decision = box[0]
+        predicted = box[0]
+        self._order = sorted(predicted, key=predicted.get)
+        self._pending = AutoDecision(self._order[0], latency, bandwidth, predicted)
+        self._times = {}
+        self.compression.set_mode(self._order[0], self.compression.algorithm)
+
+    def _finish(self, group: dist.ProcessGroup) -> AutoDecision:
+        medians = torch.tensor([statistics.median(self._times[m][1:]) for m in self._order], dtype=torch.float64)
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)  # the slowest rank sets the pace
+        decision = self._pending
+        assert decision is not None
+        decision.measured_s = dict(zip(self._order, medians.tolist()))
+        decision.mode = min(decision.measured_s, key=decision.measured_s.get)
         self.compression.set_mode(decision.mode, self.compression.algorithm)
         self.history.append(decision)
+        self._pending = None
         return decision

@@ -174,7 +174,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self.compression: Optional[GradientCompression] = None
         self.auto: Optional[AutoCompression] = None
         self._logged = (0, 0.0)
-        self._auto_checked_step = -1
+        self._auto_step = -1
         self._sync_timeout = _positive_seconds("sync_timeout", sync_timeout)
         self._timeout = _positive_seconds("timeout", timeout)
         self._requested = dict(
@@ -320,19 +320,6 @@ class HybridParallelStrategy(ParallelStrategy):
             self.compression.close()
         self.grad_sync = self.compression = self.auto = None
 
-    def _decide_auto_compression(self) -> None:
-        assert self.auto is not None and self.grad_sync is not None
-        numel = sum(bucket.buffer.numel() for bucket in self.grad_sync.buckets)
-        decision = self.auto.decide(self.grad_sync.group, numel, len(self.grad_sync.buckets))
-        rank_zero_info(decision.reason)
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        if self.auto is not None:
-            self._decide_auto_compression()
-            self._auto_checked_step = self.lightning_module.trainer.global_step
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.grad_sync is not None:
@@ -344,9 +331,12 @@ class HybridParallelStrategy(ParallelStrategy):
         assert self.grad_sync is not None
         if self.compression is not None:
             self.compression.set_step(global_step)
-        if self.auto is not None and global_step % self._auto_recheck_steps == 0 and global_step != self._auto_checked_step:
-            self._decide_auto_compression()
-            self._auto_checked_step = global_step
+        if self.auto is not None and global_step != self._auto_step:  # once per optimizer step
+            self._auto_step = global_step
+            numel = sum(bucket.buffer.numel() for bucket in self.grad_sync.buckets)
+            decision = self.auto.on_step(self.grad_sync.group, global_step, numel, len(self.grad_sync.buckets))
+            if decision is not None:
+                rank_zero_info(decision.reason)
         stats, (logged_bytes, logged_seconds) = self.grad_sync.stats, self._logged
         if stats.bytes_sent != logged_bytes or stats.wait_seconds != logged_seconds:
             module = self.lightning_module
