@@ -32,7 +32,7 @@ from benchmarks.common import MODELS, ROOT, machine, median_after_warmup, write_
 from benchmarks.sim_cluster import SimulatedCluster, available  # noqa: E402
 from lightning_ciuic.comm.auto import CANDIDATES, TRIAL_STEPS  # noqa: E402
 
-OURS = ["none", "fp16", "bf16", "int8", "nf4", "topk", "powersgd", "auto"]
+OURS = ["none", "fp16", "bf16", "int8", "nf4", "topk", "powersgd", "powersgd rank 16", "auto"]
 DDP_VARIANTS = ["DDPStrategy", "DDP + torch fp16 hook", "DDP + torch PowerSGD hook"]
 WARMUP = 5
 AUTO_TRIAL = len(CANDIDATES) * TRIAL_STEPS
@@ -45,9 +45,11 @@ def _strategy(variant: str):
 
     if variant in DDP_VARIANTS:
         return DDPStrategy()
-    mode, _, warmup = variant.partition(" warm-up ")  # e.g. "topk warm-up 20"
+    mode, *options = variant.split(" ")  # e.g. "topk warm-up 20", "powersgd rank 16"
+    settings = dict(zip(options[::2], map(int, options[1::2])))
     return HybridParallelStrategy(
-        communication_compression=mode, compression_ratio=0.01, powersgd_rank=4, compression_warmup_steps=int(warmup or 0)
+        communication_compression=mode, compression_ratio=0.01, powersgd_rank=settings.get("rank", 4),
+        compression_warmup_steps=settings.get("warm-up", 0),
     )
 
 
@@ -200,7 +202,8 @@ def main() -> None:
             f"(target <= 1.05).\n\n`auto` said: {fast['auto']['auto'][0] if fast['auto']['auto'] else ''}"
         )
 
-        loss_variants = ["none", "fp16", "bf16", "int8", "nf4", "topk", "topk warm-up 20", "powersgd", "powersgd warm-up 20"]
+        loss_variants = ["none", "fp16", "bf16", "int8", "nf4", "topk", "topk warm-up 20", "powersgd", "powersgd warm-up 20",
+                         "powersgd rank 16"]
         losses = {v: run(v, "example", args.loss_steps, workdir, None)["losses"] for v in loss_variants}
         reference = sum(losses["none"][-20:]) / 20
         loss_rows = "\n".join(

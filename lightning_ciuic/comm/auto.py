@@ -34,7 +34,7 @@ from lightning_ciuic.comm.codecs import dense_codec
 from lightning_ciuic.comm.compression import GradientCompression
 
 CANDIDATES = ("none", "fp16", "int8", "nf4")
-TRIAL_STEPS = 4  # per candidate; the first is dropped (warm-up of a mode switch)
+TRIAL_STEPS = 6  # per candidate; the first is dropped (warm-up of a mode switch)
 _WIRE_FRACTION = {"none": 1.0, "fp16": 0.5}
 
 
