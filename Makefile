@@ -22,8 +22,12 @@ demo: setup
 test: setup
 	$(PY) -m pytest tests
 
+# Every benchmark; each rewrites its section of docs/benchmarks.md (compression.py needs root for netns + tc).
 bench: setup
 	$(PY) benchmarks/strategy_vs_ddp.py
+	$(PY) benchmarks/lr_schedule.py
+	$(PY) benchmarks/sync_failures.py
+	$(PY) benchmarks/compression.py
 
 clean:
 	rm -rf $(VENV) lightning_logs demo_logs .pytest_cache

@@ -107,10 +107,13 @@ class GradientCompression:
         return "none" if self.step < self.warmup_steps else self.mode
 
     def __call__(self, key: str, buffer: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup) -> PendingReduction:
-        mode, algorithm = self.active_mode, self.algorithm
-        if mode == "none" and algorithm == "native":  # exactly the uncompressed path: async, no worker thread
+        if self.active_mode == "none" and self.algorithm == "native":  # the uncompressed path: async, no thread
             return mean_all_reduce(key, buffer, shapes, group)
-        return _FutureReduction(self._executor.submit(self.reduce_, key, buffer, shapes, group, mode, algorithm))
+        return _FutureReduction(self.submit(key, buffer, shapes, group))
+
+    def submit(self, key: str, buffer: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup) -> Future:
+        """Queue the reduction of one bucket on the worker thread; the future's result is the bytes sent."""
+        return self._executor.submit(self.reduce_, key, buffer, shapes, group, self.active_mode, self.algorithm)
 
     def reduce_(
         self, key: str, buffer: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup, mode: str, algorithm: str

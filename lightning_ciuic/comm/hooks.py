@@ -31,7 +31,7 @@ def _compression_hook(state: "_HookState", bucket: dist.GradBucket) -> torch.fut
     buffer = bucket.buffer()
     shapes = [g.shape for g in bucket.gradients()]
     result: torch.futures.Future = torch.futures.Future()
-    pending = state.compression(f"bucket{bucket.index()}", buffer, shapes, state.group)
+    pending = state.compression.submit(f"bucket{bucket.index()}", buffer, shapes, state.group)
 
     def done(future) -> None:
         error = future.exception()
@@ -40,7 +40,7 @@ def _compression_hook(state: "_HookState", bucket: dist.GradBucket) -> torch.fut
         else:
             result.set_result(buffer)
 
-    pending.future.add_done_callback(done)
+    pending.add_done_callback(done)
     return result
 
 
