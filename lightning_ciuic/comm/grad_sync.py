@@ -114,16 +114,17 @@ FIRST_BUCKET_BYTES = 1024 * 1024  # as torch DDP: a small first bucket starts co
 
 def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
     groups: dict[tuple[torch.device, torch.dtype], list[list[torch.nn.Parameter]]] = {}
+    filled: dict[tuple[torch.device, torch.dtype], int] = {}  # bytes in each group's last chunk
     for p in reversed(params):
         local = _local(p)
-        key = (local.device, local.dtype)
+        key, size = (local.device, local.dtype), local.numel() * local.element_size()
         chunks = groups.setdefault(key, [[]])
-        current = chunks[-1]
-        current_bytes = sum(_local(q).numel() for q in current) * local.element_size()
         cap = min(bucket_bytes, FIRST_BUCKET_BYTES) if len(chunks) == 1 else bucket_bytes
-        if current and current_bytes + local.numel() * local.element_size() > cap:
-            chunks.append(current := [])
-        current.append(p)
+        if chunks[-1] and filled.get(key, 0) + size > cap:
+            chunks.append([])
+            filled[key] = 0
+        chunks[-1].append(p)
+        filled[key] = filled.get(key, 0) + size
     buckets = []
     for (device, dtype), chunks in groups.items():
         for chunk in chunks:
