@@ -294,6 +294,7 @@ class HybridParallelStrategy(ParallelStrategy):
 
     def _setup_grad_sync(self) -> None:
         self._close_grad_sync()
+        self._logged, self._auto_step = (0, 0.0), -1
         assert self.parallel_dims is not None and self.model is not None
         if not self.parallel_dims.dp_enabled:
             return
