@@ -109,6 +109,11 @@ class _Bucket:
         return self.buffer[start : start + _local(self.params[slot]).numel()]
 
 
+def check_bucket_size(bucket_size_mb: float) -> None:
+    if bucket_size_mb <= 0:
+        raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb!r} (25.0 is a good default).")
+
+
 FIRST_BUCKET_BYTES = 1024 * 1024  # as torch DDP: a small first bucket starts communication early in backward
 
 
@@ -148,8 +153,7 @@ class GradientSynchronizer:
         axis_name: str = "dp",
         reducer: BucketReducer = mean_all_reduce,
     ) -> None:
-        if bucket_size_mb <= 0:
-            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb!r} (25.0 is a good default).")
+        check_bucket_size(bucket_size_mb)
         if timeout <= 0:
             raise ValueError(f"sync_timeout must be > 0 seconds, got {timeout!r} (the default is 300.0).")
         self.group = group

@@ -51,44 +51,26 @@ class PowerSGD:
 
     def allreduce_(self, key: str, x: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup) -> int:
         world = dist.get_world_size(group)
-        views, offset = [], 0
-        for shape in shapes:
-            numel = math.prod(shape)
-            views.append(x[offset : offset + numel])
-            offset += numel
-        matrices = [(v.view(s[0], -1), s) for v, s in zip(views, shapes) if self._is_compressed(s)]
-        exact = [v for v, s in zip(views, shapes) if not self._is_compressed(s)]
+        flat_views = _split(x, [torch.Size([math.prod(s)]) for s in shapes])
+        matrices = [v.view(s[0], -1) for v, s in zip(flat_views, shapes) if self._is_compressed(s)]
+        exact = [v for v, s in zip(flat_views, shapes) if not self._is_compressed(s)]
         if key not in self.q_memory:
-            g = torch.Generator().manual_seed(0)
-            self.q_memory[key] = [torch.randn(m.shape[1], self.rank, generator=g) for m, _ in matrices]
-        qs = self.q_memory[key]
-        sent = 0
+            g = torch.Generator().manual_seed(0)  # the same start on every rank
+            self.q_memory[key] = [torch.randn(m.shape[1], self.rank, generator=g) for m in matrices]
 
-        def mean_(flat: torch.Tensor) -> None:
-            nonlocal sent
-            if flat.numel():
-                dist.all_reduce(flat, group=group)
-                flat.div_(world)
-                sent += 2 * (world - 1) * flat.numel() * 4 // world
-
-        ps = [m @ q for (m, _), q in zip(matrices, qs)]  # P = M Q (Q warm-started)
-        flat_p = torch.cat([p.reshape(-1) for p in ps]) if ps else torch.zeros(0)
-        mean_(flat_p)
+        ps = [m @ q for m, q in zip(matrices, self.q_memory[key])]  # P = M Q (Q warm-started)
+        flat_p = _mean_(_concat(ps), group, world)
         ps = [_orthonormalize(p) for p in _split(flat_p, [p.shape for p in ps])]
-        new_qs = [m.T @ p for (m, _), p in zip(matrices, ps)]  # Q = M^T P
-        flat_rest = torch.cat([torch.cat([q.reshape(-1) for q in new_qs]) if new_qs else torch.zeros(0)]
-                              + [v for v in exact])
-        mean_(flat_rest)
-        q_numel = sum(q.numel() for q in new_qs)
-        averaged_qs = _split(flat_rest[:q_numel], [q.shape for q in new_qs])
+        qs = [m.T @ p for m, p in zip(matrices, ps)]  # Q = M^T P
+        flat_rest = _mean_(_concat(qs + exact), group, world)  # the new Q and the exact part, one all-reduce
+        rest = _split(flat_rest, [t.shape for t in qs + exact])
+        averaged_qs, averaged_exact = rest[: len(qs)], rest[len(qs) :]
         self.q_memory[key] = [q.clone() for q in averaged_qs]
-        for (m, _), p, q in zip(matrices, ps, averaged_qs):
+        for m, p, q in zip(matrices, ps, averaged_qs):
             m.copy_(p @ q.T)
-        offset = q_numel
-        for v in exact:
-            v.copy_(flat_rest[offset : offset + v.numel()])
-            offset += v.numel()
-        return sent
+        for v, averaged in zip(exact, averaged_exact):
+            v.copy_(averaged)
+        return 2 * (world - 1) * self.nbytes(shapes) // world  # two ring all-reduces of this payload
 
     def state_dict(self) -> dict[str, list[torch.Tensor]]:
         return {k: [q.clone() for q in v] for k, v in self.q_memory.items()}
@@ -104,3 +86,14 @@ def _split(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
         out.append(flat[offset : offset + numel].view(shape))
         offset += numel
     return out
+
+
+def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+
+
+def _mean_(flat: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:
+    if flat.numel():
+        dist.all_reduce(flat, group=group)
+        flat.div_(world)
+    return flat

@@ -53,7 +53,7 @@ from lightning_ciuic.comm.compression import (
     GradientCompression,
     validate_compression,
 )
-from lightning_ciuic.comm.grad_sync import GradientSynchronizer, mean_all_reduce
+from lightning_ciuic.comm.grad_sync import GradientSynchronizer, check_bucket_size, mean_all_reduce
 from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.grad_norm import clip_grad_norm_
@@ -146,8 +146,7 @@ class HybridParallelStrategy(ParallelStrategy):
             )
         if start_method not in ("popen", "spawn", "fork"):
             raise ValueError(f"start_method={start_method!r}; use 'popen', 'spawn' or 'fork'.")
-        if bucket_size_mb <= 0:
-            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb!r} (25.0 is a good default).")
+        check_bucket_size(bucket_size_mb)
         if isinstance(communication_compression, GradientQuantizer):
             error_feedback = communication_compression.error_feedback
             communication_compression = communication_compression.mode
