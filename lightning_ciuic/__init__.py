@@ -7,6 +7,7 @@ Importing the package registers the strategy names with Lightning's ``StrategyRe
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_ciuic.callbacks.data_balance import DynamicDataBalancer
 from lightning_ciuic.callbacks.lr_schedule import WarmupCosineAnnealingLR, WarmupCosineSchedule, warmup_cosine_lr
 from lightning_ciuic.comm.compression import GradientCompression
 from lightning_ciuic.comm.grad_sync import GradientSynchronizer, GradientSyncTimeoutError
@@ -20,6 +21,7 @@ HybridParallelEngine = HybridParallelStrategy
 GradientSyncOptimizer = HybridParallelStrategy
 
 __all__ = [
+    "DynamicDataBalancer",
     "GradientCompression",
     "GradientQuantizer",
     "GradientSyncOptimizer",
