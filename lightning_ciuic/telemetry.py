@@ -12,6 +12,9 @@ Contract:
   - ``compute``: batch start to the moment the *last* gradient was produced (forward + backward). Gradient
     hooks time it, so a collective that waits for a slower rank after backward (DDP's final bucket wait,
     our synchronizer's ``finish``) is not counted: this is the rank's own speed;
+  - ``sync_wait``: the last gradient to ``on_before_optimizer_step`` (reported through
+    :meth:`before_optimizer_step`): gradient synchronization left exposed after backward, wherever the
+    strategy waits for it (0 on accumulation micro-steps);
   - ``duration``: batch start to batch end (everything: compute, waits, optimizer step, callbacks).
 
 * :meth:`records_since` hands each consumer the records after its own cursor; :func:`gather_per_rank`
@@ -42,7 +45,9 @@ class StepRecord:
     samples: int
     data_wait: float
     compute: float
+    sync_wait: float
     duration: float
+    optimizer_step: bool  # the batch ended with an optimizer step (not an accumulation micro-step)
 
 
 class Telemetry:
@@ -56,6 +61,7 @@ class Telemetry:
         self._open: Optional[tuple[int, int, int, float, float]] = None  # (step, batch_idx, samples, wait, start)
         self._last_end: Optional[float] = None
         self._last_grad = 0.0
+        self._sync_mark = 0.0
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad) for p in module.parameters() if p.requires_grad
         ]
@@ -85,16 +91,23 @@ class Telemetry:
         now = time.perf_counter()
         wait = 0.0 if self._last_end is None else now - self._last_end
         samples = extract_batch_size(batch) if batch is not None else 0
-        self._last_grad = 0.0
+        self._last_grad = self._sync_mark = 0.0
         self._open = (step, batch_idx, samples, wait, now)
+
+    def before_optimizer_step(self) -> None:
+        if self._open is not None and not self._sync_mark:
+            self._sync_mark = time.perf_counter()
 
     def end(self) -> None:
         if self._open is None:
             return
         step, batch_idx, samples, wait, start = self._open
         now = time.perf_counter()
-        compute = (self._last_grad if self._last_grad > start else now) - start
-        self._records.append(StepRecord(step, batch_idx, samples, wait, compute, now - start))
+        grads_done = self._last_grad if self._last_grad > start else now
+        sync_wait = max(0.0, self._sync_mark - grads_done) if self._sync_mark else 0.0
+        self._records.append(
+            StepRecord(step, batch_idx, samples, wait, grads_done - start, sync_wait, now - start, bool(self._sync_mark))
+        )
         self._count += 1
         self._open, self._last_end = None, now
 

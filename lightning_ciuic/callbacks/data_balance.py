@@ -41,11 +41,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 from typing_extensions import override
 
 from lightning_ciuic.parallel.balance import BalancedBatchSampler, imbalance, rebalanced_split
-from lightning_ciuic.parallel.grad_norm import total_grad_norm
 from lightning_ciuic.telemetry import StepRecord, Telemetry, gather_per_rank
 
 RebalanceStrategy = Literal["throughput", "gradient_aware"]
@@ -188,8 +188,9 @@ class DynamicDataBalancer(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        if self.rebalance_strategy == "gradient_aware":
-            self._grad_norms.append(float(total_grad_norm(pl_module.parameters())))
+        if self.rebalance_strategy == "gradient_aware":  # this rank's (local shard) norm; ranks vote at the check
+            grads = [_local(p.grad) for p in pl_module.parameters() if p.grad is not None]
+            self._grad_norms.append(float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0)
 
     @override
     def on_train_batch_end(
@@ -203,22 +204,20 @@ class DynamicDataBalancer(Callback):
             self._check(trainer, pl_module)
 
     def _check(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Gather the window from every rank and decide, from the same numbers everywhere, the next split."""
         assert self.sampler is not None
         records, self._cursor = Telemetry.of(trainer).records_since(self._cursor)
         norms, self._grad_norms = self._grad_norms, []
-        dp_rank = self.sampler.rank
-        rows = gather_per_rank(trainer, [dp_rank, *_window_stats(records)])
+        rows = gather_per_rank(trainer, [self.sampler.rank, float(_unstable(norms)), *_window_stats(records)])
         split = self.sampler.split
-        step_times, speeds = _per_dp_rank(rows, self.sampler.num_replicas, self.rebalance_strategy)
+        step_times, speeds = _per_dp_rank(rows[:, [0, 2, 3, 4, 5]], self.sampler.num_replicas, self.rebalance_strategy)
         measured = imbalance(step_times)
-        pl_module.log("balance/imbalance", measured, on_step=True, on_epoch=False, rank_zero_only=True)
-        for rank, share in enumerate(split):
-            pl_module.log(f"balance/share_{rank}", float(share), on_step=True, on_epoch=False, rank_zero_only=True)
-        if self.rebalance_strategy == "gradient_aware" and _unstable(norms):
-            rank_zero_info(f"DynamicDataBalancer: gradient norm unstable in this window {norms}; split kept.")
-            return
-        max_shift = _MAX_SHIFT if self.rebalance_strategy == "gradient_aware" else None
-        new = rebalanced_split(split, speeds, step_times, self.imbalance_threshold, self.min_samples, max_shift)
+        new = None
+        if bool(rows[:, 1].max() > 0):
+            rank_zero_info("DynamicDataBalancer: gradient norm unstable in this window on some rank; split kept.")
+        else:
+            max_shift = _MAX_SHIFT if self.rebalance_strategy == "gradient_aware" else None
+            new = rebalanced_split(split, speeds, step_times, self.imbalance_threshold, self.min_samples, max_shift)
         if new is not None:
             self.sampler.split = new
             self.rebalances += 1
@@ -227,6 +226,9 @@ class DynamicDataBalancer(Callback):
                 f" {self.imbalance_threshold}: split {split} -> {new} (step times"
                 f" {[round(t * 1e3, 1) for t in step_times]} ms)"
             )
+        pl_module.log("balance/imbalance", measured, on_step=True, on_epoch=False, rank_zero_only=True)
+        for rank, share in enumerate(self.sampler.split):
+            pl_module.log(f"balance/share_{rank}", float(share), on_step=True, on_epoch=False, rank_zero_only=True)
 
     # -- checkpoints ----------------------------------------------------------------------------------
     @override
@@ -259,6 +261,10 @@ class DynamicDataBalancer(Callback):
                 f"DynamicDataBalancer: checkpoint split {state['split']} does not fit {sampler.num_replicas} ranks x"
                 f" global batch {sampler.global_batch_size}; starting from an even split."
             )
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _window_stats(records: list[StepRecord]) -> list[float]:

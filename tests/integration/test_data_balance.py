@@ -46,6 +46,17 @@ def test_rebalanced_training_equals_single_process(strategy, rebalance_strategy)
     assert_state_close({k: v.detach() for k, v in module.state_dict().items()}, expected)
 
 
+def test_below_the_threshold_the_split_stays_even():
+    trainer = Trainer(
+        strategy="ciuic_spawn", accelerator="cpu", devices=2, max_steps=4, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[DynamicDataBalancer(monitoring_freq=2, imbalance_threshold=100.0), SlowRank([1], 0.02)],
+    )
+    trainer.fit(_tiny(), loader(4 * PER_RANK_BATCH * 2, PER_RANK_BATCH))
+    assert float(trainer.callback_metrics["balance/imbalance"]) > 0.15  # measured, but under the threshold
+    assert float(trainer.callback_metrics["balance/share_0"]) == PER_RANK_BATCH
+
+
 class Indexed(Dataset):
     def __init__(self, n: int) -> None:
         self.x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))

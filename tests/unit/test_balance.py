@@ -111,3 +111,10 @@ def test_bad_splits_are_refused():
 def test_bad_arguments_name_what_would_work(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DynamicDataBalancer(**kwargs)
+
+
+def test_gradient_aware_distrusts_windows_with_unstable_gradient_norms():
+    from lightning_ciuic.callbacks.data_balance import _unstable
+
+    assert not _unstable([1.0, 2.0, 1.5]) and not _unstable([])
+    assert _unstable([1.0, 1.1, 25.0]) and _unstable([1.0, float("nan")])
