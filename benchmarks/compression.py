@@ -107,18 +107,30 @@ def worker(args: argparse.Namespace) -> None:
 
     seed_everything(0)
     torch.set_num_threads(1)
+    callbacks = [Probe()]
+    if args.monitor_dir:  # benchmarks/monitor.py: the communication monitor, optionally with a straggler
+        from lightning_ciuic import CommunicationMonitor
+        from lightning_ciuic.faults import SlowRank
+
+        callbacks.append(CommunicationMonitor(dirpath=args.monitor_dir))
+        if args.straggler:
+            callbacks.append(SlowRank([1], slowdown=2.0))
     trainer = Trainer(
         strategy=_strategy(args.variant), accelerator="cpu", devices=1, num_nodes=2, max_steps=args.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, callbacks=[Probe()],
+        limit_val_batches=0, callbacks=callbacks,
     )
     trainer.fit(DeepSeekMini(**MODELS[args.model]), ByteCorpusDataModule(seq_len=64, batch_size=args.batch_size))
 
 
-def run(variant: str, model: str, steps: int, workdir: Path, cluster: SimulatedCluster | None, batch_size: int = 16) -> dict:
-    out = workdir / f"{variant.replace(' ', '_')}-{model}-{steps}-{batch_size}.json"
+def run(
+    variant: str, model: str, steps: int, workdir: Path, cluster: SimulatedCluster | None, batch_size: int = 16,
+    extra_args: tuple[str, ...] = (),
+) -> dict:
+    """Train ``variant`` on two processes (loopback, or one per node of ``cluster``); the rank-0 probe's results."""
+    out = workdir / f"{variant.replace(' ', '_')}-{model}-{steps}-{batch_size}-{'_'.join(extra_args).replace('/', '')}.json"
     argv = [sys.executable, __file__, "--worker", "--variant", variant, "--model", model, "--steps", str(steps),
-            "--batch-size", str(batch_size), "--out", str(out)]
+            "--batch-size", str(batch_size), "--out", str(out), *extra_args]
     base = {**os.environ, "MASTER_PORT": "29650", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "PYTHONPATH": str(ROOT)}
     if cluster is None:  # loopback
         env = {**base, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
@@ -180,6 +192,8 @@ def main() -> None:
     parser.add_argument("--speed-runs", nargs="+", default=["1gbit:16", "1gbit:4", "200mbit:4"],
                         help="RATE:BATCH pairs for the simulated-cluster speed tables")
     parser.add_argument("--out", default="")
+    parser.add_argument("--monitor-dir", default="", help="worker: add a CommunicationMonitor writing here")
+    parser.add_argument("--straggler", action="store_true", help="worker: slow rank 1 down 2x (with --monitor-dir)")
     args = parser.parse_args()
     if args.worker:
         return worker(args)

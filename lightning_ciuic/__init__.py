@@ -7,12 +7,15 @@ Importing the package registers the strategy names with Lightning's ``StrategyRe
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
 from lightning_ciuic.callbacks.data_balance import DynamicDataBalancer
+from lightning_ciuic.callbacks.monitor import CommunicationMonitor
 from lightning_ciuic.callbacks.lr_schedule import WarmupCosineAnnealingLR, WarmupCosineSchedule, warmup_cosine_lr
 from lightning_ciuic.comm.compression import GradientCompression
 from lightning_ciuic.comm.grad_sync import GradientSynchronizer, GradientSyncTimeoutError
 from lightning_ciuic.comm.hooks import GradientQuantizer, register_compression_hook
 from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO
 from lightning_ciuic.parallel.tensor import apply_tensor_parallel
 from lightning_ciuic.strategies.hybrid import HybridParallelStrategy
 
@@ -21,6 +24,9 @@ HybridParallelEngine = HybridParallelStrategy
 GradientSyncOptimizer = HybridParallelStrategy
 
 __all__ = [
+    "AsyncCheckpointer",
+    "ChunkedCheckpointIO",
+    "CommunicationMonitor",
     "DynamicDataBalancer",
     "GradientCompression",
     "GradientQuantizer",

@@ -4,12 +4,22 @@
 LightningDataModule can be named in the YAML (``class_path``); the current directory is put on
 ``sys.path`` first (as uvicorn and pytest do) so a project's own modules, such as ``examples.deepseek``,
 resolve without being installed.
+
+``lightning-ciuic advise RUN_DIR`` prints the CommunicationMonitor's summary and advice again, offline, from the
+``monitor.json`` it wrote in ``RUN_DIR`` (or any folder below it).
+
+``lightning-ciuic checkpoint ls URL`` lists AsyncCheckpointer checkpoints (name, step, epoch, sizes);
+``checkpoint verify URL [NAME]`` re-reads and checks every chunk (exit 1 naming the damaged file);
+``checkpoint export URL NAME OUT`` writes one checkpoint as a plain ``torch.save`` dict (tensors on CPU).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
+from pathlib import Path
 from typing import Optional
 
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -18,7 +28,74 @@ from lightning.pytorch.cli import LightningCLI
 import lightning_ciuic  # noqa: F401  (registers the strategy names and classes)
 
 
+def advise_command(run_dir: str) -> int:
+    from lightning_ciuic.advice import RunProfile, advise
+    from lightning_ciuic.report import summary_table
+
+    root = Path(run_dir)
+    found = [root] if root.is_file() else sorted(root.rglob("monitor.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        print(f"no monitor.json under {run_dir!r}: train with callbacks=[CommunicationMonitor()] first.", file=sys.stderr)
+        return 2
+    profile = RunProfile.from_json(json.loads(found[-1].read_text())["profile"])
+    print(f"{found[-1]}\n{summary_table(profile)}\n")
+    advice = advise(profile)
+    print("Advice:" if advice else "Advice: none (nothing found to gain >= 10%).")
+    for item in advice:
+        print(f"  - {item}")
+    return 0
+
+
+CHECKPOINT_USAGE = "usage: lightning-ciuic checkpoint ls URL | verify URL [NAME] | export URL NAME OUT"
+
+
+def checkpoint_command(argv: list[str]) -> int:
+    import torch
+
+    from lightning_ciuic.checkpoint.dcp import load_full
+    from lightning_ciuic.checkpoint.incremental import CorruptCheckpointError
+    from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO
+
+    if len(argv) < 2 or argv[0] not in ("ls", "verify", "export"):
+        print(CHECKPOINT_USAGE, file=sys.stderr)
+        return 2
+    action, url, rest = argv[0], argv[1], argv[2:]
+    io = ChunkedCheckpointIO(url)
+    manifests = io.catalog.manifests()
+    if action == "ls":
+        print(f"{'name':32} {'step':>8} {'epoch':>6} {'size MB':>9} {'written MB':>11} {'ranks':>5}  created")
+        for m in manifests:
+            created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created))
+            print(f"{m.name:32} {m.step:8d} {m.epoch:6d} {m.logical_bytes / 1e6:9.2f} {m.written_bytes / 1e6:11.2f} {m.world_size:5d}  {created}")
+        return 0
+    if action == "verify":
+        names = rest or [m.name for m in manifests]
+        failed = 0
+        for name in names:
+            try:
+                io.catalog.verify(io.catalog.get(name))
+                print(f"ok       {name}")
+            except (CorruptCheckpointError, FileNotFoundError) as err:
+                failed += 1
+                print(f"DAMAGED  {name}: {err}")
+        return 1 if failed else 0
+    if len(rest) != 2:
+        print(CHECKPOINT_USAGE, file=sys.stderr)
+        return 2
+    name, out = io.name_of(rest[0]), rest[1]
+    torch.save(load_full(io.store, name), out)
+    print(f"exported {name} to {out}")
+    return 0
+
+
 def main(args: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["advise"]:
+        if len(argv) != 2:
+            raise SystemExit("usage: lightning-ciuic advise RUN_DIR")
+        raise SystemExit(advise_command(argv[1]))
+    if argv[:1] == ["checkpoint"]:
+        raise SystemExit(checkpoint_command(argv[1:]))
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     LightningCLI(

@@ -1,6 +1,8 @@
 """Lightning callbacks of the pack: thin glue over the framework-free packages."""
 
+from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
 from lightning_ciuic.callbacks.data_balance import DynamicDataBalancer
+from lightning_ciuic.callbacks.monitor import CommunicationMonitor
 from lightning_ciuic.callbacks.lr_schedule import WarmupCosineAnnealingLR, WarmupCosineSchedule
 
-__all__ = ["DynamicDataBalancer", "WarmupCosineAnnealingLR", "WarmupCosineSchedule"]
+__all__ = ["AsyncCheckpointer", "CommunicationMonitor", "DynamicDataBalancer", "WarmupCosineAnnealingLR", "WarmupCosineSchedule"]

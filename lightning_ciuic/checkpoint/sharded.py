@@ -1,25 +1,29 @@
-"""Sharded checkpoints: ``torch.distributed.checkpoint`` (DCP) directories plus a small metadata file.
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), on a directory or any DCP storage.
 
-Contract (collective calls: every rank calls them with the same ``path``):
+Contract (collective calls: every rank of ``process_group`` calls them for the same checkpoint):
 
-* ``save_sharded(path, model, optimizers, meta, rank_state, rank_key, write_meta)`` writes the model's and
+* ``save_sharded(model_state, optimizer_states, meta, rank_state, rank_key, ...)`` writes the model's and
   optimizers' state as DCP shards under fully qualified parameter names (so another parallel layout can
   load them), ``rank_state`` — tensors only this rank owns, such as error-feedback residuals — under
-  ``rank_key``, and, on the rank with ``write_meta``, the non-tensor ``meta`` to ``meta.pt``.
-* ``load_sharded(path, model, optimizers, rank_key)`` loads them in place into the (already built and
+  ``rank_key``, and the non-tensor Lightning state ``meta`` as one pickled object. Where: ``checkpoint_id``
+  (a directory, DCP's file-system format) or ``storage_writer`` (e.g. the chunked fsspec writer of
+  :mod:`lightning_ciuic.checkpoint.dcp`).
+* ``load_sharded(model, optimizers, rank_key, ...)`` loads them in place into the (already built and
   sharded) model and optimizers and returns ``(meta, rank_state)``; ``rank_state`` is None when the
-  checkpoint has none for ``rank_key`` (another world size, or saved without it). A directory without
-  ``meta.pt`` is rejected with an error naming the path.
+  checkpoint has none for ``rank_key`` (another world size, or saved without it). A directory that is not
+  such a checkpoint is rejected with an error naming the path.
 
 No Lightning imports.
 """
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -27,50 +31,51 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-META_FILE = "meta.pt"
-
-
-def _tensor_state(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
-    state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
-    state.update({f"optimizer_{i}": get_optimizer_state_dict(model, o) for i, o in enumerate(optimizers)})
-    return state
+META_KEY = "meta"
 
 
 def save_sharded(
-    path: Path,
     model_state: dict[str, Any],
     optimizer_states: list[dict[str, Any]],
     meta: dict[str, Any],
     rank_state: Optional[dict[str, torch.Tensor]],
     rank_key: str,
-    write_meta: bool,
+    checkpoint_id: Optional[Path] = None,
+    storage_writer: Optional[StorageWriter] = None,
+    process_group: Optional[dist.ProcessGroup] = None,
 ) -> None:
-    tensors: dict[str, Any] = {"state_dict": model_state}
-    tensors.update({f"optimizer_{i}": s for i, s in enumerate(optimizer_states)})
+    state: dict[str, Any] = {"state_dict": model_state, META_KEY: pickle.dumps(meta)}  # one opaque item, not flattened
+    state.update({f"optimizer_{i}": s for i, s in enumerate(optimizer_states)})
     if rank_state:
-        tensors[rank_key] = rank_state
-    dcp.save(tensors, checkpoint_id=str(path))
-    if write_meta:
-        torch.save(meta, path / META_FILE)
+        state[rank_key] = rank_state
+    dcp.save(state, checkpoint_id=checkpoint_id, storage_writer=storage_writer, process_group=process_group)
 
 
 def load_sharded(
-    path: Path, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], rank_key: str
+    model: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    rank_key: str,
+    checkpoint_id: Optional[Path] = None,
+    storage_reader: Optional[StorageReader] = None,
 ) -> tuple[dict[str, Any], Optional[dict[str, torch.Tensor]]]:
-    if not (path / META_FILE).is_file():
+    reader = storage_reader or dcp.FileSystemReader(str(checkpoint_id))
+    try:
+        saved = reader.read_metadata().state_dict_metadata
+    except (FileNotFoundError, NotADirectoryError) as err:
         raise FileNotFoundError(
-            f"{path} is not a HybridParallelStrategy checkpoint (a directory with {META_FILE} and DCP shards);"
-            " pass a path written by trainer.save_checkpoint or ModelCheckpoint under this strategy."
-        )
-    state = _tensor_state(model, optimizers)
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            f"{checkpoint_id} is not a HybridParallelStrategy checkpoint (a DCP directory); pass a path written by"
+            " trainer.save_checkpoint or ModelCheckpoint under this strategy."
+        ) from err
+    state: dict[str, Any] = {"state_dict": get_model_state_dict(model), META_KEY: b""}
+    state.update({f"optimizer_{i}": get_optimizer_state_dict(model, o) for i, o in enumerate(optimizers)})
     prefix = rank_key + "."
     owned = {k[len(prefix) :]: torch.empty(saved[k].size) for k in saved if k.startswith(prefix)}
     if owned:
         state[rank_key] = owned
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, storage_reader=reader)
     set_model_state_dict(model, state["state_dict"])
     for i, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(model, optimizer, state[f"optimizer_{i}"])
-    return torch.load(path / META_FILE, weights_only=False), state.get(rank_key)
+    return pickle.loads(state[META_KEY]), state.get(rank_key)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ from lightning_ciuic.comm.compression import GradientCompression
 
 CANDIDATES = ("none", "fp16", "int8", "nf4")
 TRIAL_STEPS = 6  # per candidate; the first is dropped (warm-up of a mode switch)
-_WIRE_FRACTION = {"none": 1.0, "fp16": 0.5}
+_WIRE_FRACTION = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}
 
 
 @dataclass
@@ -94,6 +95,53 @@ def codec_seconds_per_value(mode: str, sample: int = 1 << 18) -> float:
     return (time.perf_counter() - start) / sample
 
 
+def predicted_sync_seconds(
+    mode: str, numel: int, buckets: int, world: int, latency: float, bandwidth: float, codec_s: float
+) -> float:
+    """Predicted time to synchronize ``numel`` gradient values in ``buckets`` buckets over ``world`` ranks:
+    per-collective latency, ring traffic of the wire bytes over ``bandwidth`` (bytes/s), and the codec."""
+    if mode in _WIRE_FRACTION:
+        wire, collectives = 4 * numel * _WIRE_FRACTION[mode], buckets
+    else:
+        wire, collectives = dense_codec(mode).nbytes(numel), 2 * buckets  # all-to-all + all-gather
+    ring = 2 * (world - 1) / world
+    return collectives * 2 * (world - 1) * latency + ring * wire / bandwidth + codec_s * numel
+
+
+def measure_sync_seconds(
+    group: dist.ProcessGroup, numel: int, buckets: int, modes: tuple[str, ...] = CANDIDATES, repeats: int = 3
+) -> dict[str, float]:
+    """Each mode's measured time to average ``numel`` values in ``buckets`` buckets over ``group`` through the
+    reducer training uses (codec, collectives, worker thread), *while this thread computes* (matrix products,
+    as backward would): on one machine's cores, compression work competes with compute, and an idle-machine
+    measurement misjudges it badly. Median of ``repeats`` after a warm-up; the slowest rank's time, so every
+    rank gets the same numbers."""
+    sizes = [numel // buckets + (1 if b < numel % buckets else 0) for b in range(max(1, buckets))]
+    load = torch.randn(256, 256)
+    result = []
+    for mode in modes:
+        reducer = GradientCompression(mode, error_feedback=False)
+        times = []
+        try:
+            for attempt in range(repeats + 1):
+                buffers = [torch.randn(size) for size in sizes]
+                dist.barrier(group=group)
+                start = time.perf_counter()
+                pending = [reducer(f"probe{b}", buffer, [buffer.shape], group) for b, buffer in enumerate(buffers)]
+                while not all(reduction.done() for reduction in pending):
+                    load @ load  # the compute that training overlaps with communication
+                for reduction in pending:
+                    reduction.wait(timedelta(seconds=300))
+                if attempt:
+                    times.append(time.perf_counter() - start)
+        finally:
+            reducer.close()
+        result.append(statistics.median(times))
+    slowest = torch.tensor(result, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(modes, slowest.tolist()))
+
+
 class AutoCompression:
     def __init__(self, compression: GradientCompression, recheck_steps: int = 500, trial_steps: int = TRIAL_STEPS) -> None:
         if recheck_steps < 1:
@@ -108,14 +156,6 @@ class AutoCompression:
         self._order: list[str] = []
         self._times: dict[str, list[float]] = {}
         self._last: tuple[int, float] | None = None
-
-    def predict(self, mode: str, numel: int, buckets: int, world: int, latency: float, bandwidth: float, codec_s: float) -> float:
-        if mode in _WIRE_FRACTION:
-            wire, collectives = 4 * numel * _WIRE_FRACTION[mode], buckets
-        else:
-            wire, collectives = dense_codec(mode).nbytes(numel), 2 * buckets  # all-to-all + all-gather
-        ring = 2 * (world - 1) / world
-        return collectives * 2 * (world - 1) * latency + ring * wire / bandwidth + codec_s * numel
 
     def on_step(self, group: dist.ProcessGroup, global_step: int, gradient_numel: int, buckets: int) -> AutoDecision | None:
         """Advance the trial by one optimizer step; returns a decision on the step it is taken."""
@@ -140,7 +180,7 @@ class AutoCompression:
         world = dist.get_world_size(group)
         latency, bandwidth = measure_link(group)
         predicted = {
-            mode: self.predict(mode, gradient_numel, buckets, world, latency, bandwidth, codec_seconds_per_value(mode))
+            mode: predicted_sync_seconds(mode, gradient_numel, buckets, world, latency, bandwidth, codec_seconds_per_value(mode))
             for mode in CANDIDATES
         }
         box = [predicted]  # the first rank's predictions order the trial everywhere

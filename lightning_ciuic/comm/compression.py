@@ -59,6 +59,9 @@ class _FutureReduction:
         except FutureTimeout as err:
             raise RuntimeError("compressed all-reduce timed out") from err
 
+    def done(self) -> bool:
+        return self.future.done()
+
 
 def validate_compression(mode: str, compression_ratio: float, powersgd_rank: int, warmup_steps: int, algorithm: str) -> None:
     """Raise ``ValueError`` naming the bad argument and the valid choices."""

@@ -44,6 +44,10 @@ class PendingReduction(Protocol):
         """Block until done (or raise after ``timeout``); return the payload bytes this rank sent."""
         ...
 
+    def done(self) -> bool:
+        """Whether the reduction has completed (never blocks)."""
+        ...
+
 
 class BucketReducer(Protocol):
     """Starts averaging ``buffer`` (made of tensors of ``shapes``) in place across ``group``; ``key`` names the
@@ -61,6 +65,9 @@ class _NativeReduction:
             self.work.wait(timeout)
         return self.nbytes
 
+    def done(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
 
 def mean_all_reduce(key: str, buffer: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup) -> PendingReduction:
     """Exact average: divide by the group size, then the backend's asynchronous ``all_reduce`` SUM
@@ -76,12 +83,14 @@ def mean_all_reduce(key: str, buffer: torch.Tensor, shapes: list[torch.Size], gr
 @dataclass
 class SyncStats:
     """Counters since construction: bucket reductions launched, gradient bytes reduced (float32 payload),
-    bytes this rank sent on the wire, seconds spent waiting for them after backward."""
+    bytes this rank sent on the wire, seconds spent waiting for them after backward, and seconds from the
+    first launch of a step to the end of its last reduction (communication time, overlapped or not)."""
 
     collectives: int = 0
     bytes_reduced: int = 0
     bytes_sent: int = 0
     wait_seconds: float = 0.0
+    comm_seconds: float = 0.0
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -163,6 +172,7 @@ class GradientSynchronizer:
         self.stats = SyncStats()
         self._enabled = True
         self._next_bucket = 0
+        self._first_launch = 0.0
         params = [p for p in parameters if p.requires_grad]
         self.buckets = _make_buckets(params, int(bucket_size_mb * 1024 * 1024))
         self._slots = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -209,6 +219,8 @@ class GradientSynchronizer:
             if not ready:  # no gradient on this rank: contribute zeros
                 bucket.slice(slot).zero_()
         shapes = [_local(p).shape for p in bucket.params]
+        if bucket.index == 0:
+            self._first_launch = time.perf_counter()
         bucket.pending = self.reducer(f"bucket{bucket.index}", bucket.buffer, shapes, self.group)
         self.stats.collectives += 1
         self.stats.bytes_reduced += bucket.buffer.numel() * bucket.buffer.element_size()
@@ -231,7 +243,9 @@ class GradientSynchronizer:
                 local.copy_(bucket.slice(slot).view_as(local))
             bucket.ready = [False] * len(bucket.params)
             bucket.pending = None
-        self.stats.wait_seconds += time.perf_counter() - start
+        end = time.perf_counter()
+        self.stats.wait_seconds += end - start
+        self.stats.comm_seconds += end - self._first_launch
         self._next_bucket = 0
 
     def _wait(self, bucket: _Bucket) -> None:

@@ -14,7 +14,9 @@ Contract:
 * Samplers split data over the ``dp`` axis only; every ``tp`` rank of a group sees the same batch.
 * Gradient clipping by norm uses the global norm across tensor-parallel shards.
 * Checkpoints are ``torch.distributed.checkpoint`` directories (sharded state, any layout can load
-  them) with the non-tensor Lightning state in ``meta.pt``; ``Trainer.fit(ckpt_path=...)`` resumes exactly.
+  them, the non-tensor Lightning state inside as one object), or, with ``AsyncCheckpointer`` /
+  ``ChunkedCheckpointIO``, chunked, asynchronous, incremental checkpoints on any fsspec storage;
+  ``Trainer.fit(ckpt_path=...)`` resumes exactly.
 
 Pipeline parallelism (``pipeline_parallel_size > 1``) is rejected at construction until it lands.
 """
@@ -57,6 +59,7 @@ from lightning_ciuic.comm.grad_sync import GradientSynchronizer, check_bucket_si
 from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.grad_norm import clip_grad_norm_
+from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO
 from lightning_ciuic.strategies.launchers import FullWeightsMultiProcessingLauncher
 
 StartMethod = Literal["popen", "spawn", "fork"]
@@ -438,30 +441,48 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write a DCP directory at ``filepath``: tensors sharded per rank, the rest in ``meta.pt``."""
+        """Collective. With a :class:`ChunkedCheckpointIO` (``AsyncCheckpointer``): staged now, written in the
+        background as chunks. Otherwise a DCP directory at ``filepath``, tensors sharded per rank."""
         if storage_options is not None:
             raise TypeError("HybridParallelStrategy.save_checkpoint does not take storage_options.")
+        model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
+        rank_state = None
+        if self.compression is not None:  # error-feedback residuals differ per rank: one key per rank
+            rank_state = self.compression.state_dict()
+            checkpoint["gradient_compression"] = {"mode": self.compression.mode, "algorithm": self.compression.algorithm}
+        if isinstance(self.checkpoint_io, ChunkedCheckpointIO) and self.checkpoint_io.manages(filepath):
+            extra = {"step": checkpoint.get("global_step", 0), "epoch": checkpoint.get("epoch", 0)}
+            rank_key = self._rank_key
+            self.checkpoint_io.save_sharded(
+                filepath,
+                (model_state, optimizer_states, checkpoint, rank_state),
+                extra,
+                lambda staged, writer, group: save_sharded(*staged, rank_key, storage_writer=writer, process_group=group),
+            )
+            return
         path = Path(self.broadcast(str(filepath)))
         if self.is_global_zero:
             if path.is_file():
                 path.unlink()
             path.mkdir(parents=True, exist_ok=True)
         self.barrier("checkpoint-dir")
-        model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
-        rank_state = None
-        if self.compression is not None:  # error-feedback residuals differ per rank: one key per rank
-            rank_state = self.compression.state_dict()
-            checkpoint["gradient_compression"] = {"mode": self.compression.mode, "algorithm": self.compression.algorithm}
-        save_sharded(path, model_state, optimizer_states, checkpoint, rank_state, self._rank_key, self.is_global_zero)
+        save_sharded(model_state, optimizer_states, checkpoint, rank_state, self._rank_key, checkpoint_id=path)
         self.barrier("checkpoint-saved")
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load a directory written by :meth:`save_checkpoint` into the (already set-up) model and optimizers."""
-        path = Path(self.broadcast(str(checkpoint_path)))
+        """Load a checkpoint written by :meth:`save_checkpoint` into the (already set-up) model and optimizers,
+        whatever layout wrote it."""
+        path = self.broadcast(str(checkpoint_path))
         assert self.model is not None
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        meta, rank_state = load_sharded(path, self.model, optimizers, self._rank_key)
+        io = self.checkpoint_io
+        if isinstance(io, ChunkedCheckpointIO) and io.manages(path):
+            meta, rank_state = io.load_with_fallback(
+                path, lambda name: load_sharded(self.model, optimizers, self._rank_key, storage_reader=io.reader(name))
+            )
+        else:
+            meta, rank_state = load_sharded(self.model, optimizers, self._rank_key, checkpoint_id=Path(path))
         compression_config = meta.pop("gradient_compression", None)
         if self.compression is not None and rank_state is not None:
             self.compression.load_state_dict(rank_state)
@@ -477,7 +498,10 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            shutil.rmtree(filepath, ignore_errors=True)
+            if isinstance(self.checkpoint_io, ChunkedCheckpointIO) and self.checkpoint_io.manages(filepath):
+                self.checkpoint_io.remove_checkpoint(filepath)
+            else:
+                shutil.rmtree(filepath, ignore_errors=True)
 
     @override
     def teardown(self) -> None:

@@ -58,7 +58,7 @@ def test_save_and_exact_resume_with_schedule(tmp_path):
     straight = _tiny()
     _trainer(tmp_path, 6, [checkpoints, WarmupCosineSchedule(warmup_ratio=0.34), Record(tmp_path / "a.json")]).fit(straight, data)
     step3 = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
-    assert (step3 / "meta.pt").is_file() and any(step3.glob("*.distcp")), "a DCP directory with sharded files"
+    assert (step3 / ".metadata").is_file() and any(step3.glob("*.distcp")), "a DCP directory with sharded files"
 
     resumed = _tiny()
     trainer = _trainer(tmp_path, 6, [WarmupCosineSchedule(warmup_ratio=0.34), Record(tmp_path / "b.json")])

@@ -1,0 +1,310 @@
+"""CommunicationMonitor: where each training step's time goes, per rank, and what to change.
+
+Contract:
+
+* Per step and rank (from :mod:`lightning_ciuic.telemetry`, plus the strategy's gradient synchronizer when it
+  has one): ``step`` (data wait + batch), ``compute`` (forward + backward up to the last gradient),
+  ``data_wait``, ``dp_exposed`` (gradient sync left after backward), ``dp_comm`` (first bucket launched to last
+  bucket reduced; under ``DDPStrategy`` only the exposed part is visible), ``dp_bytes`` (sent by this rank),
+  ``dp_payload`` (gradient bytes reduced), ``tp_comm`` (tensor-parallel collectives, timed on every
+  ``profile_every``-th step by intercepting the functional collectives DTensor issues; that step's other
+  timings are left out of the means), ``memory_mb`` (peak: CUDA allocator, or the process's RSS on CPU).
+* Derived: straggler wait (the slowest rank's compute minus this rank's), algorithm and bus bandwidth of the
+  dp all-reduce as nccl-tests define them (``algbw = payload / time``, ``busbw = algbw * 2 (n-1) / n``), and
+  overlap (``1 - exposed / comm``).
+* Output: rank-local metrics ``monitor/<field>_ms`` (and ``monitor/dp_bytes``, ``monitor/memory_mb``) every
+  ``log_every_n_steps``; every ``gather_every`` steps the window's per-rank means are gathered and logged as
+  ``monitor/rank<r>/compute_ms`` and ``monitor/rank<r>/step_ms``; at the end of training, on rank 0: a summary
+  table and the advice in the terminal, ``monitor.json`` (what ``lightning-ciuic advise`` reads) and a
+  self-contained ``report.html`` in ``dirpath`` (default ``<trainer.log_dir or default_root_dir>/monitor``).
+* Advice comes from :func:`lightning_ciuic.advice.advise`; with ``measure_link`` the data-parallel link is
+  measured once at the start of training (latency, bandwidth, this machine's codec speed, and each dense
+  compression mode's time to synchronize this model's gradient on the idle machine), which is what
+  compression predictions need. It takes a few seconds, before the first step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils._python_dispatch import TorchDispatchMode
+from typing_extensions import override
+
+from lightning_ciuic.advice import RANK_FIELDS, RunProfile, advise
+from lightning_ciuic.comm.auto import CANDIDATES, codec_seconds_per_value, measure_link, measure_sync_seconds
+from lightning_ciuic.report import render_html, summary_table
+from lightning_ciuic.telemetry import Telemetry, gather_per_rank
+
+_WARMUP_STEPS = 2  # first steps (allocation, first collectives) left out of the means
+_TIMED = ("step", "compute", "data_wait", "dp_exposed", "dp_comm", "tp_comm")
+
+
+class CollectiveTimer(TorchDispatchMode):
+    """Times the functional collectives (launch and ``wait_tensor``) issued while active, by mesh axis."""
+
+    def __init__(self, axis_of_group: dict[str, str]) -> None:
+        super().__init__()
+        self.axis_of_group = axis_of_group
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.count: dict[str, int] = defaultdict(int)
+        self._pending: dict[int, str] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if func.namespace != "_c10d_functional":
+            return func(*args, **(kwargs or {}))
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        elapsed = time.perf_counter() - start
+        if func.__name__.startswith("wait_tensor"):
+            axis = self._pending.pop(id(args[0]), None)
+        else:
+            axis = next((self.axis_of_group[a] for a in args if isinstance(a, str) and a in self.axis_of_group), None)
+            if isinstance(out, torch.Tensor):
+                self._pending[id(out)] = axis or "other"
+            self.count[axis or "other"] += 1
+        self.seconds[axis or "other"] += elapsed
+        return out
+
+
+class CommunicationMonitor(Callback):
+    """Per-rank step-time breakdown, bandwidth, overlap, report and advice; see the module docstring.
+
+    Args:
+        dirpath: where ``monitor.json`` and ``report.html`` go (any local path).
+        gather_every: optimizer steps between gathers of every rank's window (>= 1).
+        profile_every: every this many steps, time tensor-parallel collectives (>= 1).
+        measure_link: measure the data-parallel link and codec speed at the start of training.
+        log_every_n_steps: rank-local metrics every this many steps (default: the Trainer's).
+    """
+
+    def __init__(
+        self,
+        dirpath: Optional[str] = None,
+        gather_every: int = 50,
+        profile_every: int = 50,
+        measure_link: bool = True,
+        log_every_n_steps: Optional[int] = None,
+    ) -> None:
+        for name, value in (("gather_every", gather_every), ("profile_every", profile_every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1 (optimizer steps), got {value!r}.")
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps must be >= 1 or None (the Trainer's), got {log_every_n_steps!r}.")
+        self.dirpath = dirpath
+        self.gather_every, self.profile_every = gather_every, profile_every
+        self.measure_link = measure_link
+        self.log_every_n_steps = log_every_n_steps
+        self.profile: Optional[RunProfile] = None
+        self.windows: list[dict[str, Any]] = []  # rank 0: {"step": int, "ranks": [per-rank means]}
+        self._window = _Window()
+        self._total = _Window()
+        self._cursor = 0
+        self._timer: Optional[CollectiveTimer] = None  # set for a profiled step, active from batch start to the optimizer step
+        self._timer_active = False
+        self._sync_seen = (0.0, 0.0, 0.0)
+        self._last_gather = 0
+        self._meta: dict[str, Any] = {}
+
+    # -- set-up --------------------------------------------------------------------------------------
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.windows, self._window, self._total = [], _Window(), _Window()
+        self._cursor = Telemetry.of(trainer).records_since(0)[1]
+        strategy = trainer.strategy
+        mesh = getattr(strategy, "_device_mesh", None)
+        dims = getattr(strategy, "parallel_dims", None)
+        dp = dims.dp if dims is not None else trainer.world_size
+        dp_group = mesh["dp"].get_group() if mesh is not None and dp > 1 else (dist.group.WORLD if dp > 1 else None)
+        self._axis_of_group = {
+            mesh.get_group(axis).group_name: axis
+            for axis in mesh.mesh_dim_names
+            if mesh.size(mesh.mesh_dim_names.index(axis)) > 1
+        } if mesh is not None else {}
+        sync = getattr(strategy, "grad_sync", None)
+        compression = getattr(strategy, "compression", None)
+        params = [p for p in pl_module.parameters() if p.requires_grad]
+        numel = sum(b.buffer.numel() for b in sync.buckets) if sync is not None else sum(p.numel() for p in params)
+        self._meta = dict(
+            world_size=trainer.world_size,
+            dp=dp,
+            tp=dims.tp if dims is not None else 1,
+            pp=dims.pp if dims is not None else 1,
+            compression=compression.mode if compression is not None else "none",
+            gradient_numel=int(numel),
+            buckets=len(sync.buckets) if sync is not None else max(1, math.ceil(numel * 4 / (25 * 2**20))),
+            dp_rank_of=[],
+            latency_s=None,
+            bandwidth_bytes_per_s=None,
+            codec_s_per_value={},
+            sync_s={},
+        )
+        if self.measure_link and dp_group is not None:
+            latency, bandwidth = measure_link(dp_group)
+            self._meta.update(latency_s=latency, bandwidth_bytes_per_s=bandwidth)
+            self._meta["codec_s_per_value"] = {mode: codec_seconds_per_value(mode) for mode in CANDIDATES}
+            self._meta["sync_s"] = measure_sync_seconds(dp_group, self._meta["gradient_numel"], self._meta["buckets"])
+        self._sync_seen = self._sync_counters(trainer)
+        self._dp_rank = int((strategy.distributed_sampler_kwargs or {}).get("rank", 0)) if dp > 1 else 0
+
+    @staticmethod
+    def _sync_counters(trainer: Trainer) -> tuple[float, float, float]:
+        sync = getattr(trainer.strategy, "grad_sync", None)
+        if sync is None:
+            return (0.0, 0.0, 0.0)
+        return (sync.stats.comm_seconds, float(sync.stats.bytes_sent), float(sync.stats.bytes_reduced))
+
+    # -- per step ------------------------------------------------------------------------------------
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        Telemetry.of(trainer).begin(trainer.global_step, batch_idx, batch)
+        if set(self._axis_of_group.values()) - {"dp"} and trainer.global_step % self.profile_every == 0 and self._timer is None:
+            self._timer = CollectiveTimer(self._axis_of_group)
+            self._timer.__enter__()
+            self._timer_active = True
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        Telemetry.of(trainer).before_optimizer_step()
+        self._stop_timer()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None and self._timer_active:
+            self._timer.__exit__(None, None, None)
+            self._timer_active = False
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        telemetry = Telemetry.of(trainer)
+        telemetry.end()
+        self._stop_timer()
+        timer, self._timer = self._timer, None
+        records, self._cursor = telemetry.records_since(self._cursor)
+        counters, last = self._sync_counters(trainer), self._sync_seen
+        self._sync_seen = counters
+        if not records:
+            return
+        record = records[-1]
+        if getattr(trainer.strategy, "grad_sync", None) is not None:
+            comm, sent, payload = (now - before for now, before in zip(counters, last))
+        else:  # DDP and others: only the exposed wait is visible; bytes from the ring all-reduce formula
+            synced = record.optimizer_step and self._meta["dp"] > 1
+            comm, sent, payload = record.sync_wait, self._ddp_bytes() if synced else 0.0, 4.0 * self._meta["gradient_numel"] * synced
+        values = {
+            "step": record.data_wait + record.duration,
+            "compute": record.compute,
+            "data_wait": record.data_wait,
+            "dp_exposed": record.sync_wait,
+            "dp_comm": comm,
+            "dp_bytes": float(sent),
+            "dp_payload": float(payload),
+            "memory_mb": _peak_memory_mb(trainer.strategy.root_device),
+        }
+        if timer is not None:  # a profiled step: only its collective time is kept
+            tp_seconds = sum(s for axis, s in timer.seconds.items() if axis != "dp")
+            self._window.add_profiled(tp_seconds)
+            self._total.add_profiled(tp_seconds)
+        elif record.step >= _WARMUP_STEPS:
+            self._window.add(values)
+            self._total.add(values)
+        step = trainer.global_step
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if step % every == 0 and self._window.last:
+            for key, value in self._window.last.items():
+                name = f"monitor/{key}_ms" if key in _TIMED else f"monitor/{key}"
+                pl_module.log(name, value * 1e3 if key in _TIMED else value, on_step=True, on_epoch=False)
+        if step % self.gather_every == 0 and step not in (0, self._last_gather):
+            self._last_gather = step
+            self._gather(trainer, pl_module, step, log=True)
+
+    def _ddp_bytes(self) -> float:
+        dp = self._meta["dp"]
+        return 2 * (dp - 1) / dp * self._meta["gradient_numel"] * 4.0 if dp > 1 else 0.0
+
+    def _gather(self, trainer: Trainer, pl_module: Optional[LightningModule], step: int, log: bool) -> None:
+        rows = gather_per_rank(trainer, [float(self._dp_rank), *self._window.means()])
+        self._window = _Window()
+        ranks = [dict(zip(RANK_FIELDS, row[1:].tolist())) for row in rows]
+        self._meta["dp_rank_of"] = [int(row[0]) for row in rows]
+        if trainer.is_global_zero:
+            self.windows.append({"step": step, "ranks": ranks})
+        if log and pl_module is not None:
+            for rank, values in enumerate(ranks):
+                pl_module.log(f"monitor/rank{rank}/compute_ms", values["compute"] * 1e3, on_step=True, on_epoch=False, rank_zero_only=True)
+                pl_module.log(f"monitor/rank{rank}/step_ms", values["step"] * 1e3, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    # -- the end -------------------------------------------------------------------------------------
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._stop_timer()
+        if self._window.count:
+            self._gather(trainer, None, trainer.global_step, log=False)
+        totals = gather_per_rank(trainer, self._total.means())
+        self.profile = RunProfile(**self._meta, ranks=[dict(zip(RANK_FIELDS, row.tolist())) for row in totals])
+        out = Path(self.dirpath or os.path.join(trainer.log_dir or trainer.default_root_dir, "monitor"))  # collective
+        if not trainer.is_global_zero:
+            return
+        advice = advise(self.profile)
+        out.mkdir(parents=True, exist_ok=True)
+        record = {"profile": self.profile.to_json(), "windows": self.windows}
+        (out / "monitor.json").write_text(json.dumps(record, indent=1))
+        (out / "report.html").write_text(render_html(self.profile, self.windows, advice))
+        lines = [summary_table(self.profile), "", "Advice:" if advice else "Advice: none (nothing found to gain >= 10%)."]
+        lines += [f"  - {item}" for item in advice]
+        rank_zero_info("\n".join(lines) + f"\nReport: {out / 'report.html'}")
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._stop_timer()
+        Telemetry.release(trainer)
+
+
+class _Window:
+    """Running sums of the per-step fields (means on demand); profiled steps count only for ``tp_comm``."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.count = 0
+        self.profiled, self.profiled_seconds = 0, 0.0
+        self.last: dict[str, float] = {}
+        self.peak_memory = 0.0
+
+    def add(self, values: dict[str, float]) -> None:
+        self.count += 1
+        self.last = values
+        self.peak_memory = max(self.peak_memory, values["memory_mb"])
+        for key, value in values.items():
+            self.sums[key] += value
+
+    def add_profiled(self, seconds: float) -> None:
+        self.profiled += 1
+        self.profiled_seconds += seconds
+
+    def means(self) -> list[float]:
+        out = []
+        for key in RANK_FIELDS:
+            if key == "tp_comm":
+                out.append(self.profiled_seconds / self.profiled if self.profiled else 0.0)
+            elif key == "memory_mb":
+                out.append(self.peak_memory)
+            else:
+                out.append(self.sums[key] / self.count if self.count else 0.0)
+        return out
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux

@@ -1,0 +1,220 @@
+"""Content-addressed chunks and checkpoint manifests: incremental saves, verification, retention.
+
+Layout under a :class:`~lightning_ciuic.checkpoint.storage.Storage` root::
+
+    chunks/<h[:2]>/<h>.zst        zstd-compressed bytes whose BLAKE2b-128 digest (of the raw bytes) is <h>
+    chunks/<h[:2]>/<h>.raw        the same, uncompressed (compression=None)
+    checkpoints/<name>/metadata   the DCP metadata (pickled), with every item's list of chunks
+    checkpoints/<name>/manifest.json   the commit record, written last
+    latest                        the name of the newest commit (what ``"last"`` points at)
+
+Contract:
+
+* :meth:`ChunkStore.put` stores bytes as chunks of at most ``chunk_bytes``; a chunk whose digest is already
+  stored is referenced, not rewritten (incremental: unchanged tensors cost a hash, not a write).
+* :meth:`ChunkStore.get` reads, decompresses and re-hashes; any mismatch or truncation raises
+  :class:`CorruptCheckpointError` naming the file.
+* A checkpoint exists once ``manifest.json`` does (written atomically, after every chunk and the metadata);
+  a crash at any moment before leaves the earlier checkpoints untouched and loadable.
+* :meth:`CheckpointCatalog.retain` deletes the oldest checkpoints beyond ``max_keep`` (manifest first, so a
+  half-deleted checkpoint is never listed) and then exactly the chunks no remaining manifest references;
+  :meth:`CheckpointCatalog.sweep_orphans` removes chunks of saves that never committed (call it when no
+  save is in flight).
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import zstandard
+
+from lightning_ciuic.checkpoint.storage import Storage
+
+CHUNK_BYTES = 16 * 2**20
+MANIFEST = "manifest.json"
+METADATA = "metadata"
+LATEST = "latest"  # a pointer file rewritten at every commit: what "last" resolves to
+
+
+class CorruptCheckpointError(RuntimeError):
+    """Stored bytes do not match their checksum (truncated, corrupted or missing file)."""
+
+
+def digest(data: bytes | memoryview) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+@dataclass
+class PutStats:
+    logical_bytes: int = 0  # bytes handed to put()
+    written_bytes: int = 0  # stored bytes actually written (after compression)
+    reused_chunks: int = 0
+    written_chunks: int = 0
+
+
+class ChunkStore:
+    def __init__(
+        self, storage: Storage, compression: Optional[str] = "zstd", level: int = 3, chunk_bytes: int = CHUNK_BYTES
+    ) -> None:
+        if compression not in ("zstd", None):
+            raise ValueError(f"compression={compression!r}; use 'zstd' or None.")
+        if not 1 <= level <= 22:
+            raise ValueError(f"compression_level={level} is outside zstd's 1..22.")
+        self.storage, self.compression, self.level, self.chunk_bytes = storage, compression, level, chunk_bytes
+        self.stats = PutStats()
+        self._known: set[str] = set()  # chunks seen stored by this process
+
+    def _file(self, name: str) -> str:
+        suffix = "zst" if self.compression == "zstd" else "raw"
+        return f"chunks/{name[:2]}/{name}.{suffix}"
+
+    def put(self, data: bytes | memoryview) -> list[str]:
+        """Store ``data``; returns its chunk digests in order."""
+        view = memoryview(data).cast("B")
+        names = []
+        for start in range(0, max(len(view), 1), self.chunk_bytes):
+            piece = view[start : start + self.chunk_bytes]
+            name = digest(piece)
+            names.append(name)
+            self.stats.logical_bytes += len(piece)
+            if name in self._known or self.storage.exists(self._file(name)):
+                self.stats.reused_chunks += 1
+            else:
+                stored = zstandard.ZstdCompressor(level=self.level).compress(piece) if self.compression else bytes(piece)
+                self.storage.write_atomic(self._file(name), stored)
+                self.stats.written_bytes += len(stored)
+                self.stats.written_chunks += 1
+            self._known.add(name)
+        return names
+
+    def get(self, names: list[str]) -> bytes:
+        parts = []
+        for name in names:
+            path = self._file(name)
+            try:
+                stored = self.storage.read(path)
+            except FileNotFoundError as err:
+                raise CorruptCheckpointError(f"chunk {self.storage.path(path)} is missing") from err
+            try:
+                raw = zstandard.ZstdDecompressor().decompress(stored) if self.compression else stored
+            except zstandard.ZstdError as err:
+                raise CorruptCheckpointError(f"chunk {self.storage.path(path)} is corrupted or truncated: {err}") from err
+            if digest(raw) != name:
+                raise CorruptCheckpointError(f"chunk {self.storage.path(path)} fails its checksum (corrupted)")
+            parts.append(raw)
+        return b"".join(parts)
+
+    def stored_size(self, name: str) -> int:
+        return self.storage.size(self._file(name))
+
+    def all_chunks(self, temporary: bool = False) -> set[str]:
+        """Digests of every stored chunk (with ``temporary``: the half-written files' paths instead)."""
+        found = set()
+        for prefix in self.storage.list("chunks"):
+            for entry in self.storage.list(f"chunks/{prefix}"):
+                if (".tmp-" in entry) == temporary:
+                    found.add(f"chunks/{prefix}/{entry}" if temporary else entry.split(".")[0])
+        return found
+
+    def delete(self, names: set[str]) -> None:
+        for name in names:
+            self.storage.remove(self._file(name))
+            self._known.discard(name)
+
+
+@dataclass
+class Manifest:
+    name: str
+    created: float
+    step: int = 0
+    epoch: int = 0
+    chunks: list[str] = field(default_factory=list)
+    metadata_digest: str = ""
+    logical_bytes: int = 0
+    written_bytes: int = 0
+    world_size: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.__dict__, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "Manifest":
+        return cls(**json.loads(data))
+
+
+class CheckpointCatalog:
+    """The committed checkpoints under a storage root, newest last."""
+
+    def __init__(self, store: ChunkStore) -> None:
+        self.store, self.storage = store, store.storage
+
+    def commit(self, manifest: Manifest, metadata: bytes) -> None:
+        manifest.metadata_digest = digest(metadata)
+        self.storage.write_atomic(f"checkpoints/{manifest.name}/{METADATA}", metadata)
+        self.storage.write_atomic(f"checkpoints/{manifest.name}/{MANIFEST}", manifest.to_json())
+        self.storage.write_atomic(LATEST, manifest.name.encode())
+
+    def manifests(self) -> list[Manifest]:
+        found = []
+        for name in self.storage.list("checkpoints"):
+            path = f"checkpoints/{name}/{MANIFEST}"
+            if self.storage.exists(path):
+                try:
+                    found.append(Manifest.from_json(self.storage.read(path)))
+                except (ValueError, TypeError, KeyError):
+                    continue  # an unreadable manifest is not a committed checkpoint
+        return sorted(found, key=lambda m: (m.created, m.step))
+
+    def get(self, name: str) -> Manifest:
+        path = f"checkpoints/{name}/{MANIFEST}"
+        if not self.storage.exists(path):
+            committed = [m.name for m in self.manifests()]
+            raise FileNotFoundError(
+                f"no committed checkpoint {name!r} under {self.storage.url!r} (no {MANIFEST}); committed: {committed}"
+            )
+        return Manifest.from_json(self.storage.read(path))
+
+    def metadata(self, manifest: Manifest) -> bytes:
+        data = self.storage.read(f"checkpoints/{manifest.name}/{METADATA}")
+        if digest(data) != manifest.metadata_digest:
+            raise CorruptCheckpointError(
+                f"{self.storage.path(f'checkpoints/{manifest.name}/{METADATA}')} fails its checksum (corrupted)"
+            )
+        return data
+
+    def verify(self, manifest: Manifest) -> None:
+        """Read back every chunk and the metadata; raises :class:`CorruptCheckpointError` naming the bad file."""
+        self.metadata(manifest)
+        for name in manifest.chunks:
+            self.store.get([name])
+
+    def retain(self, max_keep: int) -> list[str]:
+        """Delete the oldest checkpoints beyond ``max_keep`` and the chunks only they referenced."""
+        manifests = self.manifests()
+        doomed, kept = manifests[:-max_keep], manifests[-max_keep:]
+        for manifest in doomed:
+            self.storage.remove(f"checkpoints/{manifest.name}/{MANIFEST}")
+            self.storage.remove(f"checkpoints/{manifest.name}", recursive=True)
+        referenced = {c for m in kept for c in m.chunks}
+        self.store.delete({c for m in doomed for c in m.chunks} - referenced)
+        return [m.name for m in doomed]
+
+    def sweep_orphans(self) -> int:
+        """Delete chunks and checkpoint folders no committed manifest references (saves that died)."""
+        manifests = self.manifests()
+        referenced = {c for m in manifests for c in m.chunks}
+        orphans = self.store.all_chunks() - referenced
+        self.store.delete(orphans)
+        for partial in self.store.all_chunks(temporary=True):
+            self.storage.remove(partial)
+        committed = {m.name for m in manifests}
+        for name in self.storage.list("checkpoints"):
+            if name not in committed:
+                self.storage.remove(f"checkpoints/{name}", recursive=True)
+        return len(orphans)

@@ -1,0 +1,209 @@
+"""ChunkedCheckpointIO: Lightning's CheckpointIO over content-addressed chunks on any fsspec storage.
+
+Contract:
+
+* ``trainer.save_checkpoint(path)`` and ``Trainer.fit(ckpt_path=...)`` use the chunk store at the IO's root URL
+  when ``path`` is a bare name, ``"last"``, or a path under the root (the last component names the
+  checkpoint; a ``manifest.json`` URL works too). Any other path is Lightning's plain file, written and read
+  by ``TorchCheckpointIO`` as before (Lightning's spawn launcher hands weights back that way).
+* Training stalls only for the *staging copy* of the state (tensors cloned to CPU memory, :func:`stage`);
+  hashing, compression and writing run on one background thread (``hashlib`` and ``zstandard`` release the GIL
+  on large buffers). At most one save is in flight: a new save first waits for the previous one. An error of a
+  background save is raised at the next save, load or at ``teardown``, never lost.
+* With ``HybridParallelStrategy`` every rank stages and writes its own shards through DCP (:meth:`save_sharded`,
+  reshardable to another layout); the background DCP collectives use a dedicated gloo process group, so they
+  never interleave with training's collectives. With ``DDPStrategy`` (replicated state) rank 0 saves the whole
+  checkpoint (:meth:`save_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+from typing_extensions import override
+
+from lightning_ciuic.checkpoint.dcp import ChunkedReader, ChunkedWriter, load_full, save_full
+from lightning_ciuic.checkpoint.incremental import LATEST, MANIFEST, CheckpointCatalog, ChunkStore, CorruptCheckpointError
+from lightning_ciuic.checkpoint.storage import Storage
+
+Compression = Literal["zstd", "none"]
+T = TypeVar("T")
+
+
+def _is_corruption(err: BaseException) -> bool:
+    if isinstance(err, CorruptCheckpointError):
+        return True
+    failures = getattr(err, "failures", {}) or {}
+    return any(isinstance(f, CorruptCheckpointError) or "CorruptCheckpointError" in str(f) for f in failures.values())
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    for line in text.splitlines():
+        if "CorruptCheckpointError" in line or "chunk" in line:
+            return line.strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def stage(state: Any) -> Any:
+    """A copy of ``state`` whose tensors are private CPU clones (DTensors stay DTensors): the training stall."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True) if state.device.type != "cpu" else state.detach().clone()
+    if isinstance(state, dict):
+        return {k: stage(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)) and type(state) in (list, tuple):
+        return type(state)(stage(v) for v in state)
+    return copy.deepcopy(state)
+
+
+class ChunkedCheckpointIO(CheckpointIO):
+    """Checkpoints as content-addressed chunks under ``url``; see the module docstring."""
+
+    def __init__(
+        self,
+        url: str,
+        max_keep: Optional[int] = None,
+        compression: Compression = "zstd",
+        compression_level: int = 3,
+        incremental: bool = True,
+        storage_options: Optional[dict[str, Any]] = None,
+    ) -> None:
+        if compression not in ("zstd", "none", None):
+            raise ValueError(f"compression={compression!r}; use 'zstd' or 'none'.")
+        self.url = str(url)
+        self.store = ChunkStore(Storage(self.url, storage_options), None if compression in ("none", None) else "zstd", compression_level)
+        self.catalog = CheckpointCatalog(self.store)
+        self.max_keep, self.incremental = max_keep, incremental
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._pending: Optional[Future] = None
+        self._group: Optional[dist.ProcessGroup] = None
+        self.last_stall_seconds = 0.0
+        self._plain = TorchCheckpointIO()
+
+    def manages(self, path: Any) -> bool:
+        """Whether ``path`` is a checkpoint of this store (else a plain Lightning file)."""
+        text = str(path)
+        return text in ("last", LATEST) or "/" not in text or text.startswith(self.url.rstrip("/") + "/")
+
+    # -- names ---------------------------------------------------------------------------------------
+    @property
+    def latest_url(self) -> str:
+        """The pointer file ``"last"`` resolves to (what ``AsyncCheckpointer`` hands Lightning)."""
+        return f"{self.url.rstrip('/')}/{LATEST}"
+
+    def candidates(self, path: Any) -> list[str]:
+        """Checkpoint names to try for ``path``: for ``"last"`` (or the ``latest`` pointer) every committed
+        checkpoint, newest first, so a corrupted one falls back to the next; otherwise just the one named."""
+        text = str(path).rstrip("/")
+        if text == "last" or text.endswith("/" + LATEST) or text == LATEST:
+            names = [m.name for m in reversed(self.catalog.manifests())]
+            if not names:
+                raise FileNotFoundError(f"no committed checkpoint under {self.url!r}.")
+            return names
+        if text.endswith("/" + MANIFEST):
+            text = text[: -len(MANIFEST) - 1]
+        return [text.rsplit("/", 1)[-1]]
+
+    def name_of(self, path: Any) -> str:
+        return self.candidates(path)[0]
+
+    def load_with_fallback(self, path: Any, load: Callable[[str], T]) -> T:
+        """``load(name)`` for the first of :meth:`candidates` that is intact; a corrupted one is reported and,
+        for ``"last"``, the next older one is tried (every rank sees DCP's gathered errors, so all agree)."""
+        self.wait()
+        names = self.candidates(path)
+        for i, name in enumerate(names):
+            try:
+                return load(name)
+            except (CorruptCheckpointError, CheckpointException) as err:
+                if i == len(names) - 1 or not _is_corruption(err):
+                    raise
+                rank_zero_warn(f"checkpoint {name!r} under {self.url!r} is damaged ({_first_line(err)}); trying {names[i + 1]!r}.")
+        raise AssertionError("unreachable")
+
+    # -- background ----------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written; raise its error if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        self.wait()  # at most one in flight; raises a previous background error here
+        if not self.incremental:
+            self.store._known.clear()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ciuic-checkpoint")
+        self._pending = self._executor.submit(job)
+
+    def checkpoint_group(self) -> dist.ProcessGroup:
+        """A gloo group of all ranks for the background DCP collectives (created on first use, collectively)."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    # -- CheckpointIO --------------------------------------------------------------------------------
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        """Whole-state save from this process (DDPStrategy's rank 0, single device)."""
+        if not self.manages(path):
+            self.wait()
+            return self._plain.save_checkpoint(checkpoint, path, storage_options)
+        start = time.perf_counter()
+        self.wait()
+        staged = stage(checkpoint)
+        self.last_stall_seconds = time.perf_counter() - start
+        name, extra = self.name_of(path), {"step": checkpoint.get("global_step", 0), "epoch": checkpoint.get("epoch", 0)}
+        self._submit(lambda: save_full(self.store, name, staged, self.max_keep, extra))
+
+    def save_sharded(self, path: Any, state: Any, extra: dict[str, Any], write: Callable[[Any, StorageWriter, dist.ProcessGroup], None]) -> None:
+        """Collective: stage ``state`` now, then ``write(staged, writer, group)`` in the background."""
+        start = time.perf_counter()
+        self.wait()
+        staged = stage(state)
+        self.last_stall_seconds = time.perf_counter() - start
+        writer = ChunkedWriter(self.store, self.name_of(path), self.max_keep, extra)
+        group = self.checkpoint_group()
+        self._submit(lambda: write(staged, writer, group))
+
+    def reader(self, name: str) -> StorageReader:
+        return ChunkedReader(self.store, name)
+
+    @override
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if not self.manages(path):
+            return self._plain.load_checkpoint(path, map_location, weights_only)
+        return self.load_with_fallback(path, lambda name: load_full(self.store, name))
+
+    @override
+    def remove_checkpoint(self, path: Any) -> None:
+        if not self.manages(path):
+            return self._plain.remove_checkpoint(path)
+        self.wait()
+        name = self.name_of(path)
+        self.store.storage.remove(f"checkpoints/{name}/{MANIFEST}")
+        self.store.storage.remove(f"checkpoints/{name}", recursive=True)
+        self.catalog.sweep_orphans()
+
+    @override
+    def teardown(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None

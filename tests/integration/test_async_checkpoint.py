@@ -1,0 +1,120 @@
+"""AsyncCheckpointer through Lightning: exact resume from "last" under dp, dp x tp and DDP, loading into
+another data-parallel size, and a real kill -9 in the middle of a background save."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from lightning.pytorch import Trainer, seed_everything
+
+from examples.deepseek import DeepSeekMini
+from lightning_ciuic import AsyncCheckpointer, ChunkedCheckpointIO, HybridParallelStrategy
+from lightning_ciuic.checkpoint.incremental import CheckpointCatalog
+from tests.helpers import TINY_MODEL, assert_state_close, loader
+
+GLOBAL_BATCH, STEPS_PER_EPOCH = 4, 4
+
+
+def _fit(strategy, devices, max_steps, url=None, ckpt_path=None):
+    seed_everything(7)
+    module = DeepSeekMini(**TINY_MODEL)
+    callbacks = [AsyncCheckpointer(url, save_interval=None, every_n_train_steps=STEPS_PER_EPOCH)] if url else []
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, enable_checkpointing=bool(url),
+    )
+    dp = devices // getattr(strategy, "_requested", {}).get("tensor_parallel_size", 1) if not isinstance(strategy, str) else devices
+    trainer.fit(module, loader(STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH // dp), ckpt_path=ckpt_path)
+    return {k: v.detach() for k, v in module.state_dict().items()}
+
+
+def _ciuic(dp, tp=1):
+    return HybridParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp, start_method="spawn")
+
+
+@pytest.mark.parametrize(
+    "save_layout, resume_layout",
+    [((2, 1), (2, 1)), ((2, 2), (2, 2)), ((2, 1), (4, 1)), ((4, 1), (1, 2))],
+    ids=["dp2", "dp2xtp2", "dp2-to-dp4", "dp4-to-tp2"],
+)
+def test_resume_from_last_continues_exactly(tmp_path, save_layout, resume_layout):
+    url = str(tmp_path / "checkpoints")
+    (dp, tp), (dp2, tp2) = save_layout, resume_layout
+    uninterrupted = _fit(_ciuic(dp, tp), dp * tp, 2 * STEPS_PER_EPOCH)
+    _fit(_ciuic(dp, tp), dp * tp, STEPS_PER_EPOCH, url)
+    resumed = _fit(_ciuic(dp2, tp2), dp2 * tp2, 2 * STEPS_PER_EPOCH, url, ckpt_path="last")
+    assert_state_close(resumed, uninterrupted)
+    manifests = CheckpointCatalog(ChunkedCheckpointIO(url).store).manifests()
+    assert [m.step for m in manifests] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
+    assert manifests[0].world_size == dp * tp
+
+
+def test_ddp_strategy_resumes_exactly(tmp_path):
+    url = f"file://{tmp_path}/checkpoints"
+    uninterrupted = _fit("ddp_spawn", 2, 2 * STEPS_PER_EPOCH)
+    _fit("ddp_spawn", 2, STEPS_PER_EPOCH, url)
+    resumed = _fit("ddp_spawn", 2, 2 * STEPS_PER_EPOCH, url, ckpt_path="last")
+    assert_state_close(resumed, uninterrupted)
+
+
+TRAIN_FOREVER = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {root!r})
+    from lightning.pytorch import Trainer, seed_everything
+    from examples.deepseek import DeepSeekMini
+    from lightning_ciuic import AsyncCheckpointer
+    from lightning_ciuic.checkpoint.storage import Storage
+    from tests.helpers import TINY_MODEL, loader
+
+    slow_write = Storage.write_atomic
+    def write_slowly(self, relative, data):  # a slow disk: every chunk takes a while
+        time.sleep(0.05)
+        slow_write(self, relative, data)
+    Storage.write_atomic = write_slowly
+
+    seed_everything(0)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=10_000, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False,
+                      callbacks=[AsyncCheckpointer({url!r}, save_interval=None, every_n_train_steps=1, max_keep=3)])
+    trainer.fit(DeepSeekMini(**TINY_MODEL), loader(64, 4))
+    """
+)
+
+
+def test_kill_9_during_a_save_leaves_every_earlier_checkpoint_loadable(tmp_path):
+    url = str(tmp_path / "checkpoints")
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_FOREVER.format(root=str(Path(__file__).resolve().parents[2]), url=url))
+    log = open(tmp_path / "train.log", "w")
+    process = subprocess.Popen([sys.executable, str(script)], stdout=log, stderr=subprocess.STDOUT)
+    io = ChunkedCheckpointIO(url)
+    catalog = CheckpointCatalog(io.store)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait for two commits and a third save half-written
+            manifests = catalog.manifests() if Path(url, "checkpoints").exists() else []
+            referenced = {c for m in manifests for c in m.chunks}
+            in_flight = Path(url, "chunks").exists() and bool(io.store.all_chunks() - referenced)
+            if len(manifests) >= 2 and in_flight:
+                break
+            time.sleep(0.02)
+        else:
+            pytest.fail(f"no save in flight seen; training log:\n{(tmp_path / 'train.log').read_text()[-3000:]}")
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.kill()
+        process.wait()
+        log.close()
+    manifests = catalog.manifests()
+    assert len(manifests) >= 2
+    for manifest in manifests:
+        catalog.verify(manifest)  # every committed checkpoint is intact
+    assert "state_dict" in io.load_checkpoint("last")
+    assert catalog.sweep_orphans() > 0  # the half-written save's chunks, now removed
+    assert io.store.all_chunks() == {c for m in catalog.manifests() for c in m.chunks}

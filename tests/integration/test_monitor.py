@@ -1,0 +1,83 @@
+"""CommunicationMonitor on known synthetic workloads: injected delays in compute and in a collective show up
+where they belong, the report renders, and `lightning-ciuic advise` repeats the advice offline."""
+
+import json
+from html.parser import HTMLParser
+
+import pytest
+from lightning.pytorch import Trainer, seed_everything
+
+from examples.deepseek import DeepSeekMini
+from lightning_ciuic import CommunicationMonitor, HybridParallelStrategy
+from lightning_ciuic.cli import main as cli_main
+from lightning_ciuic.faults import SlowGradientSync, SlowRank
+from tests.helpers import TINY_MODEL, loader
+
+BATCH = 4
+
+
+def _fit(tmp_path, devices, strategy, callbacks, steps=8):
+    seed_everything(7)
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+        default_root_dir=tmp_path, callbacks=callbacks,
+    )
+    trainer.fit(DeepSeekMini(**TINY_MODEL), loader(steps * BATCH * devices, BATCH))
+    return trainer, json.loads((tmp_path / "monitor" / "monitor.json").read_text())
+
+
+class _Tags(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.svgs, self.rects, self.items = [], 0, 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "svg":
+            self.svgs.append(dict(attrs).get("class"))
+        self.rects += tag == "rect"
+        self.items += tag == "li"
+
+
+def test_injected_delays_land_in_compute_and_in_the_collective(tmp_path, capfd):
+    monitor = CommunicationMonitor(gather_every=2, measure_link=True)
+    callbacks = [monitor, SlowRank([1], seconds_per_sample=0.03), SlowGradientSync([0], seconds=0.1)]
+    trainer, record = _fit(tmp_path, 2, HybridParallelStrategy(start_method="spawn"), callbacks)
+
+    for key in ("step_ms", "compute_ms", "data_wait_ms", "dp_exposed_ms", "dp_comm_ms", "dp_bytes", "memory_mb",
+                "rank0/compute_ms", "rank1/compute_ms"):
+        assert f"monitor/{key}" in trainer.callback_metrics, key
+    rank0, rank1 = record["profile"]["ranks"]
+    assert rank1["compute"] >= 0.12 > rank0["compute"]  # 4 samples x 30 ms injected into rank 1's compute
+    assert rank0["dp_exposed"] >= 0.1  # the delayed collective, waited for after backward
+    assert rank0["dp_comm"] >= rank0["dp_exposed"] and rank0["dp_payload"] > 0 and rank0["dp_bytes"] > 0
+    assert record["profile"]["bandwidth_bytes_per_s"] > 0 and len(record["windows"]) >= 3
+
+    report = _Tags()
+    report.feed((tmp_path / "monitor" / "report.html").read_text())
+    assert report.svgs == ["breakdown", "heatmap", "bandwidth"] and report.rects > 10
+    straggler = [line for line in capfd.readouterr().err.splitlines() if "slower than the others" in line]
+    assert straggler and straggler[0].strip().startswith("- rank 1 is")
+
+    with pytest.raises(SystemExit) as done:
+        cli_main(["advise", str(tmp_path)])
+    assert done.value.code == 0
+    out = capfd.readouterr().out
+    assert "rank 1 is" in out and "DynamicDataBalancer" in out
+
+
+def test_tensor_parallel_collectives_are_timed_per_axis(tmp_path):
+    monitor = CommunicationMonitor(gather_every=4, profile_every=2, measure_link=False)
+    strategy = HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn")
+    _, record = _fit(tmp_path, 4, strategy, [monitor])
+    profile = record["profile"]
+    assert (profile["dp"], profile["tp"], profile["dp_rank_of"]) == (2, 2, [0, 0, 1, 1])
+    assert all(rank["tp_comm"] > 0 for rank in profile["ranks"])
+    assert profile["bandwidth_bytes_per_s"] is None
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="gather_every must be an integer >= 1"):
+        CommunicationMonitor(gather_every=0)
+    with pytest.raises(ValueError, match="profile_every must be an integer >= 1"):
+        CommunicationMonitor(profile_every=-1)

@@ -1,0 +1,75 @@
+"""The advisor's rules on recorded measurements: what it recommends, with which predicted gain, and silence
+when nothing is wrong."""
+
+import pytest
+
+from lightning_ciuic.advice import RANK_FIELDS, RunProfile, advise, compression_speedups
+
+CODEC = {"none": 0.0, "fp16": 2e-9, "int8": 8e-9, "nf4": 3e-8}
+
+
+def _rank(**values):
+    base = dict.fromkeys(RANK_FIELDS, 0.0)
+    base.update(step=0.2, compute=0.15, dp_comm=0.06, dp_exposed=0.03, dp_payload=4e7, dp_bytes=4e7)
+    base.update(values)
+    return base
+
+
+def _profile(ranks, **kwargs):
+    settings = dict(world_size=len(ranks), dp=len(ranks), gradient_numel=10_000_000, buckets=2, latency_s=1e-4,
+                    bandwidth_bytes_per_s=1.2e10, codec_s_per_value=CODEC, ranks=ranks)
+    settings.update(kwargs)
+    return RunProfile(**settings)
+
+
+def test_a_healthy_run_gets_no_advice():
+    assert advise(_profile([_rank(), _rank()])) == []
+
+
+def test_slow_link_sync_dominated_step_recommends_compression_with_its_predicted_gain():
+    # 1 Gbit/s link, 40 MB of gradients: sync 0.32 s of a 0.47 s step, 0.3 s of it exposed.
+    ranks = [_rank(step=0.47, compute=0.15, dp_comm=0.32, dp_exposed=0.30) for _ in range(2)]
+    profile = _profile(ranks, bandwidth_bytes_per_s=1.25e8)
+    (advice,) = advise(profile)
+    assert advice.rule == "compression" and "communication_compression" in advice.argument
+    speedups = compression_speedups(profile)
+    best = max(speedups, key=speedups.get)
+    assert best in advice.argument and advice.predicted_speedup == pytest.approx(speedups[best])
+    assert speedups["none"] == pytest.approx(1.0)  # the prediction is calibrated on the measured mode
+    assert speedups["int8"] > speedups["fp16"] > 1.3
+
+
+def test_fast_link_does_not_recommend_compression():
+    profile = _profile([_rank(step=0.2, dp_comm=0.01, dp_exposed=0.002) for _ in range(2)], bandwidth_bytes_per_s=5e9)
+    assert not [a for a in advise(profile) if a.rule == "compression"]
+
+
+def test_straggler_is_named_with_the_balanced_prediction():
+    ranks = [_rank(compute=0.1, step=0.25), _rank(compute=0.1, step=0.25), _rank(compute=0.1, step=0.25),
+             _rank(compute=0.2, step=0.25, dp_exposed=0.0)]
+    (advice,) = [a for a in advise(_profile(ranks)) if a.rule == "straggler"]
+    assert advice.summary.startswith("rank 3 is 2.00x slower than the others") and "DynamicDataBalancer" in advice.argument
+    balanced = 4 / (3 / 0.1 + 1 / 0.2)
+    assert advice.predicted_speedup == pytest.approx(0.25 / (0.25 - (0.2 - balanced)))
+
+
+def test_straggler_under_tensor_parallel_names_every_rank_of_the_slow_replica():
+    ranks = [_rank(compute=0.1), _rank(compute=0.1), _rank(compute=0.25), _rank(compute=0.12)]
+    profile = _profile(ranks, dp=2, tp=2, dp_rank_of=[0, 0, 1, 1])
+    (advice,) = [a for a in advise(profile) if a.rule == "straggler"]
+    assert advice.summary.startswith("rank 2, 3 is 2.50x slower")
+
+
+def test_data_loading_and_pipeline_bubble_rules():
+    profile = _profile([_rank(step=0.3, data_wait=0.1) for _ in range(2)])
+    assert [a.rule for a in advise(profile)] == ["data"]
+    assert advise(profile)[0].predicted_speedup == pytest.approx(1.5)
+    bubble = _profile([_rank() for _ in range(2)], pp=4, bubble=3 / 7, num_microbatches=4)
+    (advice,) = advise(bubble)
+    assert advice.rule == "bubble" and advice.argument == "strategy.num_microbatches: 8"
+    assert advice.predicted_speedup == pytest.approx((1 - 3 / 11) / (1 - 3 / 7))
+
+
+def test_profile_round_trips_through_json():
+    profile = _profile([_rank(), _rank()])
+    assert RunProfile.from_json(profile.to_json()) == profile

@@ -1,0 +1,160 @@
+"""The chunk store and its checkpoints without a Trainer: incremental reuse, retention without leaks,
+checksums that name the damaged file, "last" falling back, retries, deferred background errors, S3."""
+
+import socket
+
+import pytest
+import torch
+
+from lightning_ciuic import AsyncCheckpointer, ChunkedCheckpointIO
+from lightning_ciuic.checkpoint.dcp import load_full, save_full
+from lightning_ciuic.checkpoint.incremental import CheckpointCatalog, ChunkStore, CorruptCheckpointError
+from lightning_ciuic.checkpoint.storage import Storage, StorageError
+
+
+def _state(frozen: torch.Tensor, step: int) -> dict:
+    return {"frozen": frozen, "trained": torch.full((1000,), float(step)), "optimizer_states": [{"state": {0: {"step": step}}}]}
+
+
+def test_unchanged_tensors_are_referenced_not_rewritten_and_retention_leaks_nothing(tmp_path):
+    store = ChunkStore(Storage(str(tmp_path)), chunk_bytes=64 * 1024)
+    frozen = torch.randn(200_000)  # 800 kB of "frozen" weights, 13 chunks
+    save_full(store, "c0", _state(frozen, 0), max_keep=2)
+    catalog = CheckpointCatalog(store)
+    first = catalog.get("c0")
+    save_full(store, "c1", _state(frozen, 1), max_keep=2)
+    second = catalog.get("c1")
+    assert second.written_bytes < 0.05 * first.written_bytes  # only the small trained tensor and the skeleton
+    save_full(store, "c2", _state(frozen, 2), max_keep=2)
+    kept = catalog.manifests()
+    assert [m.name for m in kept] == ["c1", "c2"]
+    assert store.all_chunks() == {c for m in kept for c in m.chunks}  # no leak, nothing referenced missing
+    restored = load_full(store, "c1")
+    assert torch.equal(restored["frozen"], frozen) and restored["trained"][0] == 1
+    assert restored["optimizer_states"][0]["state"] == {0: {"step": 1}}  # int keys survive
+
+
+def _damage(store: ChunkStore, name: str, how: str) -> str:
+    catalog = CheckpointCatalog(store)
+    older = {c for m in catalog.manifests() if m.name != name for c in m.chunks}
+    victim = next(c for c in catalog.get(name).chunks if c not in older)
+    path = store.storage.path(store._file(victim))
+    data = store.storage.fs.cat_file(path)
+    with store.storage.fs.open(path, "wb") as f:
+        f.write(data[: len(data) // 2] if how == "truncate" else bytes([data[0] ^ 0xFF]) + data[1:])
+    return path
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+def test_damaged_chunk_is_named_and_last_falls_back(tmp_path, how):
+    io = ChunkedCheckpointIO(str(tmp_path))
+    io.save_checkpoint(_state(torch.zeros(10), 1), "step=1")
+    io.save_checkpoint(_state(torch.ones(10), 2), "step=2")
+    io.wait()
+    bad_file = _damage(io.store, "step=2", how)
+    with pytest.raises(CorruptCheckpointError, match=bad_file.split("/")[-1]):
+        io.load_checkpoint("step=2")
+    with pytest.warns(UserWarning, match="'step=2' .* is damaged"):
+        fallback = io.load_checkpoint("last")
+    assert fallback["trained"][0] == 1
+    with pytest.raises(CorruptCheckpointError):
+        CheckpointCatalog(io.store).verify(CheckpointCatalog(io.store).get("step=2"))
+
+
+def test_transient_write_errors_are_retried(tmp_path, monkeypatch):
+    storage = Storage(str(tmp_path), backoff=0.01)
+    real_open, failures = storage.fs.open, []
+
+    def flaky_open(path, mode="rb", **kwargs):
+        if "w" in mode and len(failures) < 3:
+            failures.append(path)
+            raise ConnectionError("simulated network hiccup")
+        return real_open(path, mode, **kwargs)
+
+    monkeypatch.setattr(storage.fs, "open", flaky_open)
+    store = ChunkStore(storage)
+    save_full(store, "c", {"x": torch.arange(5)})
+    assert len(failures) == 3 and torch.equal(load_full(store, "c")["x"], torch.arange(5))
+
+
+def test_a_failed_background_save_is_raised_at_the_next_save(tmp_path, monkeypatch):
+    io = ChunkedCheckpointIO(str(tmp_path))
+    io.store.storage.retries, io.store.storage.backoff = 1, 0.01
+    monkeypatch.setattr(io.store.storage.fs, "open", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    io.save_checkpoint({"x": torch.ones(3)}, "a")  # returns at once; the write fails in the background
+    with pytest.raises(StorageError, match="failed after 2 attempts: disk full"):
+        io.save_checkpoint({"x": torch.ones(3)}, "b")
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(dirpath="nosuchscheme://bucket/x"), ValueError, "cannot open checkpoint storage 'nosuchscheme://bucket/x'"),
+        (dict(dirpath="memory://x", max_keep=0), ValueError, "max_keep must be an integer >= 1"),
+        (dict(dirpath="memory://x", save_interval=-1), ValueError, "save_interval must be >= 0 seconds"),
+        (dict(dirpath="memory://x", every_n_train_steps=0), ValueError, "every_n_train_steps must be >= 1 or None"),
+        (dict(dirpath="memory://x", compression="lz4"), ValueError, "compression='lz4'; use 'zstd' or 'none'"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        AsyncCheckpointer(**kwargs)
+
+
+def test_unwritable_storage_is_reported():
+    with pytest.raises(PermissionError, match="is not writable"):
+        Storage("/etc/hostname/checkpoints").check_writable()  # below a file: cannot be a directory
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_s3_through_a_real_s3_compatible_server():
+    server_module = pytest.importorskip("moto.server", reason="moto[server] (test extra) is not installed")
+    pytest.importorskip("s3fs", reason="s3fs (test extra) is not installed")
+    port = _free_port()
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    try:
+        server.start()
+    except Exception as err:  # noqa: BLE001 - any failure to start is a reason to skip, said aloud
+        pytest.skip(f"moto server could not start on loopback: {err}")
+    try:
+        options = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
+        Storage("s3://ckpt-bucket", options).fs.mkdir("ckpt-bucket")
+        io = ChunkedCheckpointIO("s3://ckpt-bucket/run1", max_keep=1, storage_options=options)
+        io.save_checkpoint(_state(torch.randn(5000), 1), "step=1")
+        io.save_checkpoint(_state(torch.randn(5000), 2), "step=2")
+        restored = io.load_checkpoint("last")
+        assert restored["trained"][0] == 2
+        assert [m.name for m in io.catalog.manifests()] == ["step=2"]
+        io.teardown()
+    finally:
+        server.stop()
+
+
+def test_command_line_lists_verifies_and_exports(tmp_path, capsys):
+    from lightning_ciuic.cli import main as cli_main
+
+    url = str(tmp_path / "store")
+    io = ChunkedCheckpointIO(url)
+    io.save_checkpoint({**_state(torch.zeros(10), 1), "global_step": 1}, "step=1")
+    io.save_checkpoint({**_state(torch.ones(10), 2), "global_step": 2}, "step=2")
+    io.teardown()
+
+    def run(*args):
+        with pytest.raises(SystemExit) as done:
+            cli_main(["checkpoint", *args])
+        return done.value.code, capsys.readouterr().out
+
+    code, out = run("ls", url)
+    assert code == 0 and "step=1" in out and "step=2" in out
+    assert run("verify", url)[0] == 0
+    bad_file = _damage(io.store, "step=2", "flip")
+    code, out = run("verify", url)
+    assert code == 1 and "DAMAGED  step=2" in out and bad_file.split("/")[-1] in out and "ok       step=1" in out
+    code, out = run("export", url, "step=1", str(tmp_path / "plain.pt"))
+    exported = torch.load(tmp_path / "plain.pt", weights_only=False)
+    assert code == 0 and exported["trained"][0] == 1 and exported["global_step"] == 1
