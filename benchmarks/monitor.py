@@ -12,7 +12,7 @@ Same two-process runs as ``benchmarks/compression.py`` (its ``run``: one process
 
 Writes the ``monitor`` section of docs/benchmarks.md.
 
-    .venv/bin/python benchmarks/monitor.py [--steps 25] [--rounds 3] [--batch 4]
+    .venv/bin/python benchmarks/monitor.py [--steps 25] [--rounds 3] [--batch 4] [--overhead-steps 80]
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4, help="samples of 64 bytes per rank")
+    parser.add_argument("--overhead-steps", type=int, default=80, help="steps of each loopback overhead run")
     args = parser.parse_args()
     sections = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,8 +92,8 @@ def main() -> None:
 
         plain, watched = [], []
         for _ in range(args.rounds):
-            plain.append(median_after_warmup(run("none", "large", args.steps, workdir, None, args.batch)["times"], WARMUP))
-            step, loopback = monitored(workdir, "loopback", args.steps, None, args.batch)
+            plain.append(median_after_warmup(run("none", "large", args.overhead_steps, workdir, None, args.batch)["times"], WARMUP))
+            step, loopback = monitored(workdir, "loopback", args.overhead_steps, None, args.batch)
             watched.append(step)
         ratios = [w / p for w, p in zip(watched, plain)]
         overhead = statistics.median(ratios) - 1
@@ -117,7 +118,7 @@ def main() -> None:
         f"""
 ## CommunicationMonitor: advice checked against measurement
 
-Command: `.venv/bin/python benchmarks/monitor.py --steps {args.steps} --rounds {args.rounds} --batch {args.batch}` (model `large`,
+Command: `.venv/bin/python benchmarks/monitor.py --steps {args.steps} --rounds {args.rounds} --batch {args.batch} --overhead-steps {args.overhead_steps}` (model `large`,
 2 processes, one per simulated node, gloo, 1 thread each, batch {args.batch} x 64 bytes per rank; median step time after {WARMUP} warm-up
 steps; machine: {machine()}).
 

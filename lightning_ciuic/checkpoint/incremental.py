@@ -3,7 +3,7 @@
 Layout under a :class:`~lightning_ciuic.checkpoint.storage.Storage` root::
 
     chunks/<h[:2]>/<h>.zst        zstd-compressed bytes whose BLAKE2b-128 digest (of the raw bytes) is <h>
-    chunks/<h[:2]>/<h>.raw        the same, uncompressed (compression=None)
+    chunks/<h[:2]>/<h>.raw        the same, stored raw (compression off, or zstd would not shrink them by 5%)
     checkpoints/<name>/metadata   the DCP metadata (pickled), with every item's list of chunks
     checkpoints/<name>/manifest.json   the commit record, written last
     latest                        the name of the newest commit (what ``"last"`` points at)
@@ -11,7 +11,8 @@ Layout under a :class:`~lightning_ciuic.checkpoint.storage.Storage` root::
 Contract:
 
 * :meth:`ChunkStore.put` stores bytes as chunks of at most ``chunk_bytes``; a chunk whose digest is already
-  stored is referenced, not rewritten (incremental: unchanged tensors cost a hash, not a write).
+  stored is referenced, not rewritten (incremental: unchanged tensors cost a hash, not a write), unless the
+  store is made with ``incremental=False``.
 * :meth:`ChunkStore.get` reads, decompresses and re-hashes; any mismatch or truncation raises
   :class:`CorruptCheckpointError` naming the file.
 * A checkpoint exists once ``manifest.json`` does (written atomically, after every chunk and the metadata);
@@ -59,72 +60,91 @@ class PutStats:
 
 class ChunkStore:
     def __init__(
-        self, storage: Storage, compression: Optional[str] = "zstd", level: int = 3, chunk_bytes: int = CHUNK_BYTES
+        self,
+        storage: Storage,
+        compression: Optional[str] = "zstd",
+        level: int = 3,
+        chunk_bytes: int = CHUNK_BYTES,
+        incremental: bool = True,
     ) -> None:
         if compression not in ("zstd", None):
             raise ValueError(f"compression={compression!r}; use 'zstd' or None.")
         if not 1 <= level <= 22:
             raise ValueError(f"compression_level={level} is outside zstd's 1..22.")
         self.storage, self.compression, self.level, self.chunk_bytes = storage, compression, level, chunk_bytes
+        self.incremental = incremental  # False: every chunk is written again, even if stored
         self.stats = PutStats()
-        self._known: set[str] = set()  # chunks seen stored by this process
+        self._known: dict[str, str] = {}  # digest -> chunk id, for chunks this process saw stored
 
-    def _file(self, name: str) -> str:
-        suffix = "zst" if self.compression == "zstd" else "raw"
-        return f"chunks/{name[:2]}/{name}.{suffix}"
+    @staticmethod
+    def _file(chunk: str) -> str:
+        return f"chunks/{chunk[:2]}/{chunk}"
+
+    def _encode(self, piece: memoryview) -> tuple[str, bytes]:
+        """``("zst", compressed)`` where zstd pays (a 64 kB sample shrinks by 5% or more), else ``("raw", piece)``:
+        fp32 weights barely compress (about 1.08x) and are not worth the CPU; metadata, integers and zeros are."""
+        if self.compression == "zstd":
+            compressor = zstandard.ZstdCompressor(level=self.level)
+            sample = piece[: 64 * 1024]
+            if len(compressor.compress(sample)) <= 0.95 * len(sample):
+                return "zst", compressor.compress(piece)
+        return "raw", bytes(piece)
 
     def put(self, data: bytes | memoryview) -> list[str]:
-        """Store ``data``; returns its chunk digests in order."""
+        """Store ``data``; returns its chunk ids (``<digest>.zst`` or ``<digest>.raw``) in order."""
         view = memoryview(data).cast("B")
-        names = []
+        chunks = []
         for start in range(0, max(len(view), 1), self.chunk_bytes):
             piece = view[start : start + self.chunk_bytes]
             name = digest(piece)
-            names.append(name)
             self.stats.logical_bytes += len(piece)
-            if name in self._known or self.storage.exists(self._file(name)):
+            chunk = None
+            if self.incremental:
+                chunk = self._known.get(name) or next(
+                    (f"{name}.{s}" for s in ("zst", "raw") if self.storage.exists(self._file(f"{name}.{s}"))), None
+                )
+            if chunk is not None:
                 self.stats.reused_chunks += 1
             else:
-                stored = zstandard.ZstdCompressor(level=self.level).compress(piece) if self.compression else bytes(piece)
-                self.storage.write_atomic(self._file(name), stored)
+                suffix, stored = self._encode(piece)
+                chunk = f"{name}.{suffix}"
+                self.storage.write_atomic(self._file(chunk), stored)
                 self.stats.written_bytes += len(stored)
                 self.stats.written_chunks += 1
-            self._known.add(name)
-        return names
+            self._known[name] = chunk
+            chunks.append(chunk)
+        return chunks
 
-    def get(self, names: list[str]) -> bytes:
+    def get(self, chunks: list[str]) -> bytes:
         parts = []
-        for name in names:
-            path = self._file(name)
+        for chunk in chunks:
+            path = self._file(chunk)
             try:
                 stored = self.storage.read(path)
             except FileNotFoundError as err:
                 raise CorruptCheckpointError(f"chunk {self.storage.path(path)} is missing") from err
             try:
-                raw = zstandard.ZstdDecompressor().decompress(stored) if self.compression else stored
+                raw = zstandard.ZstdDecompressor().decompress(stored) if chunk.endswith(".zst") else stored
             except zstandard.ZstdError as err:
                 raise CorruptCheckpointError(f"chunk {self.storage.path(path)} is corrupted or truncated: {err}") from err
-            if digest(raw) != name:
-                raise CorruptCheckpointError(f"chunk {self.storage.path(path)} fails its checksum (corrupted)")
+            if digest(raw) != chunk.split(".")[0]:
+                raise CorruptCheckpointError(f"chunk {self.storage.path(path)} fails its checksum (corrupted or truncated)")
             parts.append(raw)
         return b"".join(parts)
 
-    def stored_size(self, name: str) -> int:
-        return self.storage.size(self._file(name))
-
     def all_chunks(self, temporary: bool = False) -> set[str]:
-        """Digests of every stored chunk (with ``temporary``: the half-written files' paths instead)."""
+        """Ids of every stored chunk (with ``temporary``: the half-written files' paths instead)."""
         found = set()
         for prefix in self.storage.list("chunks"):
             for entry in self.storage.list(f"chunks/{prefix}"):
                 if (".tmp-" in entry) == temporary:
-                    found.add(f"chunks/{prefix}/{entry}" if temporary else entry.split(".")[0])
+                    found.add(f"chunks/{prefix}/{entry}" if temporary else entry)
         return found
 
-    def delete(self, names: set[str]) -> None:
-        for name in names:
-            self.storage.remove(self._file(name))
-            self._known.discard(name)
+    def delete(self, chunks: set[str]) -> None:
+        for chunk in chunks:
+            self.storage.remove(self._file(chunk))
+            self._known.pop(chunk.split(".")[0], None)
 
 
 @dataclass

@@ -46,6 +46,22 @@ def test_rebalanced_training_equals_single_process(strategy, rebalance_strategy)
     assert_state_close({k: v.detach() for k, v in module.state_dict().items()}, expected)
 
 
+def test_rebalancing_on_the_dp_axis_of_a_dp_x_tp_mesh():
+    """dp=2 x tp=2: both tensor-parallel ranks of replica 1 are slow; the replica's share shrinks, exactly."""
+    module = _tiny()
+    trainer = Trainer(
+        strategy=HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn"),
+        accelerator="cpu", devices=4, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.05,
+        callbacks=[DynamicDataBalancer(monitoring_freq=2, rebalance_strategy="throughput"), SlowRank([2, 3], 0.02)],
+    )
+    trainer.fit(module, loader(STEPS * PER_RANK_BATCH * 2, PER_RANK_BATCH))
+    assert float(trainer.callback_metrics["balance/share_0"]) > PER_RANK_BATCH
+    expected = reference_training(_tiny, STEPS, PER_RANK_BATCH * 2, clip=0.05)
+    # tp splits every matmul's sum and the split reweights gradients: fp32 rounding, a little above the dp-only tolerance
+    assert_state_close({k: v.detach() for k, v in module.state_dict().items()}, expected, atol=5e-5)
+
+
 def test_below_the_threshold_the_split_stays_even():
     trainer = Trainer(
         strategy="ciuic_spawn", accelerator="cpu", devices=2, max_steps=4, logger=False, enable_checkpointing=False,
