@@ -50,7 +50,9 @@ def test_injected_delays_land_in_compute_and_in_the_collective(tmp_path, capfd):
     rank0, rank1 = record["profile"]["ranks"]
     assert rank1["compute"] >= 0.12 > rank0["compute"]  # 4 samples x 30 ms injected into rank 1's compute
     assert rank0["dp_exposed"] >= 0.1  # the delayed collective, waited for after backward
-    assert rank0["dp_comm"] >= rank0["dp_exposed"] and rank0["dp_payload"] > 0 and rank0["dp_bytes"] > 0
+    # the collective's time holds the delay too (with one bucket launched by the last gradient, comm and exposed
+    # time cover nearly the same interval, so neither bounds the other exactly)
+    assert rank0["dp_comm"] >= 0.1 and rank0["dp_payload"] > 0 and rank0["dp_bytes"] > 0
     assert record["profile"]["bandwidth_bytes_per_s"] > 0 and len(record["windows"]) >= 3
 
     report = _Tags()
