@@ -208,12 +208,12 @@ class DynamicDataBalancer(Callback):
         assert self.sampler is not None
         records, self._cursor = Telemetry.of(trainer).records_since(self._cursor)
         norms, self._grad_norms = self._grad_norms, []
-        rows = gather_per_rank(trainer, [self.sampler.rank, float(_unstable(norms)), *_window_stats(records)])
+        rows = gather_per_rank(trainer, [self.sampler.rank, *_window_stats(records), float(_unstable(norms))])
         split = self.sampler.split
-        step_times, speeds = _per_dp_rank(rows[:, [0, 2, 3, 4, 5]], self.sampler.num_replicas, self.rebalance_strategy)
+        step_times, speeds = _per_dp_rank(rows[:, :-1], self.sampler.num_replicas, self.rebalance_strategy)
         measured = imbalance(step_times)
         new = None
-        if bool(rows[:, 1].max() > 0):
+        if bool(rows[:, -1].max() > 0):
             rank_zero_info("DynamicDataBalancer: gradient norm unstable in this window on some rank; split kept.")
         else:
             max_shift = _MAX_SHIFT if self.rebalance_strategy == "gradient_aware" else None

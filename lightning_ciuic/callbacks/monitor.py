@@ -18,9 +18,8 @@ Contract:
   table and the advice in the terminal, ``monitor.json`` (what ``lightning-ciuic advise`` reads) and a
   self-contained ``report.html`` in ``dirpath`` (default ``<trainer.log_dir or default_root_dir>/monitor``).
 * Advice comes from :func:`lightning_ciuic.advice.advise`; with ``measure_link`` the data-parallel link is
-  measured once at the start of training (latency, bandwidth, this machine's codec speed, and each dense
-  compression mode's time to synchronize this model's gradient on the idle machine), which is what
-  compression predictions need. It takes a few seconds, before the first step.
+  measured once at the start of training (latency, bandwidth, and each dense compression mode's time to
+  synchronize this model's gradient while the machine computes), which is what compression predictions need. It takes a few seconds, before the first step.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
 
 from lightning_ciuic.advice import RANK_FIELDS, RunProfile, advise
-from lightning_ciuic.comm.auto import CANDIDATES, codec_seconds_per_value, measure_link, measure_sync_seconds
+from lightning_ciuic.comm.auto import measure_link, measure_sync_seconds
 from lightning_ciuic.report import render_html, summary_table
 from lightning_ciuic.telemetry import Telemetry, gather_per_rank
 
@@ -84,7 +83,7 @@ class CommunicationMonitor(Callback):
         dirpath: where ``monitor.json`` and ``report.html`` go (any local path).
         gather_every: optimizer steps between gathers of every rank's window (>= 1).
         profile_every: every this many steps, time tensor-parallel collectives (>= 1).
-        measure_link: measure the data-parallel link and codec speed at the start of training.
+        measure_link: measure the data-parallel link and each compression mode's sync time at the start of training.
         log_every_n_steps: rank-local metrics every this many steps (default: the Trainer's).
     """
 
@@ -152,7 +151,6 @@ class CommunicationMonitor(Callback):
         if self.measure_link and dp_group is not None:
             latency, bandwidth = measure_link(dp_group)
             self._meta.update(latency_s=latency, bandwidth_bytes_per_s=bandwidth)
-            self._meta["codec_s_per_value"] = {mode: codec_seconds_per_value(mode) for mode in CANDIDATES}
             self._meta["sync_s"] = measure_sync_seconds(dp_group, self._meta["gradient_numel"], self._meta["buckets"])
         self._sync_seen = self._sync_counters(trainer)
         self._dp_rank = int((strategy.distributed_sampler_kwargs or {}).get("rank", 0)) if dp > 1 else 0

@@ -80,7 +80,7 @@ class ChunkedWriter(StorageWriter):
         results = []
         for item in plan.items:
             data = planner.resolve_data(item)
-            before = self.store.stats.written_bytes
+            before = self.store.written_bytes
             if item.type == WriteItemType.BYTE_IO:
                 raw = data.getbuffer()
                 chunks, dtype, shape = self.store.put(raw), None, None
@@ -88,7 +88,7 @@ class ChunkedWriter(StorageWriter):
                 tensor = data.detach().cpu().contiguous()
                 raw = _tensor_bytes(tensor)
                 chunks, dtype, shape = self.store.put(raw), tensor.dtype, tuple(tensor.shape)
-            stored = ChunkedItem(tuple(chunks), dtype, shape, self.store.stats.written_bytes - before)
+            stored = ChunkedItem(tuple(chunks), dtype, shape, self.store.written_bytes - before)
             results.append(WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=stored))
         return _done(results)
 
@@ -180,7 +180,7 @@ def save_full(
 ) -> None:
     """Save ``state`` (tensors anywhere in dicts, lists, tuples) from this process alone and commit it."""
     items: list[ChunkedItem] = []
-    written_before = store.stats.written_bytes
+    written_before = store.written_bytes
 
     def strip(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -199,7 +199,7 @@ def save_full(
         name=name, created=time.time(), step=int(extra.pop("step", 0)), epoch=int(extra.pop("epoch", 0)),
         chunks=sorted({c for item in items for c in item.chunks}),
         logical_bytes=sum(math.prod(i.shape or ()) * i.dtype.itemsize for i in items if i.dtype is not None),
-        written_bytes=store.stats.written_bytes - written_before, extra={**extra, "format": "full"},
+        written_bytes=store.written_bytes - written_before, extra={**extra, "format": "full"},
     )
     _commit(store, manifest, pickle.dumps({"format": "full", "skeleton": skeleton, "items": items}), max_keep)
 

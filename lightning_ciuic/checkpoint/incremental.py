@@ -50,14 +50,6 @@ def digest(data: bytes | memoryview) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-@dataclass
-class PutStats:
-    logical_bytes: int = 0  # bytes handed to put()
-    written_bytes: int = 0  # stored bytes actually written (after compression)
-    reused_chunks: int = 0
-    written_chunks: int = 0
-
-
 class ChunkStore:
     def __init__(
         self,
@@ -73,7 +65,7 @@ class ChunkStore:
             raise ValueError(f"compression_level={level} is outside zstd's 1..22.")
         self.storage, self.compression, self.level, self.chunk_bytes = storage, compression, level, chunk_bytes
         self.incremental = incremental  # False: every chunk is written again, even if stored
-        self.stats = PutStats()
+        self.written_bytes = 0  # stored bytes actually written by this process (after compression)
         self._known: dict[str, str] = {}  # digest -> chunk id, for chunks this process saw stored
 
     @staticmethod
@@ -97,20 +89,16 @@ class ChunkStore:
         for start in range(0, max(len(view), 1), self.chunk_bytes):
             piece = view[start : start + self.chunk_bytes]
             name = digest(piece)
-            self.stats.logical_bytes += len(piece)
             chunk = None
             if self.incremental:
                 chunk = self._known.get(name) or next(
                     (f"{name}.{s}" for s in ("zst", "raw") if self.storage.exists(self._file(f"{name}.{s}"))), None
                 )
-            if chunk is not None:
-                self.stats.reused_chunks += 1
-            else:
+            if chunk is None:
                 suffix, stored = self._encode(piece)
                 chunk = f"{name}.{suffix}"
                 self.storage.write_atomic(self._file(chunk), stored)
-                self.stats.written_bytes += len(stored)
-                self.stats.written_chunks += 1
+                self.written_bytes += len(stored)
             self._known[name] = chunk
             chunks.append(chunk)
         return chunks
