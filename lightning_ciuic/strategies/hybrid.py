@@ -279,7 +279,11 @@ class HybridParallelStrategy(ParallelStrategy):
         os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
         os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
         dist.init_process_group(
-            self.process_group_backend, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout
+            self.process_group_backend,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            timeout=self._timeout,
+            store=_restarted_worker_store(self.world_size, self._timeout),
         )
 
     @override
@@ -507,6 +511,23 @@ class HybridParallelStrategy(ParallelStrategy):
     def teardown(self) -> None:
         self._close_grad_sync()
         super().teardown()
+
+
+def _restarted_worker_store(world_size: int, timeout: timedelta) -> Optional[dist.Store]:
+    """The rendezvous store for a worker that TorchElastic restarted, or ``None`` for the usual env:// set-up.
+
+    TorchElastic's static rendezvous (plain ``torchrun --max-restarts=N``) keeps one agent store across restarts,
+    and torch's env:// handler expects a fresh store per attempt, so restarted gloo ranks read the previous
+    attempt's peer addresses and fail ("Gloo connectFullMesh failed ... Connection refused"). A key prefix per
+    attempt gives each attempt its own namespace in the same store.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    agent_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"lightning_ciuic/attempt_{attempt}", agent_store)
 
 
 def _clip_grad_by_global_norm(plugin: Precision, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
