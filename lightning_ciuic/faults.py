@@ -9,13 +9,21 @@ callback list is passed to every rank.
   so ``slowdown=2`` sleeps three forwards' worth, making forward + backward about twice as long).
 * :class:`SlowGradientSync`: a slow collective. On ``HybridParallelStrategy`` each gradient bucket's reduction
   waits ``seconds`` longer on the named ranks (after backward, where the synchronizer waits for it).
+* :class:`FailAt`: optimizer step ``step`` fails on the named ranks, once: ``"nan"`` makes the step's gradients
+  NaN (the update is poisoned; training goes on), ``"raise"`` raises, ``"kill"`` sends the process SIGKILL,
+  ``"hang"`` sleeps (a collective timeout on the other ranks ends it). Under TorchElastic it fires only in restart
+  attempt ``attempt``, so a restarted run does not fail again. ``lose_snapshots`` first deletes the rank's
+  :class:`~lightning_ciuic.callbacks.recovery.SnapshotRecovery` snapshots, as losing the node loses its memory.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import signal
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal, Optional
 
 from datetime import timedelta
 
@@ -73,3 +81,65 @@ class SlowGradientSync(Callback):
         if trainer.global_rank in self.ranks:
             reducer, seconds = sync.reducer, self.seconds
             sync.reducer = lambda *args: _DelayedReduction(reducer(*args), seconds)
+
+
+FaultKind = Literal["nan", "raise", "kill", "hang"]
+_FAULTS = ("nan", "raise", "kill", "hang")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by :class:`FailAt` with ``fault="raise"``."""
+
+
+class FailAt(Callback):
+    """Make optimizer step ``step`` fail on ``ranks`` (once); see the module docstring."""
+
+    def __init__(
+        self,
+        step: int,
+        fault: FaultKind = "raise",
+        ranks: Iterable[int] = (0,),
+        attempt: Optional[int] = 0,
+        hang_seconds: float = 3600.0,
+        lose_snapshots: bool = False,
+    ) -> None:
+        if fault not in _FAULTS:
+            raise ValueError(f"fault={fault!r} is not one of {', '.join(map(repr, _FAULTS))}.")
+        if step < 1:
+            raise ValueError(f"step must be >= 1 (the first optimizer step is 1), got {step}.")
+        self.step, self.fault, self.ranks, self.attempt = step, fault, set(ranks), attempt
+        self.hang_seconds, self.lose_snapshots = hang_seconds, lose_snapshots
+        self.fired = False
+
+    def _due(self, trainer: Trainer) -> bool:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        return (
+            not self.fired
+            and trainer.global_rank in self.ranks
+            and trainer.global_step == self.step - 1
+            and (self.attempt is None or attempt == self.attempt)
+        )
+
+    @override
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
+        if self.fault == "nan" and self._due(trainer) and loss.requires_grad:
+            loss.register_hook(lambda grad: grad * math.nan)
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if not self._due(trainer):
+            return
+        self.fired = True
+        if self.lose_snapshots:
+            from lightning_ciuic.callbacks.recovery import SnapshotRecovery
+
+            for callback in trainer.callbacks:
+                if isinstance(callback, SnapshotRecovery) and callback.store is not None:
+                    callback.store.clear()
+        print(f"FailAt: rank {trainer.global_rank}, step {self.step}: {self.fault} at {time.time():.6f}", flush=True)
+        if self.fault == "raise":
+            raise InjectedFault(f"injected failure at step {self.step} on rank {trainer.global_rank}")
+        if self.fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.fault == "hang":
+            time.sleep(self.hang_seconds)

@@ -75,15 +75,18 @@ def reference_training(
     global_batch: int,
     clip: float | None = None,
     lr_at: Callable[[int], float] | None = None,
+    batches: list[int] | None = None,
+    num_samples: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Single-process training: ``steps`` optimizer steps on the global batches a data-parallel run sees
-    (optionally with the learning rate ``lr_at(step)``)."""
+    (optionally with the learning rate ``lr_at(step)``). ``batches``: which global batches of the epoch of
+    ``num_samples`` samples feed the steps (default: the first ``steps``)."""
     module = module_factory()
     optimizer = module.configure_optimizers()
-    dataset = TokenWindows(steps * global_batch)
+    dataset = TokenWindows(num_samples or steps * global_batch)
     order = lightning_epoch_order(len(dataset))
-    for step in range(steps):
-        window = order[step * global_batch : (step + 1) * global_batch]
+    for step, index in enumerate(batches if batches is not None else range(steps)):
+        window = order[index * global_batch : (index + 1) * global_batch]
         batch = (dataset.data[window, :-1], dataset.data[window, 1:])
         if lr_at is not None:
             for group in optimizer.param_groups:

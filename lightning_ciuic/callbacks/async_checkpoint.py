@@ -128,9 +128,14 @@ class AsyncCheckpointer(ModelCheckpoint):
         self._last_saved_step = trainer.global_step
         self._last_save_time = time.monotonic()
 
+    def latest_checkpoint(self) -> Optional[str]:
+        """The URL of the newest committed checkpoint, or ``None``."""
+        return self.io.latest_url if self.io.catalog.manifests() else None
+
     @override
     def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
-        return {self.io.latest_url} if self.io.catalog.manifests() else set()
+        latest = self.latest_checkpoint()
+        return {latest} if latest is not None else set()
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -38,14 +38,15 @@ from typing import Any, Literal, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 from typing_extensions import override
 
+from lightning_ciuic.callbacks.train_loader import add_train_loader_transform, remove_train_loader_transform
 from lightning_ciuic.parallel.balance import BalancedBatchSampler, imbalance, rebalanced_split
+from lightning_ciuic.parallel.resume import PositionedDataLoader, with_batch_sampler
 from lightning_ciuic.telemetry import StepRecord, Telemetry, gather_per_rank
 
 RebalanceStrategy = Literal["throughput", "gradient_aware"]
@@ -97,30 +98,16 @@ class DynamicDataBalancer(Callback):
         self._grad_norms: list[float] = []
         self._position = (0, 0)  # (epoch, global batches done in it)
         self._restored: Optional[dict[str, Any]] = None
-        self._original_process_dataloader: Any = None
 
     # -- data ----------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        strategy = trainer.strategy
-        original = strategy.process_dataloader
-
-        def process_dataloader(dataloader: object) -> object:  # Lightning's hook for the strategy's logic
-            dataloader = original(dataloader)
-            if trainer.state.stage == RunningStage.TRAINING:
-                dataloader = self._balanced(trainer, dataloader)
-            return dataloader
-
-        self._original_process_dataloader = original
-        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+        if stage == "fit":
+            add_train_loader_transform(trainer, self._balanced)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self._original_process_dataloader is not None:
-            del trainer.strategy.process_dataloader  # the instance attribute; the class method shows again
-            self._original_process_dataloader = None
+        remove_train_loader_transform(trainer, self._balanced)
         Telemetry.release(trainer)
 
     def _balanced(self, trainer: Trainer, loader: object) -> DataLoader:
@@ -128,6 +115,8 @@ class DynamicDataBalancer(Callback):
             raise TypeError(f"DynamicDataBalancer needs a torch DataLoader for training, got {type(loader).__name__}.")
         if isinstance(loader.batch_sampler, BalancedBatchSampler):
             return loader
+        if isinstance(loader, PositionedDataLoader):  # SnapshotRecovery's position wrapper: balance the original
+            loader = loader.source
         dataset = loader.dataset
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
             raise TypeError(
@@ -149,20 +138,7 @@ class DynamicDataBalancer(Callback):
             len(dataset), loader.batch_size * dp, rank, dp, shuffle=shuffle, seed=seed, drop_last=loader.drop_last
         )
         self._restore_into(self.sampler)
-        return DataLoader(
-            dataset,
-            batch_sampler=self.sampler,
-            num_workers=loader.num_workers,
-            collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory,
-            timeout=loader.timeout,
-            worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context,
-            generator=loader.generator,
-            prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
-            persistent_workers=loader.persistent_workers,
-            pin_memory_device=loader.pin_memory_device,
-        )
+        return with_batch_sampler(loader, self.sampler)
 
     @property
     def min_samples(self) -> int:

@@ -1,6 +1,5 @@
 """Uneven shares of the global batch: split arithmetic, the rebalancing rule, and exact epoch coverage."""
 
-from collections import Counter
 
 import pytest
 import torch

@@ -1,0 +1,497 @@
+"""SnapshotRecovery (seed name ``QuantumRecovery``): in-memory snapshots, rollback on bad steps, resume after restarts.
+
+Contract:
+
+* Snapshot: every ``snapshot_freq`` optimizer steps (at the end of the batch, after the optimizer and scheduler
+  step) each rank captures its whole training state: its share of the model and of every optimizer's state, LR
+  schedulers, gradient-compression residuals (``HybridParallelStrategy``), the fit loop's progress (step, epoch,
+  position in the epoch), every other callback's state and the RNG states. The data position is exact: the
+  training DataLoader is rebuilt as a :class:`~lightning_ciuic.parallel.resume.PositionedDataLoader`, so a resume
+  continues the epoch with the next unseen batch. The snapshot is encoded (``state_compression``), sealed with a
+  digest, and kept in the ``store``; the newest ``max_snapshots`` are kept.
+
+  - ``"memory"``: this process's memory (in-process rollback only).
+  - ``"shm"`` (default): shared memory, ``/dev/shm``: also survives a worker restart on the same node.
+  - ``"peer"``: shared memory, plus a copy in the shared memory of a peer rank on another node
+    (:func:`~lightning_ciuic.checkpoint.snapshot.peer_of`): also survives losing the node.
+
+* Health check, every optimizer step, decided together by all ranks: the step is bad when any rank's loss is
+  non-finite, any rank's gradient norm is non-finite (``check_gradients``), or the mean loss exceeds
+  ``loss_spike_factor`` times the median of the last ``spike_window`` healthy steps' mean losses (checked once
+  10 of them are known; ``None`` turns the spike rule off).
+* Rollback (no restart): after a bad step the state returns to a kept snapshot chosen by ``recovery_strategy``
+  (``"latest"``: the newest; ``"min_loss"``: the lowest recorded loss, newest first among equals), and
+  ``trainer.global_step`` returns to the snapshot's step, so ``max_steps`` still counts applied updates. The data
+  does not rewind: the offending batch and the ones since the snapshot are skipped (as PaLM and OPT did after
+  loss spikes) and recorded in :attr:`events`. A snapshot that fails its digest is reported and the next
+  candidate is used. More than ``max_rollbacks`` rollbacks without a new snapshot in between stop the run with
+  an error instead of looping.
+* Restart (``torchrun --max-restarts``): the restarted workers, at ``on_fit_start``, find the newest snapshot
+  every rank can load (own shared memory, else the peer's copy) and resume exactly; with none, the newest
+  checkpoint of an :class:`~lightning_ciuic.callbacks.async_checkpoint.AsyncCheckpointer` in the run; else
+  training starts fresh. Don't also pass ``ckpt_path`` to ``fit``: Lightning would load it after us.
+* Shared memory is released: each rank's snapshots when ``fit`` finishes or fails for good, and the run's
+  directory by a reaper when the TorchElastic agent (or the launching process) exits, whatever killed it.
+* Logged: ``recovery/rollbacks`` and ``recovery/snapshot_step``; :attr:`snapshot_seconds` sums the time spent
+  taking snapshots on this rank.
+
+The one private Lightning attribute touched is the epoch loop's ``_batches_that_stepped`` (the logging step), set
+back with ``global_step`` on a rollback.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from collections.abc import Sequence
+from typing import Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_ciuic.callbacks.train_loader import add_train_loader_transform, remove_train_loader_transform
+from lightning_ciuic.checkpoint.snapshot import (
+    COMPRESSIONS,
+    CorruptSnapshotError,
+    MemoryStore,
+    ShmStore,
+    StateCompression,
+    claim_run_directory,
+    decode_snapshot,
+    encode_snapshot,
+    exchange,
+    peer_of,
+    recovery_order,
+    transfer,
+)
+from lightning_ciuic.checkpoint.training_state import (
+    capture_module,
+    capture_optimizer,
+    restore_module,
+    restore_optimizer,
+    rng_state,
+    set_rng_state,
+)
+from lightning_ciuic.parallel.resume import positioned
+
+RecoveryStrategy = Literal["latest", "min_loss"]
+SnapshotStoreKind = Literal["memory", "shm", "peer"]
+_STRATEGIES = ("latest", "min_loss")
+_STORES = ("memory", "shm", "peer")
+_MIN_SPIKE_HISTORY = 10
+
+
+@dataclass
+class RecoveryEvent:
+    """One rollback: the bad step, why, the snapshot step it went back to and the batches it skipped."""
+
+    step: int
+    epoch: int
+    batch_idx: int
+    reason: str
+    restored_step: int
+    skipped_batches: int
+    seconds: float
+
+
+class SnapshotRecovery(Callback):
+    """Snapshots of the training state and recovery from faults; see the module docstring.
+
+    Args:
+        snapshot_freq: optimizer steps between snapshots.
+        state_compression: ``"zstd"`` or ``"none"``.
+        max_snapshots: snapshots kept per rank.
+        recovery_strategy: ``"latest"`` or ``"min_loss"``.
+        store: ``"memory"``, ``"shm"`` or ``"peer"``.
+        loss_spike_factor: a mean loss above this times the recent median is a spike (``None``: no spike rule).
+        spike_window: healthy steps the median is taken over.
+        check_gradients: also check that every rank's gradient norm is finite (one pass over the gradients).
+        max_rollbacks: rollbacks allowed without a new snapshot in between.
+        shm_root: where shared-memory snapshots live (default ``/dev/shm``, else the temp directory).
+        run_id: names the snapshot directory; default: TorchElastic's run id and agent, else this launch.
+    """
+
+    def __init__(
+        self,
+        snapshot_freq: int = 500,
+        state_compression: StateCompression = "zstd",
+        max_snapshots: int = 3,
+        recovery_strategy: RecoveryStrategy = "latest",
+        store: SnapshotStoreKind = "shm",
+        loss_spike_factor: Optional[float] = 4.0,
+        spike_window: int = 50,
+        check_gradients: bool = True,
+        max_rollbacks: int = 3,
+        shm_root: Optional[str] = None,
+        run_id: Optional[str] = None,
+    ) -> None:
+        for name, value in (("snapshot_freq", snapshot_freq), ("max_snapshots", max_snapshots), ("spike_window", spike_window), ("max_rollbacks", max_rollbacks)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        _check_choice("state_compression", state_compression, COMPRESSIONS)
+        _check_choice("recovery_strategy", recovery_strategy, _STRATEGIES)
+        _check_choice("store", store, _STORES)
+        if loss_spike_factor is not None and not loss_spike_factor > 1:
+            raise ValueError(f"loss_spike_factor must be > 1 (or None to turn the spike rule off), got {loss_spike_factor!r}.")
+        self.snapshot_freq, self.state_compression, self.max_snapshots = snapshot_freq, state_compression, max_snapshots
+        self.recovery_strategy, self.store_kind = recovery_strategy, store
+        self.loss_spike_factor, self.spike_window, self.check_gradients = loss_spike_factor, spike_window, check_gradients
+        self.max_rollbacks = max_rollbacks
+        self.shm_root = shm_root or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        self.run_id = run_id
+        self.events: list[RecoveryEvent] = []
+        self.restored_from: Optional[str] = None
+        self.snapshot_seconds = 0.0
+        self.store: Optional[MemoryStore] = None
+        self.replicas: Optional[MemoryStore] = None
+        self.run_directory: Optional[Path] = None
+        self._group: Optional[dist.ProcessGroup] = None
+        self._losses: deque[float] = deque(maxlen=spike_window)
+        self._last_step = -1
+        self._rollbacks_since_snapshot = 0
+        self._failed = False
+
+    # -- set-up and teardown ------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        add_train_loader_transform(trainer, self._positioned)
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            self._group = dist.new_group(backend="gloo")
+        if self.store_kind == "memory":
+            self.store = MemoryStore()
+            return
+        owner, key = self._owner_and_key(trainer)
+        self.run_directory = claim_run_directory(Path(self.shm_root) / f"lightning_ciuic-{key}", owner)
+        self.store = ShmStore(self.run_directory / f"rank{trainer.global_rank}")
+        if self.store_kind == "peer":
+            source = next(r for r in range(trainer.world_size) if self._peer(trainer, r) == trainer.global_rank)
+            self.replicas = ShmStore(self.run_directory / f"replica-of-rank{source}")
+        rank_zero_info(f"SnapshotRecovery: {self.store_kind} snapshots in {self.run_directory}")
+
+    def _owner_and_key(self, trainer: Trainer) -> tuple[int, str]:
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # the agent (our parent) outlives every restart of the workers
+            owner = os.getppid()
+            return owner, self.run_id or f"{os.environ['TORCHELASTIC_RUN_ID']}-{owner}"
+        owner = int(trainer.strategy.broadcast(os.getpid()))
+        return owner, self.run_id or f"local-{owner}"
+
+    @staticmethod
+    def _peer(trainer: Trainer, rank: int) -> int:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", trainer.num_devices))
+        return peer_of(rank, trainer.world_size, local_world)
+
+    def _positioned(self, trainer: Trainer, loader: Any) -> Any:
+        if not isinstance(loader, DataLoader) or loader.batch_sampler is None:
+            rank_zero_warn("SnapshotRecovery: the training loader has no batch sampler; a resume restarts its epoch.")
+            return loader
+        loader = positioned(loader)
+        loop = trainer.fit_loop
+        loader.position = lambda: (loop.epoch_progress.current.processed, loop.epoch_loop.batch_progress.current.processed)
+        return loader
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._release()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._failed = True
+        if not _restart_expected():  # no restart will come for these snapshots
+            self._release()
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        remove_train_loader_transform(trainer, self._positioned)
+        if self._group is not None:
+            if not self._failed:  # after a failure a peer may be gone: a barrier could wait for it forever
+                dist.barrier(group=self._group)
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+    def _release(self) -> None:
+        for store in (self.store, self.replicas):
+            if store is not None:
+                store.clear()
+
+    # -- restart: resume from the newest usable snapshot ----------------------------------------------
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.ckpt_path is not None:
+            rank_zero_info(f"SnapshotRecovery: fit was given ckpt_path={trainer.ckpt_path!r}; not resuming from snapshots.")
+            return
+        started = time.perf_counter()
+        restored = self._restore_newest(trainer, pl_module)
+        if restored is None:
+            restored = self._restore_from_checkpoint(trainer)
+        if restored is not None:
+            self.restored_from = restored
+            rank_zero_info(f"SnapshotRecovery: resumed from {restored} in {time.perf_counter() - started:.2f} s.")
+
+    def _restore_newest(self, trainer: Trainer, pl_module: LightningModule) -> Optional[str]:
+        assert self.store is not None
+        own = {step: header for step, header in self.store.headers().items() if header.get("world_size") == trainer.world_size}
+        held = self.replicas.headers() if self.replicas is not None else {}
+        tables = self._gather((own, held))
+        world, rank = trainer.world_size, trainer.global_rank
+        losses = {step: header.get("loss") for table in tables for step, header in table[0].items()}
+        usable = [s for s in losses if all(s in tables[r][0] or s in tables[self._peer(trainer, r)][1] for r in range(world))]
+        for step in recovery_order({s: losses[s] for s in usable}, "latest"):
+            moves = [(self._peer(trainer, r), r) for r in range(world) if step not in tables[r][0]]
+            assert self.replicas is not None or not moves
+            received = transfer(moves, rank, lambda owner: self.replicas.get(step), self._group)
+            blob = received.get(rank) or self.store.get(step)
+            state = self._decode_agreed(blob, f"snapshot of rank {rank} at step {step}")
+            if state is None:
+                continue
+            self._apply(trainer, pl_module, state, rewind_only=False)
+            if rank in received:
+                self.store.put(step, blob)
+            source = "a peer's copy" if moves else "this node's memory"
+            return f"the step-{step} snapshot ({self.store.kind}, {source})"
+        return None
+
+    def _restore_from_checkpoint(self, trainer: Trainer) -> Optional[str]:
+        from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
+
+        for callback in trainer.callbacks:
+            if isinstance(callback, AsyncCheckpointer):
+                last = callback.latest_checkpoint()
+                if last is not None:
+                    _restore_lightning_checkpoint(trainer, trainer.strategy.load_checkpoint(last))
+                    return f"checkpoint {last}"
+        return None
+
+    # -- every step: health check, snapshot or rollback ----------------------------------------------
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._last_step:  # an accumulation micro-batch: no optimizer step was taken
+            return
+        self._last_step = step
+        reason, loss = self._health(trainer, pl_module, outputs)
+        if reason is not None:
+            self._rollback(trainer, pl_module, reason, batch_idx)
+            return
+        if loss is not None:
+            self._losses.append(loss)
+        if step % self.snapshot_freq == 0:
+            self._snapshot(trainer, pl_module, step, loss)
+
+    def _health(self, trainer: Trainer, pl_module: LightningModule, outputs: Any) -> tuple[Optional[str], Optional[float]]:
+        loss = _loss_of(outputs)
+        grads_finite = True
+        if self.check_gradients:
+            grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in pl_module.parameters()) if g is not None]
+            grads_finite = not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
+        local = torch.tensor([loss is not None and not math.isfinite(loss), not grads_finite, loss or 0.0, loss is not None], dtype=torch.float64)
+        if self._group is not None:
+            dist.all_reduce(local, group=self._group)
+        bad_loss, bad_grad, loss_sum, reporting = local.tolist()
+        if bad_loss:
+            return "non-finite loss", None
+        if bad_grad:
+            return "non-finite gradient", None
+        if not reporting:
+            return None, None
+        mean = loss_sum / reporting
+        return loss_spike(mean, self._losses, self.loss_spike_factor), mean
+
+    def _snapshot(self, trainer: Trainer, pl_module: LightningModule, step: int, loss: Optional[float]) -> None:
+        assert self.store is not None
+        started = time.perf_counter()
+        state = self._capture(trainer, pl_module)
+        meta = {"step": step, "loss": loss, "epoch": trainer.current_epoch, "rank": trainer.global_rank, "world_size": trainer.world_size}
+        blob = encode_snapshot(state, meta, self.state_compression)
+        failed = ""
+        try:
+            self.store.put(step, blob)
+        except OSError as error:  # e.g. shared memory full: keep training, say so
+            failed = f"{type(error).__name__}: {error}"
+        if self._all_ok(not failed):
+            if self.replicas is not None:
+                self.replicas.put(step, exchange(blob, trainer.global_rank, trainer.world_size, self._local_world(trainer), self._group))
+            self._prune()
+            self._rollbacks_since_snapshot = 0
+            pl_module.log("recovery/snapshot_step", float(step), on_step=True, on_epoch=False, rank_zero_only=True)
+        else:
+            self.store.drop(step)
+            rank_zero_warn(f"SnapshotRecovery: the step-{step} snapshot failed on some rank ({failed or 'see that rank'}); kept the older ones.")
+        self.snapshot_seconds += time.perf_counter() - started
+
+    def _local_world(self, trainer: Trainer) -> int:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", trainer.num_devices))
+
+    def _prune(self) -> None:
+        for store in (self.store, self.replicas):
+            if store is not None:
+                for step in sorted(store.headers())[: -self.max_snapshots]:
+                    store.drop(step)
+
+    def _capture(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        compression = getattr(trainer.strategy, "compression", None)
+        return {
+            "module": capture_module(pl_module),
+            "optimizers": [capture_optimizer(o) for o in trainer.optimizers],
+            "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+            "loops": trainer.fit_loop.state_dict(),
+            "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb is not self},
+            "compression": compression.state_dict() if compression is not None else None,
+            "rng": rng_state(),
+        }
+
+    def _rollback(self, trainer: Trainer, pl_module: LightningModule, reason: str, batch_idx: int) -> None:
+        assert self.store is not None
+        started, step = time.perf_counter(), trainer.global_step
+        if self._rollbacks_since_snapshot >= self.max_rollbacks:
+            raise RuntimeError(
+                f"SnapshotRecovery: step {step} is bad ({reason}) after {self._rollbacks_since_snapshot} rollbacks"
+                f" without a new snapshot; stopping instead of looping. Lower the learning rate, check the data near"
+                f" batch {batch_idx} of epoch {trainer.current_epoch}, or raise max_rollbacks."
+            )
+        headers = self.store.headers()
+        agreed = set.intersection(*(set(table) for table in self._gather(set(headers))))
+        for candidate in recovery_order({s: headers[s].get("loss") for s in agreed}, self.recovery_strategy):
+            state = self._decode_agreed(self.store.get(candidate), f"snapshot of rank {trainer.global_rank} at step {candidate}")
+            if state is None:
+                continue
+            self._apply(trainer, pl_module, state, rewind_only=True)
+            self._rollbacks_since_snapshot += 1
+            event = RecoveryEvent(step, trainer.current_epoch, batch_idx, reason, candidate, step - candidate, time.perf_counter() - started)
+            self.events.append(event)
+            rank_zero_warn(
+                f"SnapshotRecovery: step {step} ({reason}): rolled back to step {candidate}; skipped batch {batch_idx}"
+                f" of epoch {event.epoch} and the {event.skipped_batches - 1} optimizer steps before it."
+            )
+            pl_module.log("recovery/rollbacks", float(len(self.events)), on_step=True, on_epoch=False, rank_zero_only=True)
+            return
+        raise RuntimeError(f"SnapshotRecovery: step {step} is bad ({reason}) and no snapshot can be loaded on every rank.")
+
+    def _apply(self, trainer: Trainer, pl_module: LightningModule, state: dict[str, Any], rewind_only: bool) -> None:
+        """Write a captured state back. ``rewind_only``: an in-process rollback, where the loops keep their data
+        position and only the step counters go back; otherwise (a restart) the whole loop state is restored."""
+        restore_module(pl_module, state["module"])
+        for optimizer, captured in zip(trainer.optimizers, state["optimizers"]):
+            restore_optimizer(optimizer, captured)
+        for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["lr_schedulers"]):
+            config.scheduler.load_state_dict(scheduler_state)
+        compression = getattr(trainer.strategy, "compression", None)
+        if compression is not None and state["compression"] is not None:
+            compression.load_state_dict(state["compression"])
+        set_rng_state(state["rng"])
+        if rewind_only:
+            _rewind_step_counters(trainer, state["loops"])
+            self._last_step = trainer.global_step
+            return
+        trainer.fit_loop.load_state_dict(state["loops"])
+        _load_callback_states(trainer, state["callbacks"], skip=self)
+        self._last_step = trainer.global_step
+
+    # -- agreement between ranks ----------------------------------------------------------------------
+    def _gather(self, value: Any) -> list[Any]:
+        if self._group is None:
+            return [value]
+        gathered: list[Any] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(gathered, value, group=self._group)
+        return gathered
+
+    def _all_ok(self, ok: bool) -> bool:
+        flag = torch.tensor([0.0 if ok else 1.0])
+        if self._group is not None:
+            dist.all_reduce(flag, group=self._group)
+        return not flag.item()
+
+    def _decode_agreed(self, blob: bytes, name: str) -> Optional[dict[str, Any]]:
+        """Decode this rank's snapshot; ``None`` everywhere unless every rank's decodes."""
+        state = None
+        try:
+            state, _ = decode_snapshot(blob, name)
+        except CorruptSnapshotError as error:  # reported by the rank that found it, which may not be rank 0
+            warnings.warn(f"SnapshotRecovery (rank {dist.get_rank() if self._group else 0}): {error} Trying the next candidate.")
+        return state if self._all_ok(state is not None) else None
+
+    # -- checkpoints of the callback itself -----------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"events": [asdict(event) for event in self.events]}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.events = [RecoveryEvent(**event) for event in state_dict.get("events", [])]
+
+
+QuantumRecovery = SnapshotRecovery
+
+
+def loss_spike(loss: float, history: Sequence[float], factor: Optional[float]) -> Optional[str]:
+    """The spike rule: ``loss`` above ``factor`` times the median of ``history`` (the recent healthy losses),
+    once at least 10 of them (or a full shorter window) are known. Meant for positive losses: with a median <= 0
+    the rule does not apply. Returns the reason, or ``None``."""
+    needed = min(_MIN_SPIKE_HISTORY, getattr(history, "maxlen", None) or _MIN_SPIKE_HISTORY)
+    if factor is None or len(history) < needed:
+        return None
+    median = statistics.median(history)
+    if median > 0 and loss > factor * median:
+        return f"loss spike ({loss:.4g} > {factor} x median {median:.4g})"
+    return None
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(repr(c) for c in choices)}.")
+
+
+def _loss_of(outputs: Any) -> Optional[float]:
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    return float(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+def _restart_expected() -> bool:
+    """Whether TorchElastic will restart this worker after a failure (restarts left)."""
+    restarts, limit = os.environ.get("TORCHELASTIC_RESTART_COUNT"), os.environ.get("TORCHELASTIC_MAX_RESTARTS")
+    return restarts is not None and limit is not None and int(restarts) < int(limit)
+
+
+def _rewind_step_counters(trainer: Trainer, loops: dict[str, Any]) -> None:
+    epoch_loop = trainer.fit_loop.epoch_loop
+    automatic = loops["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"]
+    epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.load_state_dict(automatic)
+    manual = loops["epoch_loop.manual_optimization.optim_step_progress"]["total"]
+    epoch_loop.manual_optimization.optim_step_progress.total.load_state_dict(manual)
+    epoch_loop._batches_that_stepped = loops["epoch_loop.state_dict"]["_batches_that_stepped"]
+
+
+def _load_callback_states(trainer: Trainer, states: dict[str, Any], skip: Callback) -> None:
+    for callback in trainer.callbacks:
+        if callback is not skip and callback.state_key in states:
+            callback.load_state_dict(states[callback.state_key])
+
+
+def _restore_lightning_checkpoint(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+    """Apply a Lightning checkpoint read by ``strategy.load_checkpoint`` the way ``fit(ckpt_path=...)`` does:
+    weights, optimizers, schedulers, loops and callbacks."""
+    strategy = trainer.strategy
+    if "state_dict" in checkpoint:
+        strategy.load_model_state_dict(checkpoint, strict=True)
+    if "optimizer_states" in checkpoint:
+        strategy.load_optimizer_state_dict(checkpoint)
+    for config, scheduler_state in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
+        config.scheduler.load_state_dict(scheduler_state)
+    if "loops" in checkpoint:
+        trainer.fit_loop.load_state_dict(checkpoint["loops"]["fit_loop"])
+    _load_callback_states(trainer, checkpoint.get("callbacks", {}), skip=None)

@@ -1,0 +1,95 @@
+"""A training DataLoader that knows its position in the epoch and resumes there.
+
+Contract:
+
+* :class:`ResumableBatchSampler` yields the batches of the batch sampler it wraps; after
+  ``resume(epoch, batches_done)``, the next pass over epoch ``epoch`` starts after its first ``batches_done``
+  batches (once). Its ``sampler`` is the wrapped one's, so ``set_epoch`` reaches a ``DistributedSampler``.
+* :class:`PositionedDataLoader` is a DataLoader over a batch sampler with ``resume`` (the one above, or
+  :class:`~lightning_ciuic.parallel.balance.BalancedBatchSampler`). Its ``state_dict`` is the position its owner
+  reports through ``position`` (epoch, batches done); ``load_state_dict`` resumes there. Lightning treats such
+  a loader as stateful: every checkpoint's loop state carries the position and a resume (``ckpt_path`` or a
+  snapshot) continues the epoch with the next unseen batch instead of starting it over.
+* :func:`positioned` builds one from any DataLoader with the same settings (workers, collate, ...); ``source``
+  keeps the loader it was built from. :func:`with_batch_sampler` is that rebuild for any batch sampler.
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Callable, Optional, TypeVar
+
+from torch.utils.data import DataLoader, Sampler
+
+_Loader = TypeVar("_Loader", bound=DataLoader)
+
+
+class ResumableBatchSampler(Sampler[list[int]]):
+    def __init__(self, batch_sampler: Any) -> None:
+        self.batch_sampler = batch_sampler
+        self.sampler = getattr(batch_sampler, "sampler", None)
+        self._resume: Optional[tuple[int, int]] = None
+
+    def resume(self, epoch: int, batches_done: int) -> None:
+        self._resume = (epoch, batches_done)
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        skip, self._resume = self._resume, None
+        epoch = getattr(self.sampler, "epoch", None)
+        first = skip[1] if skip is not None and (epoch is None or epoch == skip[0]) else 0
+        for index, batch in enumerate(self.batch_sampler):
+            if index >= first:
+                yield batch
+
+
+class PositionedDataLoader(DataLoader):
+    """A DataLoader whose position Lightning saves in checkpoints and restores; see the module docstring."""
+
+    source: Optional[DataLoader] = None
+    position: Optional[Callable[[], tuple[int, int]]] = None
+
+    def state_dict(self) -> dict[str, int]:
+        if self.position is None:
+            return {}
+        epoch, batches_done = self.position()
+        return {"epoch": int(epoch), "batches_done": int(batches_done)}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        if state_dict:
+            self.batch_sampler.resume(state_dict["epoch"], state_dict["batches_done"])
+
+
+def positioned(loader: DataLoader) -> PositionedDataLoader:
+    if isinstance(loader, PositionedDataLoader):
+        return loader
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is None:
+        raise TypeError("a DataLoader without a batch sampler (batch_size=None) has no batch position to resume.")
+    if not callable(getattr(batch_sampler, "resume", None)):
+        batch_sampler = ResumableBatchSampler(batch_sampler)
+    rebuilt = with_batch_sampler(loader, batch_sampler, PositionedDataLoader)
+    rebuilt.source = loader
+    return rebuilt
+
+
+def with_batch_sampler(loader: DataLoader, batch_sampler: Any, cls: type[_Loader] = DataLoader) -> _Loader:
+    """A ``cls`` with ``loader``'s settings (workers, collate, pinning, ...) over ``batch_sampler``."""
+    return cls(
+        loader.dataset,
+        batch_sampler=batch_sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+    )
