@@ -8,7 +8,7 @@ Contract:
   position in the epoch), every other callback's state and the RNG states. The data position is exact: the
   training DataLoader is rebuilt as a :class:`~lightning_ciuic.parallel.resume.PositionedDataLoader`, so a resume
   continues the epoch with the next unseen batch. The snapshot is encoded (``state_compression``), sealed with a
-  digest, and kept in the ``store``; the newest ``max_snapshots`` are kept.
+  CRC, and kept in the ``store``; the newest ``max_snapshots`` are kept.
 
   - ``"memory"``: this process's memory (in-process rollback only).
   - ``"shm"`` (default): shared memory, ``/dev/shm``: also survives a worker restart on the same node.
@@ -23,7 +23,7 @@ Contract:
   (``"latest"``: the newest; ``"min_loss"``: the lowest recorded loss, newest first among equals), and
   ``trainer.global_step`` returns to the snapshot's step, so ``max_steps`` still counts applied updates. The data
   does not rewind: the offending batch and the ones since the snapshot are skipped (as PaLM and OPT did after
-  loss spikes) and recorded in :attr:`events`. A snapshot that fails its digest is reported and the next
+  loss spikes) and recorded in :attr:`events`. A snapshot that fails its check is reported and the next
   candidate is used. More than ``max_rollbacks`` rollbacks without a new snapshot in between stop the run with
   an error instead of looping.
 * Restart (``torchrun --max-restarts``): the restarted workers, at ``on_fit_start``, find the newest snapshot

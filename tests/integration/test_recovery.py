@@ -82,7 +82,7 @@ def test_corrupt_snapshot_is_detected_and_the_next_one_used_and_shared_memory_re
     recovery = SnapshotRecovery(snapshot_freq=2, max_snapshots=3, store="shm", shm_root=str(tmp_path))
     callbacks = [recovery, CorruptNewestSnapshot(step=7, rank=0), FailAt(8, "nan", ranks=(1,))]
     actual, metrics = _fit(callbacks, _ciuic())
-    # Kept: steps 2, 4, 6. Rank 0's step-6 snapshot fails its digest -> every rank uses step 4; steps 5..8 skipped.
+    # Kept: steps 2, 4, 6. Rank 0's step-6 snapshot fails its CRC -> every rank uses step 4; steps 5..8 skipped.
     assert metrics["recovery/rollbacks"] == 1
     assert_state_close(actual, _expected([0, 1, 2, 3, 8, 9, 10, 11, 12, 13]))
     deadline = time.monotonic() + 10  # the run's directory goes with the process that owned it

@@ -50,7 +50,7 @@ def test_corrupt_or_truncated_snapshot_is_refused():
     blob = encode_snapshot({"w": torch.randn(256)}, {"step": 1}, "none")
     flipped = bytearray(blob)
     flipped[-10] ^= 0xFF
-    with pytest.raises(CorruptSnapshotError, match="does not match its digest"):
+    with pytest.raises(CorruptSnapshotError, match="does not match its CRC-32"):
         decode_snapshot(bytes(flipped), "rank0@1")
     with pytest.raises(CorruptSnapshotError, match="does not match"):
         decode_snapshot(blob[:-5])

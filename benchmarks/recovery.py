@@ -1,0 +1,258 @@
+"""SnapshotRecovery against Lightning's standard recovery (checkpoint + ``fit(ckpt_path="last")``), side by side.
+
+Every run is a real ``torchrun --nproc-per-node=2 --max-restarts=1`` job (c10d rendezvous) training the DeepSeek-style
+example model (``--model``, AdamW) with ``HybridParallelStrategy`` (dp=2) on the shipped corpus.
+
+* Restart: rank 1 is killed with SIGKILL in step ``--fault-step``; state is saved every ``--every`` steps by
+  ``SnapshotRecovery(store="shm")`` or by Lightning's ``ModelCheckpoint(save_last=True)``, whose restart runs
+  ``fit(ckpt_path="last")`` (the same script, as a user would write it). Measured from the fault (the timestamp
+  the injector prints) to the end of the first training step of the restarted run, with its parts: restart and
+  imports, set-up up to ``on_fit_start``, the restore itself, the first step; and to the end of the step that
+  failed (the lost steps recomputed).
+* In-process: a NaN gradient in step ``--fault-step`` and ``SnapshotRecovery`` rolls back without a restart; the
+  same kind of fault handled the standard way is a restart from the last checkpoint (the figure above).
+* Snapshot cost: ``--cost-steps`` steps with no recovery, with the per-step health check only, and with a snapshot
+  every ``--every`` steps; the cost at the default ``snapshot_freq=500`` is the health check plus the measured
+  time per snapshot spread over 500 steps.
+
+Writes the ``recovery`` section of docs/benchmarks.md.
+
+    .venv/bin/python benchmarks/recovery.py [--model xl] [--every 10] [--fault-step 15] [--steps 20] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import time
+
+_STARTED = time.time()  # before the heavy imports: a restarted worker's first moment
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+_IMPORTS_START = time.time()
+
+import torch  # noqa: E402
+from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+from benchmarks.common import MODELS, describe, machine, write_section  # noqa: E402
+from examples.data import ByteCorpusDataModule  # noqa: E402
+from examples.deepseek import DeepSeekMini  # noqa: E402
+from lightning_ciuic import HybridParallelStrategy  # noqa: E402
+from lightning_ciuic.callbacks.recovery import SnapshotRecovery  # noqa: E402
+from lightning_ciuic.faults import FailAt  # noqa: E402
+
+_IMPORTED = time.time()
+CORPUS = ROOT / "examples" / "data" / "kjv_pentateuch.txt"
+MODELS = dict(MODELS, xl=dict(dim=768, moe_inter_dim=768, dense_inter_dim=2304, kv_lora_rank=192))
+
+
+class Moments(Callback):
+    """Rank 0 prints wall-clock moments of this process: set-up, fit start, train start, every step end."""
+
+    def __init__(self) -> None:
+        self.snapshots: SnapshotRecovery | None = None
+        self.step_ends: list[tuple[int, float]] = []
+        self.periods: list[float] = []  # batch start to next batch start: every callback's work included
+        self._start: float | None = None
+
+    def on_fit_start(self, trainer, pl_module):
+        self.fit_start = time.time()
+
+    def on_train_start(self, trainer, pl_module):
+        self.train_start = time.time()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        now = time.perf_counter()
+        if self._start is not None:
+            self.periods.append(now - self._start)
+        self._start = now
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.step_ends.append((trainer.global_step, time.time()))
+
+    def on_train_end(self, trainer, pl_module):
+        if not trainer.is_global_zero:
+            return
+        record = {
+            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "started": _STARTED, "imports_start": _IMPORTS_START, "imported": _IMPORTED,
+            "fit_start": self.fit_start, "train_start": self.train_start, "step_ends": self.step_ends, "periods": self.periods,
+            "snapshot_seconds": self.snapshots.snapshot_seconds if self.snapshots else 0.0,
+            "rollback_seconds": [e.seconds for e in self.snapshots.events] if self.snapshots else [],
+        }
+        print("MOMENTS " + json.dumps(record), flush=True)
+
+
+def job(args: argparse.Namespace) -> None:
+    """One rank of a run (started by torchrun)."""
+    torch.set_num_threads(1)
+    seed_everything(0)
+    moments = Moments()
+    callbacks: list[Callback] = [moments]
+    ckpt_path = None
+    if args.method == "snapshot":
+        moments.snapshots = SnapshotRecovery(snapshot_freq=args.every, store="shm", run_id=args.run_id)
+        callbacks.append(moments.snapshots)  # after Moments: its on_fit_start moment precedes the restore
+    elif args.method == "health":
+        moments.snapshots = SnapshotRecovery(snapshot_freq=10**9, store="memory")
+        callbacks.append(moments.snapshots)
+    elif args.method == "checkpoint":
+        callbacks.append(ModelCheckpoint(dirpath=args.dir, every_n_train_steps=args.every, save_top_k=0, save_last=True))
+        ckpt_path = "last"
+    if args.fault != "none":
+        callbacks.append(FailAt(args.fault_step, args.fault, ranks=(1,)))
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy=HybridParallelStrategy(), max_steps=args.steps, callbacks=callbacks,
+        logger=False, enable_checkpointing=args.method == "checkpoint", enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0,
+    )
+    data = ByteCorpusDataModule(CORPUS, seq_len=128, batch_size=4)
+    trainer.fit(DeepSeekMini(**MODELS[args.model]), data, ckpt_path=ckpt_path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args: argparse.Namespace, method: str, fault: str, steps: int, directory: str) -> tuple[list[dict], float | None]:
+    """Launch a job; return rank 0's moment records (one per attempt that finished) and the fault time."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", __file__, "--job",
+        "--method", method, "--fault", fault, "--steps", str(steps), "--every", str(args.every),
+        "--fault-step", str(args.fault_step), "--model", args.model, "--dir", directory,
+        "--run-id", f"bench-{os.getpid()}-{time.time_ns()}",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=1200)
+    output = result.stdout + result.stderr
+    if result.returncode != 0:
+        raise RuntimeError(f"{method}/{fault} run failed:\n{output[-4000:]}")
+    records = [json.loads(line.split("MOMENTS ", 1)[1]) for line in output.splitlines() if "MOMENTS " in line]
+    fault_at = re.search(r"FailAt: rank 1, step \d+: \w+ at ([0-9.]+)", output)
+    return records, float(fault_at.group(1)) if fault_at else None
+
+
+def restart_timeline(records: list[dict], fault_at: float, fault_step: int) -> dict[str, float]:
+    (restarted,) = [r for r in records if r["attempt"] == 1]
+    first_step_end = restarted["step_ends"][0][1]
+    caught_up = next(t for step, t in restarted["step_ends"] if step >= fault_step)
+    return {
+        "restart": restarted["started"] - fault_at,  # failure detected, workers stopped and started again
+        "imports": restarted["imported"] - restarted["started"],
+        "setup": restarted["fit_start"] - restarted["imported"],  # process group, model, strategy set-up
+        "restore": restarted["train_start"] - restarted["fit_start"],  # the restore (and the data set-up)
+        "first_step": first_step_end - restarted["train_start"],
+        "to_first_step": first_step_end - fault_at,
+        "to_caught_up": caught_up - fault_at,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--job", action="store_true")
+    parser.add_argument("--method", default="snapshot")
+    parser.add_argument("--fault", default="none")
+    parser.add_argument("--model", default="xl", choices=sorted(MODELS))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--cost-steps", type=int, default=40)
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--fault-step", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dir", default="")
+    parser.add_argument("--run-id", default=None)
+    args = parser.parse_args()
+    if args.job:
+        job(args)
+        return
+
+    timelines: dict[str, list[dict[str, float]]] = {"snapshot": [], "checkpoint": []}
+    rollbacks, costs = [], {"none": [], "health": [], "snapshot": []}
+    snapshot_seconds = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):
+            for method in ("snapshot", "checkpoint"):  # interleaved: the machine's drift hits both alike
+                records, fault_at = run(args, method, "kill", args.steps, f"{tmp}/{method}-{round_}")
+                timelines[method].append(restart_timeline(records, fault_at, args.fault_step))
+            records, fault_at = run(args, "snapshot", "nan", args.steps, f"{tmp}/nan-{round_}")
+            (record,) = records
+            after = next(t for step, t in record["step_ends"] if t > fault_at and step != args.fault_step)
+            rollbacks.append({"restore": record["rollback_seconds"][0], "to_next_step": after - fault_at})
+            for method in costs:
+                (record,) = run(args, method, "none", args.cost_steps, f"{tmp}/cost-{method}-{round_}")[0]
+                costs[method].append(statistics.median(record["periods"][2:]))
+                if method == "snapshot":
+                    snapshot_seconds.append(record["snapshot_seconds"] / (args.cost_steps // args.every))
+
+    def mean(rows: list[dict[str, float]], key: str) -> float:
+        return statistics.fmean(row[key] for row in rows)
+
+    snap, ckpt = timelines["snapshot"], timelines["checkpoint"]
+    ratio = mean(snap, "to_first_step") / mean(ckpt, "to_first_step")
+    ratio_caught_up = mean(snap, "to_caught_up") / mean(ckpt, "to_caught_up")
+    in_process = statistics.fmean(r["to_next_step"] for r in rollbacks)
+    step_none = statistics.fmean(costs["none"])
+    health = statistics.fmean(costs["health"]) / step_none - 1
+    per_snapshot = statistics.fmean(snapshot_seconds)
+    cost_500 = health + per_snapshot / (500 * step_none)
+    cost_every = statistics.fmean(costs["snapshot"]) / step_none - 1
+    model = describe(DeepSeekMini(**MODELS[args.model]), args.model)
+    parts = ("restart", "imports", "setup", "restore", "first_step", "to_first_step", "to_caught_up")
+    labels = {
+        "restart": "fault -> restarted process starts (detection, stop, spawn)",
+        "imports": "Python imports (torch, Lightning, ...)",
+        "setup": "set-up up to on_fit_start (process group, model, strategy)",
+        "restore": "restore (on_fit_start -> on_train_start: the state and the data position)",
+        "first_step": "the first training step",
+        "to_first_step": "**fault -> end of the first training step after recovery**",
+        "to_caught_up": f"fault -> end of step {args.fault_step} again (lost steps recomputed)",
+    }
+    rows = [f"| {labels[p]} | {mean(snap, p):.2f} s | {mean(ckpt, p):.2f} s |" for p in parts]
+    write_section(
+        "recovery",
+        f"""
+## SnapshotRecovery vs checkpoint + `ckpt_path="last"` (recovery time, snapshot cost)
+
+Command: `.venv/bin/python benchmarks/recovery.py --model {args.model} --every {args.every} --fault-step {args.fault_step}
+--steps {args.steps} --cost-steps {args.cost_steps} --rounds {args.rounds}` (`torchrun --nproc-per-node=2 --max-restarts=1`,
+c10d rendezvous, HybridParallelStrategy dp=2, {model} + AdamW, state saved every {args.every} steps by both; means of
+{args.rounds} rounds, interleaved; machine: {machine()}).
+
+Restart after `kill -9` of rank 1 in step {args.fault_step}:
+
+| part | SnapshotRecovery (shared memory) | ModelCheckpoint + `fit(ckpt_path="last")` |
+|---|---|---|
+{chr(10).join(rows)}
+
+| measure | result |
+|---|---|
+| restart recovery, fault -> first new step: snapshot / checkpoint | **{ratio:.0%}** (target <= 20%; seed: an 80% cut) |
+| the same, up to the failed step again | {ratio_caught_up:.0%} |
+| in-process rollback after a NaN gradient, fault -> end of the next training step (no restart) | **{in_process:.2f} s**, {in_process / mean(ckpt, 'to_first_step'):.1%} of the checkpoint restart; the restore itself {statistics.fmean(r['restore'] for r in rollbacks):.2f} s |
+| steps lost | {args.fault_step - 1 - (args.fault_step - 1) // args.every * args.every} of at most `snapshot_freq` = {args.every} (both methods, same interval) |
+| snapshot cost: per-step health check (loss and gradient finite, spike rule; one all-reduce) | {health:+.1%} of step time |
+| snapshot cost: one snapshot ({args.every}-step interval, median step {step_none:.2f} s) | {per_snapshot:.2f} s; with a snapshot every {args.every} steps, step time {cost_every:+.1%} |
+| **snapshot cost at the default `snapshot_freq=500`** (health check + snapshot time / 500 steps) | **{cost_500:+.1%}** of throughput (target <= 3%) |
+
+- The restore is where snapshots win; a restart costs the same either way (detecting the failure, starting Python,
+  importing torch and Lightning, forming the process group, building the model), and that dominates here. The
+  seed's 80% cut needs the fault handled without a restart (the in-process row), or a checkpoint on slow remote
+  storage, where the restore part grows and the snapshot's stays in memory.
+""",
+    )
+
+
+if __name__ == "__main__":
+    main()
