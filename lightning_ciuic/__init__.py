@@ -11,6 +11,7 @@ from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
 from lightning_ciuic.callbacks.data_balance import DynamicDataBalancer
 from lightning_ciuic.callbacks.monitor import CommunicationMonitor
 from lightning_ciuic.callbacks.lr_schedule import WarmupCosineAnnealingLR, WarmupCosineSchedule, warmup_cosine_lr
+from lightning_ciuic.callbacks.recovery import QuantumRecovery, SnapshotRecovery
 from lightning_ciuic.comm.compression import GradientCompression
 from lightning_ciuic.comm.grad_sync import GradientSynchronizer, GradientSyncTimeoutError
 from lightning_ciuic.comm.hooks import GradientQuantizer, register_compression_hook
@@ -36,6 +37,8 @@ __all__ = [
     "HybridParallelEngine",
     "HybridParallelStrategy",
     "ParallelDims",
+    "QuantumRecovery",
+    "SnapshotRecovery",
     "WarmupCosineAnnealingLR",
     "WarmupCosineSchedule",
     "apply_tensor_parallel",

@@ -4,5 +4,14 @@ from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
 from lightning_ciuic.callbacks.data_balance import DynamicDataBalancer
 from lightning_ciuic.callbacks.monitor import CommunicationMonitor
 from lightning_ciuic.callbacks.lr_schedule import WarmupCosineAnnealingLR, WarmupCosineSchedule
+from lightning_ciuic.callbacks.recovery import QuantumRecovery, SnapshotRecovery
 
-__all__ = ["AsyncCheckpointer", "CommunicationMonitor", "DynamicDataBalancer", "WarmupCosineAnnealingLR", "WarmupCosineSchedule"]
+__all__ = [
+    "AsyncCheckpointer",
+    "CommunicationMonitor",
+    "DynamicDataBalancer",
+    "QuantumRecovery",
+    "SnapshotRecovery",
+    "WarmupCosineAnnealingLR",
+    "WarmupCosineSchedule",
+]

@@ -16,9 +16,11 @@ Contract:
     (:func:`~lightning_ciuic.checkpoint.snapshot.peer_of`): also survives losing the node.
 
 * Health check, every optimizer step, decided together by all ranks: the step is bad when any rank's loss is
-  non-finite, any rank's gradient norm is non-finite (``check_gradients``), or the mean loss exceeds
-  ``loss_spike_factor`` times the median of the last ``spike_window`` healthy steps' mean losses (checked once
-  10 of them are known; ``None`` turns the spike rule off).
+  non-finite, or the mean loss exceeds ``loss_spike_factor`` times the median of the last ``spike_window``
+  healthy steps' mean losses (checked once 10 of them are known; ``None`` turns the spike rule off), or, with
+  ``check_gradients``, any rank's gradient norm is non-finite (one more pass over the gradients each step).
+  Without it a non-finite gradient is caught one step later, by the loss its poisoned update produces; either
+  way a snapshot is only taken of finite parameters.
 * Rollback (no restart): after a bad step the state returns to a kept snapshot chosen by ``recovery_strategy``
   (``"latest"``: the newest; ``"min_loss"``: the lowest recorded loss, newest first among equals), and
   ``trainer.global_step`` returns to the snapshot's step, so ``max_steps`` still counts applied updates. The data
@@ -29,7 +31,9 @@ Contract:
 * Restart (``torchrun --max-restarts``): the restarted workers, at ``on_fit_start``, find the newest snapshot
   every rank can load (own shared memory, else the peer's copy) and resume exactly; with none, the newest
   checkpoint of an :class:`~lightning_ciuic.callbacks.async_checkpoint.AsyncCheckpointer` in the run; else
-  training starts fresh. Don't also pass ``ckpt_path`` to ``fit``: Lightning would load it after us.
+  training starts fresh. Don't also pass ``ckpt_path`` to ``fit``: Lightning would load it after us. A restart
+  into a different data-parallel size (elastic nodes; ``pp`` and ``tp`` unchanged) restores from a
+  data-parallel replica's snapshot, sent by the rank that holds it; compression residuals then start at zero.
 * Shared memory is released: each rank's snapshots when ``fit`` finishes or fails for good, and the run's
   directory by a reaper when the TorchElastic agent (or the launching process) exits, whatever killed it.
 * Logged: ``recovery/rollbacks`` and ``recovery/snapshot_step``; :attr:`snapshot_seconds` sums the time spent
@@ -65,7 +69,9 @@ from lightning_ciuic.callbacks.train_loader import add_train_loader_transform, r
 from lightning_ciuic.checkpoint.snapshot import (
     COMPRESSIONS,
     CorruptSnapshotError,
+    Holding,
     MemoryStore,
+    RestorePlan,
     ShmStore,
     StateCompression,
     claim_run_directory,
@@ -73,6 +79,7 @@ from lightning_ciuic.checkpoint.snapshot import (
     encode_snapshot,
     exchange,
     peer_of,
+    plan_restores,
     recovery_order,
     transfer,
 )
@@ -117,7 +124,7 @@ class SnapshotRecovery(Callback):
         store: ``"memory"``, ``"shm"`` or ``"peer"``.
         loss_spike_factor: a mean loss above this times the recent median is a spike (``None``: no spike rule).
         spike_window: healthy steps the median is taken over.
-        check_gradients: also check that every rank's gradient norm is finite (one pass over the gradients).
+        check_gradients: also check every rank's gradient norm each step (catches a NaN one step earlier).
         max_rollbacks: rollbacks allowed without a new snapshot in between.
         shm_root: where shared-memory snapshots live (default ``/dev/shm``, else the temp directory).
         run_id: names the snapshot directory; default: TorchElastic's run id and agent, else this launch.
@@ -132,7 +139,7 @@ class SnapshotRecovery(Callback):
         store: SnapshotStoreKind = "shm",
         loss_spike_factor: Optional[float] = 4.0,
         spike_window: int = 50,
-        check_gradients: bool = True,
+        check_gradients: bool = False,
         max_rollbacks: int = 3,
         shm_root: Optional[str] = None,
         run_id: Optional[str] = None,
@@ -176,10 +183,10 @@ class SnapshotRecovery(Callback):
             return
         owner, key = self._owner_and_key(trainer)
         self.run_directory = claim_run_directory(Path(self.shm_root) / f"lightning_ciuic-{key}", owner)
-        self.store = ShmStore(self.run_directory / f"rank{trainer.global_rank}")
+        # By local rank: a restarted worker (whatever global rank it gets) finds what its slot on this node kept.
+        self.store = ShmStore(self.run_directory / f"local{trainer.local_rank}")
         if self.store_kind == "peer":
-            source = next(r for r in range(trainer.world_size) if self._peer(trainer, r) == trainer.global_rank)
-            self.replicas = ShmStore(self.run_directory / f"replica-of-rank{source}")
+            self.replicas = ShmStore(self.run_directory / f"replicas{trainer.local_rank}")
         rank_zero_info(f"SnapshotRecovery: {self.store_kind} snapshots in {self.run_directory}")
 
     def _owner_and_key(self, trainer: Trainer) -> tuple[int, str]:
@@ -233,7 +240,14 @@ class SnapshotRecovery(Callback):
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.ckpt_path is not None:
-            rank_zero_info(f"SnapshotRecovery: fit was given ckpt_path={trainer.ckpt_path!r}; not resuming from snapshots.")
+            assert self.store is not None
+            newest = max(self.store.headers(), default=None)
+            if newest is not None:
+                rank_zero_warn(
+                    f"SnapshotRecovery: fit was given ckpt_path={trainer.ckpt_path!r}, which Lightning loads after this"
+                    f" callback, so the step-{newest} snapshot is not used. Leave ckpt_path out to resume from snapshots"
+                    " (and, without any, from the last AsyncCheckpointer checkpoint)."
+                )
             return
         started = time.perf_counter()
         restored = self._restore_newest(trainer, pl_module)
@@ -245,26 +259,41 @@ class SnapshotRecovery(Callback):
 
     def _restore_newest(self, trainer: Trainer, pl_module: LightningModule) -> Optional[str]:
         assert self.store is not None
-        own = {step: header for step, header in self.store.headers().items() if header.get("world_size") == trainer.world_size}
-        held = self.replicas.headers() if self.replicas is not None else {}
-        tables = self._gather((own, held))
-        world, rank = trainer.world_size, trainer.global_rank
-        losses = {step: header.get("loss") for table in tables for step, header in table[0].items()}
-        usable = [s for s in losses if all(s in tables[r][0] or s in tables[self._peer(trainer, r)][1] for r in range(world))]
-        for step in recovery_order({s: losses[s] for s in usable}, "latest"):
-            moves = [(self._peer(trainer, r), r) for r in range(world) if step not in tables[r][0]]
-            assert self.replicas is not None or not moves
-            received = transfer(moves, rank, lambda owner: self.replicas.get(step), self._group)
-            blob = received.get(rank) or self.store.get(step)
-            state = self._decode_agreed(blob, f"snapshot of rank {rank} at step {step}")
+        rank, pp, tp = trainer.global_rank, *self._layout(trainer)
+        stores = {"own": self.store, "replica": self.replicas}
+        mine = [
+            Holding(rank, where, step, h["world_size"], h["rank"], h.get("pp", 1), h.get("tp", 1), h.get("loss"))
+            for where, store in stores.items() if store is not None
+            for step, h in store.headers().items()
+        ]
+        holdings = [holding for table in self._gather(mine) for holding in table]
+        for plan in plan_restores(holdings, trainer.world_size, pp, tp):
+            moves = [(source.holder, owner) for owner, source in enumerate(plan.sources) if source.holder != owner]
+
+            def blob_for(owner: int, plan: RestorePlan = plan) -> bytes:
+                source = plan.sources[owner]
+                store = stores[source.where]
+                assert store is not None
+                return store.get(source.step)
+
+            received = transfer(moves, rank, blob_for, self._group)
+            mine_source = plan.sources[rank]
+            blob = received[rank] if rank in received else stores[mine_source.where].get(plan.step)  # type: ignore[union-attr]
+            state = self._decode_agreed(blob, f"snapshot of rank {mine_source.rank} at step {plan.step}")
             if state is None:
                 continue
-            self._apply(trainer, pl_module, state, rewind_only=False)
-            if rank in received:
-                self.store.put(step, blob)
-            source = "a peer's copy" if moves else "this node's memory"
-            return f"the step-{step} snapshot ({self.store.kind}, {source})"
+            self._apply(trainer, pl_module, state, rewind_only=False, rank_state=not plan.resharded)
+            origin = "a peer's copy" if any(s.where == "replica" for s in plan.sources) else "this node's memory"
+            if moves and origin != "a peer's copy":
+                origin = "another rank's memory"
+            layout = "" if plan.world_size == trainer.world_size else f", taken by {plan.world_size} ranks"
+            return f"the step-{plan.step} snapshot ({self.store.kind}, {origin}{layout})"
         return None
+
+    @staticmethod
+    def _layout(trainer: Trainer) -> tuple[int, int]:
+        dims = getattr(trainer.strategy, "parallel_dims", None)
+        return (dims.pp, dims.tp) if dims is not None else (1, 1)
 
     def _restore_from_checkpoint(self, trainer: Trainer) -> Optional[str]:
         from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
@@ -297,8 +326,7 @@ class SnapshotRecovery(Callback):
         loss = _loss_of(outputs)
         grads_finite = True
         if self.check_gradients:
-            grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in pl_module.parameters()) if g is not None]
-            grads_finite = not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
+            grads_finite = _finite([p.grad for p in pl_module.parameters() if p.grad is not None])
         local = torch.tensor([loss is not None and not math.isfinite(loss), not grads_finite, loss or 0.0, loss is not None], dtype=torch.float64)
         if self._group is not None:
             dist.all_reduce(local, group=self._group)
@@ -315,23 +343,34 @@ class SnapshotRecovery(Callback):
     def _snapshot(self, trainer: Trainer, pl_module: LightningModule, step: int, loss: Optional[float]) -> None:
         assert self.store is not None
         started = time.perf_counter()
-        state = self._capture(trainer, pl_module)
-        meta = {"step": step, "loss": loss, "epoch": trainer.current_epoch, "rank": trainer.global_rank, "world_size": trainer.world_size}
-        blob = encode_snapshot(state, meta, self.state_compression)
-        failed = ""
-        try:
-            self.store.put(step, blob)
-        except OSError as error:  # e.g. shared memory full: keep training, say so
-            failed = f"{type(error).__name__}: {error}"
-        if self._all_ok(not failed):
+        problem = ""
+        if not _finite([p for p in pl_module.parameters()]):
+            problem = "non-finite parameters"  # a poisoned update the next step's loss check will roll back
+        else:
+            pp, tp = self._layout(trainer)
+            meta = {
+                "step": step, "loss": loss, "epoch": trainer.current_epoch, "rank": trainer.global_rank,
+                "world_size": trainer.world_size, "pp": pp, "tp": tp,
+            }
+            state = self._capture(trainer, pl_module)
+            try:
+                if self.replicas is None:
+                    self.store.save(step, state, meta, self.state_compression)
+                else:
+                    blob = encode_snapshot(state, meta, self.state_compression)
+                    self.store.put(step, blob)
+            except OSError as error:  # e.g. shared memory full: keep training, say so
+                problem = f"{type(error).__name__}: {error}"
+        if self._all_ok(not problem):
             if self.replicas is not None:
-                self.replicas.put(step, exchange(blob, trainer.global_rank, trainer.world_size, self._local_world(trainer), self._group))
+                local_world = self._local_world(trainer)
+                self.replicas.put(step, exchange(blob, trainer.global_rank, trainer.world_size, local_world, self._group))
             self._prune()
             self._rollbacks_since_snapshot = 0
             pl_module.log("recovery/snapshot_step", float(step), on_step=True, on_epoch=False, rank_zero_only=True)
         else:
             self.store.drop(step)
-            rank_zero_warn(f"SnapshotRecovery: the step-{step} snapshot failed on some rank ({failed or 'see that rank'}); kept the older ones.")
+            rank_zero_warn(f"SnapshotRecovery: no step-{step} snapshot ({problem or 'a problem on another rank'}); kept the older ones.")
         self.snapshot_seconds += time.perf_counter() - started
 
     def _local_world(self, trainer: Trainer) -> int:
@@ -346,8 +385,8 @@ class SnapshotRecovery(Callback):
     def _capture(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         compression = getattr(trainer.strategy, "compression", None)
         return {
-            "module": capture_module(pl_module),
-            "optimizers": [capture_optimizer(o) for o in trainer.optimizers],
+            "module": capture_module(pl_module, copy=False),  # serialized right away, before the next step
+            "optimizers": [capture_optimizer(o, copy=False) for o in trainer.optimizers],
             "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
             "loops": trainer.fit_loop.state_dict(),
             "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb is not self},
@@ -382,16 +421,18 @@ class SnapshotRecovery(Callback):
             return
         raise RuntimeError(f"SnapshotRecovery: step {step} is bad ({reason}) and no snapshot can be loaded on every rank.")
 
-    def _apply(self, trainer: Trainer, pl_module: LightningModule, state: dict[str, Any], rewind_only: bool) -> None:
+    def _apply(self, trainer: Trainer, pl_module: LightningModule, state: dict[str, Any], rewind_only: bool, rank_state: bool = True) -> None:
         """Write a captured state back. ``rewind_only``: an in-process rollback, where the loops keep their data
-        position and only the step counters go back; otherwise (a restart) the whole loop state is restored."""
+        position and only the step counters go back; otherwise (a restart) the whole loop state is restored.
+        ``rank_state=False``: the state is another rank's (a data-parallel replica), so this rank's own
+        compression residuals start from zero."""
         restore_module(pl_module, state["module"])
         for optimizer, captured in zip(trainer.optimizers, state["optimizers"]):
             restore_optimizer(optimizer, captured)
         for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["lr_schedulers"]):
             config.scheduler.load_state_dict(scheduler_state)
         compression = getattr(trainer.strategy, "compression", None)
-        if compression is not None and state["compression"] is not None:
+        if compression is not None and state["compression"] is not None and rank_state:
             compression.load_state_dict(state["compression"])
         set_rng_state(state["rng"])
         if rewind_only:
@@ -449,6 +490,12 @@ def loss_spike(loss: float, history: Sequence[float], factor: Optional[float]) -
     if median > 0 and loss > factor * median:
         return f"loss spike ({loss:.4g} > {factor} x median {median:.4g})"
     return None
+
+
+def _finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every value of this rank's tensors (local shards) is finite: one pass, through their norm."""
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return not local or bool(torch.isfinite(torch.nn.utils.get_total_norm([t.detach() for t in local])))
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

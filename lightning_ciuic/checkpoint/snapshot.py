@@ -2,10 +2,12 @@
 
 Contract:
 
-* A snapshot is bytes: a header (step, loss, ... as JSON, the codec, the payload's size and CRC-32) and the state
-  serialized by ``torch.save``, zstd-compressed or raw. :func:`decode_snapshot` re-checks size and CRC and raises
-  :class:`CorruptSnapshotError` on any mismatch or truncation: a damaged snapshot (a torn write, a flipped bit) is
-  never loaded. CRC-32 guards against accidents, not tampering; it runs at memory speed (BLAKE2b took 2x longer).
+* A snapshot is bytes: a 4 KB header (step, loss, ... as JSON, the codec, the payload's size and CRC-32) and the
+  payload, zstd-compressed or raw: the state's structure pickled, then every tensor's bytes (64-byte aligned).
+  :func:`write_snapshot` streams tensors straight from their memory into the file (no intermediate copy);
+  :func:`decode_snapshot` re-checks size and CRC, raising :class:`CorruptSnapshotError` on any mismatch or
+  truncation (a damaged snapshot, a torn write or a flipped bit, is never loaded), and returns tensors that are
+  views of the snapshot's buffer. CRC-32 guards against accidents, not tampering; it runs at memory speed.
 * Stores keep snapshots by step:
 
   - :class:`MemoryStore`: this process's memory. Survives what the process survives (an in-process rollback).
@@ -31,13 +33,15 @@ import io
 import json
 import math
 import os
+import pickle
 import shutil
 import struct
 import subprocess
 import zlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, BinaryIO, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,8 +49,10 @@ import zstandard
 
 StateCompression = Literal["zstd", "none"]
 COMPRESSIONS = ("zstd", "none")
-_MAGIC = b"CIUICSNP"
-_HEADER_LEN = struct.Struct("<I")
+_MAGIC = b"CIUICSN2"
+_HEADER_BYTES = 4096  # magic + JSON header, space-padded: rewritten in place once the payload is known
+_ALIGN = 64
+_SKELETON_LEN = struct.Struct("<Q")
 _SUFFIX = ".snap"
 
 
@@ -54,40 +60,121 @@ class CorruptSnapshotError(RuntimeError):
     """A snapshot's bytes do not match the size and CRC written with them."""
 
 
-def encode_snapshot(state: Any, meta: dict[str, Any], compression: StateCompression = "zstd") -> bytes:
+class _TensorPickler(pickle.Pickler):
+    """Pickles the state's structure; tensors become references to byte ranges that follow it."""
+
+    def __init__(self, file: BinaryIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors, self.offset = tensors, 0
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor):
+            return None
+        tensor = obj.detach().to("cpu").contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        reference = ("tensor", self.offset, nbytes, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+        self.tensors.append(tensor)
+        self.offset += -(-nbytes // _ALIGN) * _ALIGN
+        return reference
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    def __init__(self, file: BinaryIO, data: memoryview) -> None:
+        super().__init__(file)
+        self.data = data
+
+    def persistent_load(self, reference: Any) -> torch.Tensor:
+        _, offset, nbytes, dtype, shape = reference
+        if nbytes == 0:
+            return torch.empty(shape, dtype=getattr(torch, dtype))
+        flat = torch.frombuffer(self.data, dtype=torch.uint8, count=nbytes, offset=offset)
+        return flat.view(getattr(torch, dtype)).reshape(shape)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+
+
+def write_snapshot(state: Any, meta: dict[str, Any], compression: StateCompression, sink: BinaryIO) -> dict[str, Any]:
+    """Stream a snapshot into a seekable ``sink`` (a file, a BytesIO) without copying the state's tensors into an
+    intermediate buffer; returns its header."""
+    tensors: list[torch.Tensor] = []
+    skeleton = io.BytesIO()
+    _TensorPickler(skeleton, tensors).dump(state)
+    start = sink.tell()
+    sink.write(b" " * _HEADER_BYTES)
+    crc, size, raw_size = 0, 0, 0
+    compressor = zstandard.ZstdCompressor(level=1).compressobj() if compression == "zstd" else None
+
+    def emit(piece: bytes | memoryview) -> None:
+        nonlocal crc, size, raw_size
+        raw_size += len(piece)
+        out = compressor.compress(piece) if compressor is not None else piece
+        if out:
+            crc, size = zlib.crc32(out, crc), size + len(out)
+            sink.write(out)
+
+    skeleton_bytes = skeleton.getbuffer()
+    emit(_SKELETON_LEN.pack(len(skeleton_bytes)))
+    emit(skeleton_bytes)
+    emit(b"\0" * (-(len(skeleton_bytes) + _SKELETON_LEN.size) % _ALIGN))
+    for tensor in tensors:
+        data = _tensor_bytes(tensor)
+        emit(data)
+        emit(b"\0" * (-len(data) % _ALIGN))
+    if compressor is not None:
+        tail = compressor.flush()
+        crc, size = zlib.crc32(tail, crc), size + len(tail)
+        sink.write(tail)
+    header = dict(meta, compression=compression, size=size, raw_size=raw_size, crc32=crc)
+    encoded = _MAGIC + json.dumps(header).encode()
+    if len(encoded) > _HEADER_BYTES:
+        raise ValueError(f"snapshot metadata too large ({len(encoded)} bytes > {_HEADER_BYTES}): {meta}")
+    end = sink.tell()
+    sink.seek(start)
+    sink.write(encoded)
+    sink.seek(end)
+    return header
+
+
+def encode_snapshot(state: Any, meta: dict[str, Any], compression: StateCompression = "zstd") -> memoryview:
+    """A snapshot as bytes in memory (see :func:`write_snapshot`)."""
     buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getvalue()
-    if compression == "zstd":
-        payload = zstandard.ZstdCompressor(level=1).compress(payload)
-    header = dict(meta, compression=compression, size=len(payload), crc32=zlib.crc32(payload))
-    encoded = json.dumps(header).encode()
-    return b"".join([_MAGIC, _HEADER_LEN.pack(len(encoded)), encoded, payload])
+    write_snapshot(state, meta, compression, buffer)
+    return buffer.getbuffer()
 
 
-def snapshot_header(blob: bytes, name: str = "snapshot") -> dict[str, Any]:
-    """The header of an encoded snapshot (or of its first bytes), without reading the payload."""
-    start = len(_MAGIC) + _HEADER_LEN.size
-    if blob[: len(_MAGIC)] != _MAGIC or len(blob) < start:
+def snapshot_header(blob: bytes | memoryview, name: str = "snapshot") -> dict[str, Any]:
+    """The header of an encoded snapshot (or of its first 4 KB), without reading the payload."""
+    if bytes(blob[: len(_MAGIC)]) != _MAGIC or len(blob) < _HEADER_BYTES:
         raise CorruptSnapshotError(f"{name}: not a snapshot (bad magic or cut short).")
-    (length,) = _HEADER_LEN.unpack(blob[len(_MAGIC) : start])
     try:
-        return json.loads(blob[start : start + length])
+        return json.loads(bytes(blob[len(_MAGIC) : _HEADER_BYTES]))
     except ValueError as error:
         raise CorruptSnapshotError(f"{name}: unreadable header ({error}).") from error
 
 
-def decode_snapshot(blob: bytes, name: str = "snapshot") -> tuple[Any, dict[str, Any]]:
+def decode_snapshot(blob: bytes | bytearray | memoryview, name: str = "snapshot") -> tuple[Any, dict[str, Any]]:
+    """The state and header of a snapshot. Tensors are views of ``blob`` (uncompressed) or of one decompressed
+    buffer: pass a writable buffer the caller does not reuse."""
     header = snapshot_header(blob, name)
-    (length,) = _HEADER_LEN.unpack(blob[len(_MAGIC) : len(_MAGIC) + _HEADER_LEN.size])
-    payload = blob[len(_MAGIC) + _HEADER_LEN.size + length :]
+    payload = memoryview(blob)[_HEADER_BYTES:]
     if len(payload) != header["size"] or zlib.crc32(payload) != header["crc32"]:
         raise CorruptSnapshotError(
             f"{name}: payload of {len(payload)} bytes does not match its CRC-32 (expected {header['size']} bytes)."
         )
     if header["compression"] == "zstd":
-        payload = zstandard.ZstdDecompressor().decompress(payload)
-    return torch.load(io.BytesIO(payload), weights_only=False), header
+        raw = bytearray(header["raw_size"])
+        with zstandard.ZstdDecompressor().stream_reader(payload) as reader:
+            reader.readinto(raw)
+        payload = memoryview(raw)
+    (length,) = _SKELETON_LEN.unpack(payload[: _SKELETON_LEN.size])
+    skeleton_end = _SKELETON_LEN.size + length
+    data = payload[skeleton_end + (-skeleton_end % _ALIGN) :]
+    if data.readonly:
+        data = memoryview(bytearray(data))
+    state = _TensorUnpickler(io.BytesIO(payload[_SKELETON_LEN.size : skeleton_end]), data).load()
+    return state, header
 
 
 def recovery_order(losses: dict[int, Optional[float]], strategy: str) -> list[int]:
@@ -109,10 +196,13 @@ class MemoryStore:
     kind = "memory"
 
     def __init__(self) -> None:
-        self._blobs: dict[int, bytes] = {}
+        self._blobs: dict[int, memoryview] = {}
 
-    def put(self, step: int, blob: bytes) -> None:
-        self._blobs[step] = blob
+    def save(self, step: int, state: Any, meta: dict[str, Any], compression: StateCompression) -> None:
+        self.put(step, encode_snapshot(state, meta, compression))
+
+    def put(self, step: int, blob: bytes | memoryview) -> None:
+        self._blobs[step] = memoryview(blob)
 
     def headers(self) -> dict[int, dict[str, Any]]:
         """Step -> header of every snapshot whose header reads (a damaged one is left out)."""
@@ -124,8 +214,9 @@ class MemoryStore:
                 continue
         return found
 
-    def get(self, step: int) -> bytes:
-        return self._blobs[step]
+    def get(self, step: int) -> bytearray:
+        """A private, writable copy of the snapshot's bytes (decoded tensors are views of it)."""
+        return bytearray(self._blobs[step])
 
     def drop(self, step: int) -> None:
         self._blobs.pop(step, None)
@@ -146,8 +237,17 @@ class ShmStore(MemoryStore):
     def _path(self, step: int) -> Path:
         return self.directory / f"{step:012d}{_SUFFIX}"
 
-    def put(self, step: int, blob: bytes) -> None:
-        temporary = self.directory / f".{step}.{os.getpid()}.tmp"
+    def _temporary(self, step: int) -> Path:
+        return self.directory / f".{step}.{os.getpid()}.tmp"
+
+    def save(self, step: int, state: Any, meta: dict[str, Any], compression: StateCompression) -> None:
+        temporary = self._temporary(step)
+        with open(temporary, "wb") as file:
+            write_snapshot(state, meta, compression, file)
+        os.replace(temporary, self._path(step))
+
+    def put(self, step: int, blob: bytes | memoryview) -> None:
+        temporary = self._temporary(step)
         temporary.write_bytes(blob)
         os.replace(temporary, self._path(step))
 
@@ -156,16 +256,20 @@ class ShmStore(MemoryStore):
         for path in sorted(self.directory.glob(f"*{_SUFFIX}")):
             try:
                 with open(path, "rb") as file:
-                    found[int(path.stem)] = snapshot_header(file.read(64 * 1024), str(path))
+                    found[int(path.stem)] = snapshot_header(file.read(_HEADER_BYTES), str(path))
             except (CorruptSnapshotError, OSError, ValueError):
                 continue
         return found
 
-    def get(self, step: int) -> bytes:
+    def get(self, step: int) -> bytearray:
+        path = self._path(step)
         try:
-            return self._path(step).read_bytes()
+            with open(path, "rb") as file:
+                blob = bytearray(os.fstat(file.fileno()).st_size)
+                file.readinto(blob)
         except FileNotFoundError as error:
             raise KeyError(step) from error
+        return blob
 
     def drop(self, step: int) -> None:
         self._path(step).unlink(missing_ok=True)
@@ -230,6 +334,65 @@ def exchange(blob: bytes, rank: int, world_size: int, local_world_size: int, gro
     for request in requests:
         request.wait()
     return received
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A snapshot a process holds: where (its own store or its peer replicas), and whose state it is."""
+
+    holder: int  # the process (global rank now) that has it
+    where: str  # "own" or "replica"
+    step: int
+    world_size: int  # of the run that took it
+    rank: int  # the rank whose state it is, in that run
+    pp: int = 1
+    tp: int = 1
+    loss: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """Where each rank of the current run gets its state from, for one snapshot step."""
+
+    step: int
+    world_size: int  # of the run that took the snapshot
+    sources: tuple[Holding, ...]  # indexed by the current rank
+
+    @property
+    def resharded(self) -> bool:
+        """The state comes from another layout or another rank (a data-parallel replica): rank-local state such
+        as compression residuals does not apply."""
+        return any(source.rank != rank or source.world_size != len(self.sources) for rank, source in enumerate(self.sources))
+
+
+def plan_restores(holdings: Iterable[Holding], world_size: int, pp: int = 1, tp: int = 1) -> list[RestorePlan]:
+    """Every snapshot step the current run (``world_size`` ranks, ``pp`` x dp x ``tp``) can restore, newest first.
+
+    A rank restores its own state from the same layout, or, when only the data-parallel size changed (``pp == 1``
+    and ``tp`` kept), the state of any rank with its tensor-parallel coordinate: data-parallel replicas hold the
+    same model and optimizer state. A holding on the rank itself is preferred to one another process must send.
+    """
+    by_step: dict[tuple[int, int], list[Holding]] = {}
+    for holding in holdings:
+        by_step.setdefault((holding.step, holding.world_size), []).append(holding)
+    plans = []
+    for (step, world), found in by_step.items():
+        same_layout = world == world_size and all(h.pp == pp and h.tp == tp for h in found)
+        reshardable = pp == 1 and all(h.pp == 1 and h.tp == tp for h in found)
+        sources = []
+        for rank in range(world_size):
+            if same_layout:
+                fits = [h for h in found if h.rank == rank]
+            elif reshardable:
+                fits = [h for h in found if h.rank % tp == rank % tp]
+            else:
+                fits = []
+            if not fits:
+                break
+            sources.append(min(fits, key=lambda h: (h.holder != rank, h.where != "own", h.holder, h.rank)))
+        else:
+            plans.append(RestorePlan(step, world, tuple(sources)))
+    return sorted(plans, key=lambda plan: (plan.step, plan.world_size == world_size), reverse=True)
 
 
 def transfer(moves: Iterable[tuple[int, int]], rank: int, blob_for: Any, group: Optional[dist.ProcessGroup] = None) -> dict[int, bytes]:

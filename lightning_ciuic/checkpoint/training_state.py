@@ -2,8 +2,9 @@
 
 Contract:
 
-* :func:`capture_module` / :func:`capture_optimizer` copy this rank's values (a ``DTensor`` contributes its local
-  shard) into CPU tensors that share nothing with the live objects, so a later step cannot change a capture.
+* :func:`capture_module` / :func:`capture_optimizer` take this rank's values (a ``DTensor`` contributes its local
+  shard) as CPU tensors: copies that share nothing with the live objects, or with ``copy=False`` the live CPU
+  tensors themselves (for a caller that serializes them before the next step changes them).
 * :func:`restore_module` copies a capture back into the live tensors (same storage: optimizers keep pointing at the
   same parameters). :func:`restore_optimizer` sets hyper-parameters and per-parameter state, creating state an
   optimizer has not made yet (a fresh process after a restart) and dropping state the capture did not have; a
@@ -29,12 +30,12 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _copy(tensor: torch.Tensor) -> torch.Tensor:
-    return _local(tensor).detach().to("cpu", copy=True)
+def _taken(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
+    return _local(tensor).detach().to("cpu", copy=copy)
 
 
-def capture_module(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: _copy(value) for name, value in module.state_dict(keep_vars=False).items()}
+def capture_module(module: torch.nn.Module, copy: bool = True) -> dict[str, torch.Tensor]:
+    return {name: _taken(value, copy) for name, value in module.state_dict(keep_vars=False).items()}
 
 
 @torch.no_grad()
@@ -47,14 +48,14 @@ def restore_module(module: torch.nn.Module, captured: Mapping[str, torch.Tensor]
         _local(tensor).copy_(captured[name])
 
 
-def capture_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def capture_optimizer(optimizer: torch.optim.Optimizer, copy: bool = True) -> dict[str, Any]:
     """Hyper-parameters of each group and, in parameter order, each parameter's state."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return {
         "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
         "group_sizes": [len(group["params"]) for group in optimizer.param_groups],
         "state": [
-            {k: _copy(v) if isinstance(v, torch.Tensor) else v for k, v in optimizer.state.get(p, {}).items()}
+            {k: _taken(v, copy) if isinstance(v, torch.Tensor) else v for k, v in optimizer.state.get(p, {}).items()}
             for p in params
         ],
     }

@@ -25,10 +25,10 @@ def _tiny() -> DeepSeekMini:
     return DeepSeekMini(**TINY_MODEL)
 
 
-def _fit(callbacks: list[Callback], strategy: object) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def _fit(callbacks: list[Callback], strategy: object, devices: int = DP) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     module = _tiny()
     trainer = Trainer(
-        strategy=strategy, accelerator="cpu", devices=DP, max_steps=STEPS, logger=False, callbacks=callbacks,
+        strategy=strategy, accelerator="cpu", devices=devices, max_steps=STEPS, logger=False, callbacks=callbacks,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(module, loader(NUM_SAMPLES, PER_RANK_BATCH))
@@ -41,14 +41,16 @@ def _expected(batches: list[int]) -> dict[str, torch.Tensor]:
     return reference_training(_tiny, STEPS, PER_RANK_BATCH * DP, batches=batches, num_samples=NUM_SAMPLES)
 
 
-def _ciuic() -> HybridParallelStrategy:
-    return HybridParallelStrategy(data_parallel_size=DP, start_method="spawn")
+def _ciuic(tp: int = 1) -> HybridParallelStrategy:
+    return HybridParallelStrategy(data_parallel_size=DP, tensor_parallel_size=tp, start_method="spawn")
 
 
-@pytest.mark.parametrize("strategy", ["ciuic", "ddp_spawn"])
-def test_nan_gradient_rolls_back_and_skips_the_batches_since_the_snapshot(strategy):
-    recovery = SnapshotRecovery(snapshot_freq=3, store="memory")
-    actual, metrics = _fit([recovery, FailAt(8, "nan", ranks=(1,))], _ciuic() if strategy == "ciuic" else strategy)
+@pytest.mark.parametrize("layout", ["ciuic-dp2", "ciuic-dp2xtp2", "ddp"])
+def test_nan_gradient_rolls_back_and_skips_the_batches_since_the_snapshot(layout):
+    recovery = SnapshotRecovery(snapshot_freq=3, store="memory", check_gradients=True)
+    strategy = {"ciuic-dp2": _ciuic(), "ciuic-dp2xtp2": _ciuic(tp=2), "ddp": "ddp_spawn"}[layout]
+    devices = 4 if layout == "ciuic-dp2xtp2" else DP
+    actual, metrics = _fit([recovery, FailAt(8, "nan", ranks=(1,))], strategy, devices)
     # Snapshots at steps 3 and 6; step 8 (global batch 7) is poisoned on rank 1 -> back to step 6: the batches of
     # steps 7 and 8 are skipped, and steps 7..10 train on batches 8..11.
     assert metrics["recovery/rollbacks"] == 1
@@ -56,7 +58,7 @@ def test_nan_gradient_rolls_back_and_skips_the_batches_since_the_snapshot(strate
 
 
 def test_non_finite_loss_after_a_poisoned_update_rolls_back():
-    recovery = SnapshotRecovery(snapshot_freq=3, store="memory", check_gradients=False)
+    recovery = SnapshotRecovery(snapshot_freq=3, store="memory")  # check_gradients=False, the default
     actual, metrics = _fit([recovery, FailAt(8, "nan", ranks=(0,))], _ciuic())
     # Without the gradient check the NaN update lands; step 9's loss is NaN -> back to step 6, skipping 3 batches.
     assert metrics["recovery/rollbacks"] == 1
@@ -79,7 +81,7 @@ class CorruptNewestSnapshot(Callback):
 
 
 def test_corrupt_snapshot_is_detected_and_the_next_one_used_and_shared_memory_released(tmp_path):
-    recovery = SnapshotRecovery(snapshot_freq=2, max_snapshots=3, store="shm", shm_root=str(tmp_path))
+    recovery = SnapshotRecovery(snapshot_freq=2, max_snapshots=3, store="shm", shm_root=str(tmp_path), check_gradients=True)
     callbacks = [recovery, CorruptNewestSnapshot(step=7, rank=0), FailAt(8, "nan", ranks=(1,))]
     actual, metrics = _fit(callbacks, _ciuic())
     # Kept: steps 2, 4, 6. Rank 0's step-6 snapshot fails its CRC -> every rank uses step 4; steps 5..8 skipped.
@@ -110,7 +112,10 @@ def test_faults_that_recovery_cannot_fix_stop_the_run_with_a_clear_error(poison_
     trainer = Trainer(
         accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[SnapshotRecovery(snapshot_freq=1, store="memory", max_rollbacks=2), PoisonFrom(poison_from)],
+        callbacks=[
+            SnapshotRecovery(snapshot_freq=1, store="memory", max_rollbacks=2, check_gradients=True),
+            PoisonFrom(poison_from),
+        ],
     )
     with pytest.raises(RuntimeError, match=message):
         trainer.fit(_tiny(), loader(NUM_SAMPLES, PER_RANK_BATCH))

@@ -14,12 +14,14 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from lightning_ciuic.callbacks.recovery import QuantumRecovery, SnapshotRecovery, loss_spike
 from lightning_ciuic.checkpoint.snapshot import (
     CorruptSnapshotError,
+    Holding,
     MemoryStore,
     ShmStore,
     claim_run_directory,
     decode_snapshot,
     encode_snapshot,
     peer_of,
+    plan_restores,
     recovery_order,
     snapshot_header,
 )
@@ -218,3 +220,27 @@ def test_seed_name_and_fault_arguments():
 
 def test_default_store_root_exists():
     assert os.path.isdir(SnapshotRecovery().shm_root)
+
+
+def _holding(holder, step, world, rank, where="own", tp=1):
+    return Holding(holder=holder, where=where, step=step, world_size=world, rank=rank, tp=tp)
+
+
+def test_restore_plans_same_layout_prefer_own_and_newest():
+    holdings = [_holding(0, 10, 2, 0), _holding(1, 10, 2, 1), _holding(0, 20, 2, 0)]  # rank 1 lost step 20
+    plans = plan_restores(holdings, world_size=2)
+    assert [p.step for p in plans] == [10]
+    assert [s.holder for s in plans[0].sources] == [0, 1] and not plans[0].resharded
+    holdings.append(_holding(0, 20, 2, 1, where="replica"))  # rank 0 keeps rank 1's copy
+    plan = plan_restores(holdings, world_size=2)[0]
+    assert plan.step == 20 and [(s.holder, s.rank, s.where) for s in plan.sources] == [(0, 0, "own"), (0, 1, "replica")]
+
+
+def test_restore_plans_across_a_data_parallel_size_change():
+    shrink = plan_restores([_holding(0, 30, 2, 1), _holding(5, 30, 2, 0)], world_size=1)  # a node left
+    assert shrink[0].sources[0].holder == 0 and shrink[0].resharded
+    grow = plan_restores([_holding(0, 30, 1, 0)], world_size=2)  # a node joined: it gets rank 0's state
+    assert [s.holder for s in grow[0].sources] == [0, 0]
+    tp_kept = plan_restores([_holding(0, 5, 2, 0, tp=2), _holding(1, 5, 2, 1, tp=2)], world_size=4, tp=2)
+    assert [s.rank for s in tp_kept[0].sources] == [0, 1, 0, 1]  # the same tensor-parallel shard
+    assert plan_restores([_holding(0, 5, 2, 0, tp=2), _holding(1, 5, 2, 1, tp=2)], world_size=2, tp=1) == []

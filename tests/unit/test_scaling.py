@@ -1,0 +1,57 @@
+"""Scale decisions on synthetic throughput measurements: scale up, scale down, hold, and the node bounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_ciuic.parallel.scaling import NodeWindow, decide, predicted_step_seconds
+
+G = 256  # global batch, samples
+
+
+def _window(speeds: list[float], seconds: float = 10.0) -> list[NodeWindow]:
+    return [NodeWindow(node=i, samples=int(v * seconds), compute_seconds=seconds) for i, v in enumerate(speeds)]
+
+
+def _measured_step(speeds: list[float], sync: float) -> float:
+    return predicted_step_seconds(speeds, G, sync, len(speeds))
+
+
+def test_compute_bound_cluster_scales_up():
+    speeds, sync = [100.0, 100.0], 0.05  # 1.28 s of compute per step, 0.05 s of communication
+    decision = decide(_window(speeds), _measured_step(speeds, sync), sync, G, 0.15, min_nodes=2, max_nodes=8)
+    assert decision.action == "scale_up" and decision.target_nodes == 3
+    assert decision.predicted_gain == pytest.approx((1.28 + 0.05) / (256 / 3 / 100 + 0.05 * (2 / 3) / (1 / 2)) - 1)
+    assert decision.efficiency == pytest.approx((G / 1.33) / 200)
+
+
+def test_communication_bound_cluster_holds():
+    speeds, sync = [1000.0] * 4, 0.5  # compute 0.064 s per step, communication 0.5 s: another node barely helps
+    decision = decide(_window(speeds), _measured_step(speeds, sync), sync, G, 0.15, min_nodes=4, max_nodes=8)
+    assert decision.action == "hold"
+    assert "would add" in decision.reason
+
+
+def test_straggler_node_is_proposed_for_removal():
+    speeds, sync = [100.0, 100.0, 100.0, 20.0], 0.02  # node 3 is 5x slower: everyone waits for it
+    decision = decide(_window(speeds), _measured_step(speeds, sync), sync, G, 0.15, min_nodes=2, max_nodes=8)
+    assert decision.action == "scale_down" and decision.node == 3 and decision.target_nodes == 3
+    assert decision.predicted_gain < 0  # the cluster is faster without it
+    assert min(decision.marginal, key=decision.marginal.get) == 3
+
+
+def test_bounds_are_respected():
+    speeds, sync = [100.0, 100.0, 100.0, 20.0], 0.02
+    held = decide(_window(speeds), _measured_step(speeds, sync), sync, G, 0.15, min_nodes=4, max_nodes=4)
+    assert held.action == "hold" and held.reason == "at max_nodes=4"
+    speeds = [100.0, 100.0]
+    capped = decide(_window(speeds), _measured_step(speeds, 0.05), 0.05, G, 0.15, min_nodes=1, max_nodes=2)
+    assert capped.action != "scale_up"
+
+
+def test_prediction_is_anchored_to_the_measured_step_time():
+    speeds, sync = [100.0, 100.0], 0.05
+    slower = 2 * _measured_step(speeds, sync)  # e.g. data loading the model does not see: same relative gains
+    a = decide(_window(speeds), _measured_step(speeds, sync), sync, G, 0.15, 2, 8)
+    b = decide(_window(speeds), slower, sync, G, 0.15, 2, 8)
+    assert a.predicted_gain == pytest.approx(b.predicted_gain)
