@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
 from lightning_ciuic.callbacks.data_balance import DynamicDataBalancer
+from lightning_ciuic.callbacks.elastic import ElasticResourceManager, NodePreempted
 from lightning_ciuic.callbacks.monitor import CommunicationMonitor
 from lightning_ciuic.callbacks.lr_schedule import WarmupCosineAnnealingLR, WarmupCosineSchedule, warmup_cosine_lr
 from lightning_ciuic.callbacks.recovery import QuantumRecovery, SnapshotRecovery
@@ -29,6 +30,7 @@ __all__ = [
     "ChunkedCheckpointIO",
     "CommunicationMonitor",
     "DynamicDataBalancer",
+    "ElasticResourceManager",
     "GradientCompression",
     "GradientQuantizer",
     "GradientSyncOptimizer",
@@ -36,6 +38,7 @@ __all__ = [
     "GradientSynchronizer",
     "HybridParallelEngine",
     "HybridParallelStrategy",
+    "NodePreempted",
     "ParallelDims",
     "QuantumRecovery",
     "SnapshotRecovery",

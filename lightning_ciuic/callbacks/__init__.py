@@ -2,6 +2,7 @@
 
 from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
 from lightning_ciuic.callbacks.data_balance import DynamicDataBalancer
+from lightning_ciuic.callbacks.elastic import ElasticResourceManager, NodePreempted
 from lightning_ciuic.callbacks.monitor import CommunicationMonitor
 from lightning_ciuic.callbacks.lr_schedule import WarmupCosineAnnealingLR, WarmupCosineSchedule
 from lightning_ciuic.callbacks.recovery import QuantumRecovery, SnapshotRecovery
@@ -10,6 +11,8 @@ __all__ = [
     "AsyncCheckpointer",
     "CommunicationMonitor",
     "DynamicDataBalancer",
+    "ElasticResourceManager",
+    "NodePreempted",
     "QuantumRecovery",
     "SnapshotRecovery",
     "WarmupCosineAnnealingLR",

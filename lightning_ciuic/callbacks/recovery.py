@@ -286,7 +286,8 @@ class SnapshotRecovery(Callback):
             origin = "a peer's copy" if any(s.where == "replica" for s in plan.sources) else "this node's memory"
             if moves and origin != "a peer's copy":
                 origin = "another rank's memory"
-            layout = "" if plan.world_size == trainer.world_size else f", taken by {plan.world_size} ranks"
+            taken_by = f"{plan.world_size} rank" + ("s" if plan.world_size > 1 else "")
+            layout = "" if plan.world_size == trainer.world_size else f", taken by {taken_by}"
             return f"the step-{plan.step} snapshot ({self.store.kind}, {origin}{layout})"
         return None
 
@@ -305,6 +306,22 @@ class SnapshotRecovery(Callback):
                     _restore_lightning_checkpoint(trainer, trainer.strategy.load_checkpoint(last))
                     return f"checkpoint {last}"
         return None
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """After a resume into another data-parallel size the loader continues at another batch index than the
+        one saved (same sample): move the epoch loop's batch counters with it, or it would end the epoch early."""
+        loader = trainer.train_dataloader
+        shift = getattr(loader, "resume_shift", 0)
+        if shift:
+            current = trainer.fit_loop.epoch_loop.batch_progress.current
+            for counter in ("ready", "started", "processed", "completed"):
+                setattr(current, counter, getattr(current, counter) + shift)
+            loader.resume_shift = 0
+
+    def snapshot_now(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Collective: take a snapshot of the current step now (e.g. before leaving on a preemption)."""
+        self._snapshot(trainer, pl_module, trainer.global_step, self._losses[-1] if self._losses else None)
 
     # -- every step: health check, snapshot or rollback ----------------------------------------------
     @override
@@ -361,6 +378,8 @@ class SnapshotRecovery(Callback):
                     self.store.put(step, blob)
             except OSError as error:  # e.g. shared memory full: keep training, say so
                 problem = f"{type(error).__name__}: {error}"
+        if problem:  # said by the rank it happened on, which may not be rank 0
+            warnings.warn(f"SnapshotRecovery (rank {trainer.global_rank}): step-{step} snapshot not taken: {problem}.")
         if self._all_ok(not problem):
             if self.replicas is not None:
                 local_world = self._local_world(trainer)

@@ -2,12 +2,12 @@
 
 Contract:
 
-* A snapshot is bytes: a 4 KB header (step, loss, ... as JSON, the codec, the payload's size and CRC-32) and the
-  payload, zstd-compressed or raw: the state's structure pickled, then every tensor's bytes (64-byte aligned).
+* A snapshot is bytes: a 4 KB header (step, loss, ... as JSON, the codec, the payload's size, and its CRC-32 when
+  raw; a zstd frame carries its own xxHash64 content checksum) and the payload, zstd-compressed or raw: the state's structure pickled, then every tensor's bytes (64-byte aligned).
   :func:`write_snapshot` streams tensors straight from their memory into the file (no intermediate copy);
-  :func:`decode_snapshot` re-checks size and CRC, raising :class:`CorruptSnapshotError` on any mismatch or
+  :func:`decode_snapshot` re-checks size and checksum, raising :class:`CorruptSnapshotError` on any mismatch or
   truncation (a damaged snapshot, a torn write or a flipped bit, is never loaded), and returns tensors that are
-  views of the snapshot's buffer. CRC-32 guards against accidents, not tampering; it runs at memory speed.
+  views of the snapshot's buffer. The checksums guard against accidents, not tampering; they run at memory speed.
 * Stores keep snapshots by step:
 
   - :class:`MemoryStore`: this process's memory. Survives what the process survives (an in-process rollback).
@@ -104,14 +104,17 @@ def write_snapshot(state: Any, meta: dict[str, Any], compression: StateCompressi
     start = sink.tell()
     sink.write(b" " * _HEADER_BYTES)
     crc, size, raw_size = 0, 0, 0
-    compressor = zstandard.ZstdCompressor(level=1).compressobj() if compression == "zstd" else None
+    # zstd frames carry their own content checksum (xxHash64, checked while decompressing): no CRC pass then.
+    compressor = zstandard.ZstdCompressor(level=1, write_checksum=True).compressobj() if compression == "zstd" else None
 
     def emit(piece: bytes | memoryview) -> None:
         nonlocal crc, size, raw_size
         raw_size += len(piece)
         out = compressor.compress(piece) if compressor is not None else piece
         if out:
-            crc, size = zlib.crc32(out, crc), size + len(out)
+            if compressor is None:
+                crc = zlib.crc32(out, crc)
+            size += len(out)
             sink.write(out)
 
     skeleton_bytes = skeleton.getbuffer()
@@ -124,9 +127,9 @@ def write_snapshot(state: Any, meta: dict[str, Any], compression: StateCompressi
         emit(b"\0" * (-len(data) % _ALIGN))
     if compressor is not None:
         tail = compressor.flush()
-        crc, size = zlib.crc32(tail, crc), size + len(tail)
+        size += len(tail)
         sink.write(tail)
-    header = dict(meta, compression=compression, size=size, raw_size=raw_size, crc32=crc)
+    header = dict(meta, compression=compression, size=size, raw_size=raw_size, crc32=crc if compressor is None else None)
     encoded = _MAGIC + json.dumps(header).encode()
     if len(encoded) > _HEADER_BYTES:
         raise ValueError(f"snapshot metadata too large ({len(encoded)} bytes > {_HEADER_BYTES}): {meta}")
@@ -159,14 +162,24 @@ def decode_snapshot(blob: bytes | bytearray | memoryview, name: str = "snapshot"
     buffer: pass a writable buffer the caller does not reuse."""
     header = snapshot_header(blob, name)
     payload = memoryview(blob)[_HEADER_BYTES:]
-    if len(payload) != header["size"] or zlib.crc32(payload) != header["crc32"]:
-        raise CorruptSnapshotError(
-            f"{name}: payload of {len(payload)} bytes does not match its CRC-32 (expected {header['size']} bytes)."
-        )
+    damaged = f"{name}: payload of {len(payload)} bytes (expected {header['size']}) does not match its checksum"
+    if len(payload) != header["size"] or (header["crc32"] is not None and zlib.crc32(payload) != header["crc32"]):
+        raise CorruptSnapshotError(damaged + " (CRC-32).")
     if header["compression"] == "zstd":
         raw = bytearray(header["raw_size"])
-        with zstandard.ZstdDecompressor().stream_reader(payload) as reader:
-            reader.readinto(raw)
+        try:
+            with zstandard.ZstdDecompressor().stream_reader(payload) as reader:
+                filled = reader.readinto(raw)
+                while filled < len(raw):
+                    more = reader.readinto(memoryview(raw)[filled:])
+                    if not more:
+                        break
+                    filled += more
+                trailing = reader.read(1)
+        except zstandard.ZstdError as error:
+            raise CorruptSnapshotError(f"{damaged} (zstd: {error}).") from error
+        if filled != len(raw) or trailing:
+            raise CorruptSnapshotError(f"{damaged} (zstd: {filled} bytes decompressed, expected {len(raw)}).")
         payload = memoryview(raw)
     (length,) = _SKELETON_LEN.unpack(payload[: _SKELETON_LEN.size])
     skeleton_end = _SKELETON_LEN.size + length

@@ -127,6 +127,11 @@ class BalancedBatchSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
 
+    @property
+    def window(self) -> int:
+        """Samples one batch index covers over all ranks (see :mod:`lightning_ciuic.parallel.resume`)."""
+        return self.global_batch_size
+
     def resume(self, epoch: int, batches_done: int) -> None:
         """In epoch ``epoch``, start after the first ``batches_done`` global batches (once)."""
         self._resume = (epoch, batches_done)

@@ -9,7 +9,10 @@ Contract:
   :class:`~lightning_ciuic.parallel.balance.BalancedBatchSampler`). Its ``state_dict`` is the position its owner
   reports through ``position`` (epoch, batches done); ``load_state_dict`` resumes there. Lightning treats such
   a loader as stateful: every checkpoint's loop state carries the position and a resume (``ckpt_path`` or a
-  snapshot) continues the epoch with the next unseen batch instead of starting it over.
+  snapshot) continues the epoch with the next unseen batch instead of starting it over. The position is kept with
+  the batch's size over all data-parallel ranks, so a resume into another data-parallel size (elastic nodes)
+  continues at the same sample of the epoch's order: nothing skipped, nothing repeated (``DistributedSampler``
+  deals the order out rank by rank, so the first ``n`` batches of all ranks are its first ``n * window`` samples).
 * :func:`positioned` builds one from any DataLoader with the same settings (workers, collate, ...); ``source``
   keeps the loader it was built from. :func:`with_batch_sampler` is that rebuild for any batch sampler.
 
@@ -18,6 +21,7 @@ No Lightning imports.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any, Callable, Optional, TypeVar
 
@@ -34,6 +38,11 @@ class ResumableBatchSampler(Sampler[list[int]]):
 
     def resume(self, epoch: int, batches_done: int) -> None:
         self._resume = (epoch, batches_done)
+
+    @property
+    def window(self) -> int:
+        """Samples one batch index covers over all data-parallel ranks."""
+        return getattr(self.batch_sampler, "batch_size", 1) * getattr(self.sampler, "num_replicas", 1)
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
@@ -52,16 +61,29 @@ class PositionedDataLoader(DataLoader):
 
     source: Optional[DataLoader] = None
     position: Optional[Callable[[], tuple[int, int]]] = None
+    resume_shift = 0  # batches resumed at minus batches saved: non-zero when the data-parallel size changed
 
     def state_dict(self) -> dict[str, int]:
         if self.position is None:
             return {}
         epoch, batches_done = self.position()
-        return {"epoch": int(epoch), "batches_done": int(batches_done)}
+        return {"epoch": int(epoch), "batches_done": int(batches_done), "window": self.batch_sampler.window}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        if state_dict:
-            self.batch_sampler.resume(state_dict["epoch"], state_dict["batches_done"])
+        """Resume at the saved position. Saved with another data-parallel size (``window``: samples per batch
+        index over all ranks), the position is converted through samples: the next batch starts at the first
+        sample of the epoch's order not yet seen."""
+        if not state_dict:
+            return
+        done, window = state_dict["batches_done"], state_dict.get("window", self.batch_sampler.window)
+        samples, now = done * window, self.batch_sampler.window
+        if samples % now:
+            warnings.warn(
+                f"resuming at sample {samples} of the epoch, which is not a multiple of {now} samples per batch over"
+                f" the data-parallel ranks: the first {samples % now} samples of the next batch are seen again."
+            )
+        self.resume_shift = samples // now - done
+        self.batch_sampler.resume(state_dict["epoch"], samples // now)
 
 
 def positioned(loader: DataLoader) -> PositionedDataLoader:

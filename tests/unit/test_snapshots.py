@@ -48,14 +48,15 @@ def test_snapshot_round_trip_and_header(compression):
     torch.testing.assert_close(decoded["nested"][1]["b"], torch.ones(3))
 
 
-def test_corrupt_or_truncated_snapshot_is_refused():
-    blob = encode_snapshot({"w": torch.randn(256)}, {"step": 1}, "none")
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_corrupt_or_truncated_snapshot_is_refused(compression):
+    blob = encode_snapshot({"w": torch.randn(4096)}, {"step": 1}, compression)
     flipped = bytearray(blob)
     flipped[-10] ^= 0xFF
-    with pytest.raises(CorruptSnapshotError, match="does not match its CRC-32"):
-        decode_snapshot(bytes(flipped), "rank0@1")
-    with pytest.raises(CorruptSnapshotError, match="does not match"):
-        decode_snapshot(blob[:-5])
+    with pytest.raises(CorruptSnapshotError, match="rank0@1: payload .* does not match its checksum"):
+        decode_snapshot(flipped, "rank0@1")
+    with pytest.raises(CorruptSnapshotError, match="does not match its checksum"):
+        decode_snapshot(bytearray(blob[:-5]))
     with pytest.raises(CorruptSnapshotError, match="not a snapshot"):
         decode_snapshot(b"garbage")
 
@@ -184,7 +185,7 @@ def test_positioned_loader_resumes_in_the_epoch_it_was_saved():
     assert isinstance(loader, PositionedDataLoader) and positioned(loader) is loader and loader.source is plain
     loader.position = lambda: (2, 3)
     state = loader.state_dict()
-    assert state == {"epoch": 2, "batches_done": 3}
+    assert state == {"epoch": 2, "batches_done": 3, "window": 8}
     loader.load_state_dict(state)
     loader.batch_sampler.sampler.set_epoch(2)  # Lightning does this through batch_sampler.sampler
     assert [batch[0].tolist() for batch in loader] == full[3:]
@@ -244,3 +245,32 @@ def test_restore_plans_across_a_data_parallel_size_change():
     tp_kept = plan_restores([_holding(0, 5, 2, 0, tp=2), _holding(1, 5, 2, 1, tp=2)], world_size=4, tp=2)
     assert [s.rank for s in tp_kept[0].sources] == [0, 1, 0, 1]  # the same tensor-parallel shard
     assert plan_restores([_holding(0, 5, 2, 0, tp=2), _holding(1, 5, 2, 1, tp=2)], world_size=2, tp=1) == []
+
+
+@pytest.mark.parametrize(("dp_before", "dp_after"), [(2, 1), (1, 2), (2, 4), (4, 2)])
+def test_resharded_resume_sees_every_sample_of_the_epoch_once(dp_before, dp_after):
+    """A membership change mid-epoch: ranks of the new data-parallel size continue at the first unseen sample."""
+    dataset, per_rank, epoch = TensorDataset(torch.arange(96)), 3, 5
+
+    def loaders(dp):
+        out = []
+        for rank in range(dp):
+            sampler = DistributedSampler(dataset, num_replicas=dp, rank=rank, shuffle=True, seed=11)
+            loader = positioned(DataLoader(dataset, batch_size=per_rank, sampler=sampler))
+            loader.batch_sampler.sampler.set_epoch(epoch)
+            out.append(loader)
+        return out
+
+    before = loaders(dp_before)
+    seen = []
+    done = 4  # batches each rank finished before the change
+    for loader in before:
+        seen += [i for batch in list(loader)[:done] for i in batch[0].tolist()]
+        loader.position = lambda: (epoch, done)
+    state = before[0].state_dict()
+    assert state["window"] == per_rank * dp_before
+    for loader in loaders(dp_after):
+        loader.load_state_dict(state)
+        assert loader.resume_shift == done * dp_before // dp_after - done
+        seen += [i for batch in loader for i in batch[0].tolist()]
+    assert sorted(seen) == list(range(96))
