@@ -1,10 +1,12 @@
-"""A small elastic training job for real TorchElastic tests: ``torchrun --nnodes=MIN:MAX ... elastic_job.py OUT_DIR``.
+"""Elastic training demo: ``torchrun --nnodes=1:2 --rdzv-backend=c10d ... examples/elastic.py OUT_DIR``.
 
-Trains the tiny DeepSeek-style model with ``strategy="ciuic"`` (data parallel over every rank),
-``SnapshotRecovery`` and ``ElasticResourceManager``; each step is paced (``--step-seconds``) so a test can act in
-the middle of the run. Every rank appends one JSON line per optimizer step to ``OUT_DIR/progress.jsonl`` (time,
-step, world size, restart attempt); at the end rank 0 writes ``OUT_DIR/final.json`` with the loss on a fixed
-held-out batch.
+Trains a small DeepSeek-style model on the shipped corpus with ``strategy="ciuic"`` (data parallel over every
+rank), ``SnapshotRecovery`` and ``ElasticResourceManager`` (global batch 8 kept whatever the number of nodes).
+Each step can be paced (``--step-seconds``) to leave time to stop and start nodes by hand. Every rank appends one
+JSON line per optimizer step to ``OUT_DIR/progress.jsonl`` (time, step, world size, restart attempt,
+accumulation); at the end rank 0 writes ``OUT_DIR/final.json`` with the loss on a fixed held-out batch. Scale
+decisions go to ``OUT_DIR/decisions.jsonl``. See docs/elastic.md for the two-terminal walk-through; the elastic
+test and ``benchmarks/elastic.py`` run it.
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
+from examples.data import ByteCorpusDataModule
 from examples.deepseek import DeepSeekMini
 from lightning_ciuic.callbacks.elastic import ElasticResourceManager
 from lightning_ciuic.callbacks.recovery import SnapshotRecovery
-from tests.helpers import TINY_MODEL, TokenWindows, loader
+
+CORPUS = Path(__file__).resolve().parent / "data" / "kjv_pentateuch.txt"
+TINY = dict(dim=32, n_layers=2, n_heads=2, kv_lora_rank=8, n_routed_experts=3, n_shared_experts=1,
+            n_activated_experts=2, moe_inter_dim=16, dense_inter_dim=32, max_seq_len=32, lr=1e-2, weight_decay=0.0)
 
 
 class Progress(Callback):
@@ -62,14 +68,15 @@ def main() -> None:
         accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
         num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)), strategy="ciuic", max_steps=args.steps,
         callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_model_summary=False, limit_val_batches=0,
     )
-    model = DeepSeekMini(**TINY_MODEL)
-    trainer.fit(model, loader(8 * 200, 4))  # per-rank batch 4, global batch 8: accumulation 2 on one rank
+    model = DeepSeekMini(**TINY)
+    data = ByteCorpusDataModule(CORPUS, seq_len=32, batch_size=4)  # per-rank batch 4: accumulation 2 on one rank
+    trainer.fit(model, data)
     if trainer.global_rank == 0:
-        held_out = TokenWindows(64, seed=123)
+        held_out = next(iter(data.val_dataloader()))
         with torch.no_grad():
-            loss = float(model._loss((held_out.data[:, :-1], held_out.data[:, 1:])))
+            loss = float(model._loss(held_out))
         (args.out / "final.json").write_text(json.dumps({"loss": loss, "world": trainer.world_size, "step": trainer.global_step}))
 
 
