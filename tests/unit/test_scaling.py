@@ -55,3 +55,33 @@ def test_prediction_is_anchored_to_the_measured_step_time():
     a = decide(_window(speeds), _measured_step(speeds, sync), sync, G, 0.15, 2, 8)
     b = decide(_window(speeds), slower, sync, G, 0.15, 2, 8)
     assert a.predicted_gain == pytest.approx(b.predicted_gain)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_nodes": 3, "max_nodes": 2}, "min_nodes=3 > max_nodes=2; use min_nodes <= max_nodes"),
+        ({"min_nodes": 0}, "min_nodes must be an integer >= 1, got 0"),
+        ({"scaling_threshold": 0}, "scaling_threshold must be > 0"),
+        ({"scaling_threshold": -0.1}, "scaling_threshold must be > 0"),
+        ({"monitoring_interval": 0}, "monitoring_interval must be > 0 seconds"),
+        ({"scaling_strategy": "greedy"}, "scaling_strategy='greedy' is not one of 'performance_aware'"),
+        ({"global_batch_size": 0}, "global_batch_size must be >= 1 or None"),
+    ],
+)
+def test_elastic_manager_refuses_bad_arguments(kwargs, message):
+    from lightning_ciuic import ElasticResourceManager
+
+    with pytest.raises(ValueError, match=message):
+        ElasticResourceManager(**kwargs)
+
+
+def test_elastic_manager_needs_snapshot_recovery():
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_ciuic import ElasticResourceManager
+
+    trainer = Trainer(max_steps=1, callbacks=[ElasticResourceManager(min_nodes=1)], logger=False, enable_progress_bar=False)
+    with pytest.raises(ValueError, match="add SnapshotRecovery"):
+        trainer.fit(BoringModel())
