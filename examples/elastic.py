@@ -59,10 +59,10 @@ def main() -> None:
     torch.set_num_threads(1)
     seed_everything(0)
     callbacks = [
+        Progress(args.out / "progress.jsonl", args.step_seconds),  # first: a step that ends in a preemption is recorded
         SnapshotRecovery(snapshot_freq=args.snapshot_freq, store="shm"),
         ElasticResourceManager(monitoring_interval=2.0, min_nodes=1, max_nodes=2, global_batch_size=8,
                                decisions_file=str(args.out / "decisions.jsonl")),
-        Progress(args.out / "progress.jsonl", args.step_seconds),
     ]
     trainer = Trainer(
         accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),

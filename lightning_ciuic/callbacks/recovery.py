@@ -118,7 +118,7 @@ class SnapshotRecovery(Callback):
 
     Args:
         snapshot_freq: optimizer steps between snapshots.
-        state_compression: ``"zstd"`` or ``"none"``.
+        state_compression: ``"none"`` or ``"zstd"`` (fp32 state shrinks by ~8%, and a restore takes ~4x longer).
         max_snapshots: snapshots kept per rank.
         recovery_strategy: ``"latest"`` or ``"min_loss"``.
         store: ``"memory"``, ``"shm"`` or ``"peer"``.
@@ -133,7 +133,7 @@ class SnapshotRecovery(Callback):
     def __init__(
         self,
         snapshot_freq: int = 500,
-        state_compression: StateCompression = "zstd",
+        state_compression: StateCompression = "none",
         max_snapshots: int = 3,
         recovery_strategy: RecoveryStrategy = "latest",
         store: SnapshotStoreKind = "shm",

@@ -32,6 +32,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import mmap
 import os
 import pickle
 import shutil
@@ -274,15 +275,16 @@ class ShmStore(MemoryStore):
                 continue
         return found
 
-    def get(self, step: int) -> bytearray:
-        path = self._path(step)
+    def get(self, step: int) -> memoryview:
+        """The file mapped copy-on-write: no read copy (its pages are already in memory), and writes to decoded
+        tensors stay private to this process."""
         try:
-            with open(path, "rb") as file:
-                blob = bytearray(os.fstat(file.fileno()).st_size)
-                file.readinto(blob)
+            with open(self._path(step), "rb") as file:
+                if os.fstat(file.fileno()).st_size == 0:
+                    return memoryview(bytearray())
+                return memoryview(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY))
         except FileNotFoundError as error:
             raise KeyError(step) from error
-        return blob
 
     def drop(self, step: int) -> None:
         self._path(step).unlink(missing_ok=True)
