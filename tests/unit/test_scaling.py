@@ -85,3 +85,34 @@ def test_elastic_manager_needs_snapshot_recovery():
     trainer = Trainer(max_steps=1, callbacks=[ElasticResourceManager(min_nodes=1)], logger=False, enable_progress_bar=False)
     with pytest.raises(ValueError, match="add SnapshotRecovery"):
         trainer.fit(BoringModel())
+
+
+def _stub_trainer(per_rank: int, dp: int, accumulate: int = 1, lr: float = 0.1):
+    from types import SimpleNamespace
+
+    import torch
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    return SimpleNamespace(
+        train_dataloader=SimpleNamespace(batch_size=per_rank),
+        strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": dp}),
+        accumulate_grad_batches=accumulate, optimizers=[optimizer], lr_scheduler_configs=[],
+    )
+
+
+def test_global_batch_is_kept_through_accumulation_and_the_lr_follows_when_it_cannot_be():
+    from lightning_ciuic import ElasticResourceManager
+
+    manager = ElasticResourceManager(min_nodes=1)
+    first = _stub_trainer(per_rank=4, dp=4)  # the first run fixes the global batch: 16
+    manager._keep_global_batch(first)
+    assert manager.global_batch_size == 16 and first.accumulate_grad_batches == 1
+    fewer = _stub_trainer(per_rank=4, dp=2)  # a node left: two micro-batches per step
+    manager._keep_global_batch(fewer)
+    assert fewer.accumulate_grad_batches == 2 and fewer.optimizers[0].param_groups[0]["lr"] == 0.1
+    odd = _stub_trainer(per_rank=4, dp=3)  # 16 / 12 is not whole: 1 micro-batch, global 12, lr x 12/16
+    manager._keep_global_batch(odd)
+    assert odd.accumulate_grad_batches == 1 and odd.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.075)
+    back = _stub_trainer(per_rank=4, dp=4, lr=0.075)  # whole again: the scaling is undone
+    manager._keep_global_batch(back)
+    assert back.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1) and manager.lr_scale == 1.0
