@@ -105,6 +105,9 @@ def job(args: argparse.Namespace) -> None:
         compression = "zstd" if args.method == "snapshot_zstd" else "none"
         moments.snapshots = SnapshotRecovery(snapshot_freq=args.every, store="shm", run_id=args.run_id, state_compression=compression)
         callbacks.append(moments.snapshots)  # after Moments: its on_fit_start moment precedes the restore
+    elif args.method == "snapshot_checked":  # the gradient check catches a NaN gradient in its own step
+        moments.snapshots = SnapshotRecovery(snapshot_freq=args.every, store="shm", run_id=args.run_id, check_gradients=True)
+        callbacks.append(moments.snapshots)
     elif args.method == "health":
         moments.snapshots = SnapshotRecovery(snapshot_freq=10**9, store="memory")
         callbacks.append(moments.snapshots)
@@ -180,19 +183,21 @@ def main() -> None:
         return
 
     timelines: dict[str, list[dict[str, float]]] = {"snapshot": [], "snapshot_zstd": [], "checkpoint": []}
-    rollbacks, costs = [], {"none": [], "health": [], "snapshot": []}
+    rollbacks: dict[str, list[dict[str, float]]] = {"snapshot": [], "snapshot_checked": []}
+    costs: dict[str, list[float]] = {"none": [], "health": [], "snapshot": []}
     snapshot_seconds = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             for method in timelines:  # interleaved: the machine's drift hits all alike
                 records, fault_at = run(args, method, "kill", args.steps, f"{tmp}/{method}-{round_}")
                 timelines[method].append(restart_timeline(records, fault_at, args.fault_step))
-            records, fault_at = run(args, "snapshot", "nan", args.steps, f"{tmp}/nan-{round_}")
-            (record,) = records
-            # The poisoned update shows in the next step's loss; the rollback sets the step back to the snapshot's.
-            snapshot_step = (args.fault_step - 1) // args.every * args.every
-            after = next(t for step, t in record["step_ends"] if t > fault_at and step == snapshot_step + 1)
-            rollbacks.append({"restore": record["rollback_seconds"][0], "to_next_step": after - fault_at})
+            for method in rollbacks:
+                records, fault_at = run(args, method, "nan", args.steps, f"{tmp}/nan-{method}-{round_}")
+                (record,) = records
+                # Rolled back to the snapshot's step: the first step after it is the first new one.
+                snapshot_step = (args.fault_step - 1) // args.every * args.every
+                after = next(t for step, t in record["step_ends"] if t > fault_at and step == snapshot_step + 1)
+                rollbacks[method].append({"restore": record["rollback_seconds"][0], "to_next_step": after - fault_at})
             for method in costs:
                 (record,) = run(args, method, "none", args.cost_steps, f"{tmp}/cost-{method}-{round_}")[0]
                 costs[method].append(statistics.median(record["periods"][2:]))
@@ -208,7 +213,9 @@ def main() -> None:
     ratio_caught_up = mean(snap, "to_caught_up") / mean(ckpt, "to_caught_up")
     restore_ratio = mean(snap, "restore") / mean(ckpt, "restore")
     restore_ratio_zstd = mean(zstd, "restore") / mean(ckpt, "restore")
-    in_process = statistics.fmean(r["to_next_step"] for r in rollbacks)
+    in_process = {m: statistics.fmean(r["to_next_step"] for r in rows) for m, rows in rollbacks.items()}
+    in_process_restore = {m: statistics.fmean(r["restore"] for r in rows) for m, rows in rollbacks.items()}
+    restart_s = mean(ckpt, "to_first_step")
     step_none = statistics.fmean(costs["none"])
     health = statistics.fmean(costs["health"]) / step_none - 1
     per_snapshot = statistics.fmean(snapshot_seconds)
@@ -247,7 +254,8 @@ Restart after `kill -9` of rank 1 in step {args.fault_step}:
 | restart recovery, fault -> first new step: snapshot / checkpoint | **{ratio:.0%}** ({ratio_zstd:.0%} with zstd) (target <= 20%; seed: an 80% cut) |
 | the restore alone: snapshot / checkpoint | {restore_ratio:.0%} ({restore_ratio_zstd:.0%} with zstd) |
 | the same, up to the failed step again | {ratio_caught_up:.0%} |
-| in-process rollback after a NaN gradient (caught by the next step's loss), fault -> end of the first step after the rollback (no restart) | **{in_process:.2f} s**, {in_process / mean(ckpt, 'to_first_step'):.1%} of the checkpoint restart; the restore itself {statistics.fmean(r['restore'] for r in rollbacks):.2f} s |
+| in-process rollback after a NaN gradient, `check_gradients=True` (caught in its own step), fault -> end of the first step after the rollback (no restart) | **{in_process['snapshot_checked']:.2f} s: {in_process['snapshot_checked'] / restart_s:.0%}** of the checkpoint restart; the restore itself {in_process_restore['snapshot_checked']:.2f} s |
+| the same with the default `check_gradients=False` (caught by the next step's NaN loss: one more step is spent) | {in_process['snapshot']:.2f} s: {in_process['snapshot'] / restart_s:.0%}; the restore itself {in_process_restore['snapshot']:.2f} s |
 | steps lost | {args.fault_step - 1 - (args.fault_step - 1) // args.every * args.every} of at most `snapshot_freq` = {args.every} (both methods, same interval) |
 | snapshot cost: per-step health check (loss finite, spike rule; one all-reduce of four numbers) | {health:+.1%} of step time |
 | snapshot cost: one snapshot ({args.every}-step interval, median step {step_none:.2f} s) | {per_snapshot:.2f} s; with a snapshot every {args.every} steps, step time {cost_every:+.1%} |
