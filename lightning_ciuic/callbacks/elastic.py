@@ -99,6 +99,8 @@ class ElasticResourceManager(Callback):
         self._previous_handler: Any = None
         self._last_decision = 0.0
         self._cursor = 0
+        self._nodes = 1
+        self._failed = False
         self._group: Optional[dist.ProcessGroup] = None
 
     @property
@@ -240,6 +242,10 @@ class ElasticResourceManager(Callback):
 
     # -- teardown and state ------------------------------------------------------------------------------
     @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._failed = True
+
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -247,6 +253,8 @@ class ElasticResourceManager(Callback):
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None
         if self._group is not None:
+            if not self._failed:  # after a failure a peer may be gone: a barrier could wait for it forever
+                dist.barrier(group=self._group)
             dist.destroy_process_group(self._group)
             self._group = None
         Telemetry.release(trainer)

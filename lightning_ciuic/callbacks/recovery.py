@@ -102,14 +102,14 @@ _MIN_SPIKE_HISTORY = 10
 
 @dataclass
 class RecoveryEvent:
-    """One rollback: the bad step, why, the snapshot step it went back to and the batches it skipped."""
+    """One rollback: the bad step, why, the snapshot step it went back to and the steps it undid."""
 
     step: int
     epoch: int
     batch_idx: int
     reason: str
     restored_step: int
-    skipped_batches: int
+    skipped_steps: int  # optimizer steps undone, the bad one included
     seconds: float
 
 
@@ -422,7 +422,10 @@ class SnapshotRecovery(Callback):
                 f" without a new snapshot; stopping instead of looping. Lower the learning rate, check the data near"
                 f" batch {batch_idx} of epoch {trainer.current_epoch}, or raise max_rollbacks."
             )
-        headers = self.store.headers()
+        headers = {  # this rank's own snapshots of this layout (not ones kept from before an elastic change)
+            s: h for s, h in self.store.headers().items()
+            if h.get("world_size") == trainer.world_size and h.get("rank") == trainer.global_rank
+        }
         agreed = set.intersection(*(set(table) for table in self._gather(set(headers))))
         for candidate in recovery_order({s: headers[s].get("loss") for s in agreed}, self.recovery_strategy):
             state = self._decode_agreed(self.store.get(candidate), f"snapshot of rank {trainer.global_rank} at step {candidate}")
@@ -434,7 +437,7 @@ class SnapshotRecovery(Callback):
             self.events.append(event)
             rank_zero_warn(
                 f"SnapshotRecovery: step {step} ({reason}): rolled back to step {candidate}; skipped batch {batch_idx}"
-                f" of epoch {event.epoch} and the {event.skipped_batches - 1} optimizer steps before it."
+                f" of epoch {event.epoch} and the {event.skipped_steps - 1} optimizer steps before it."
             )
             pl_module.log("recovery/rollbacks", float(len(self.events)), on_step=True, on_epoch=False, rank_zero_only=True)
             return
