@@ -28,6 +28,11 @@ bench: setup
 	$(PY) benchmarks/lr_schedule.py
 	$(PY) benchmarks/sync_failures.py
 	$(PY) benchmarks/compression.py
+	$(PY) benchmarks/data_balance.py --steps 60 --settle 25 --rounds 3
+	$(PY) benchmarks/monitor.py --steps 25 --rounds 3 --batch 4 --overhead-steps 80
+	$(PY) benchmarks/checkpoint.py --steps 90 --every 30
+	$(PY) benchmarks/recovery.py --model xl --rounds 2
+	$(PY) benchmarks/elastic.py --rounds 2
 
 clean:
 	rm -rf $(VENV) lightning_logs demo_logs .pytest_cache
