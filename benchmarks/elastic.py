@@ -70,9 +70,18 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _is_reaper(pid: int) -> bool:
+    try:
+        return b"lightning-ciuic-snapshot-reaper" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def lose_node(process: subprocess.Popen) -> None:
-    """SIGKILL an agent and every process under it (TorchElastic's workers run in sessions of their own)."""
-    for pid in [process.pid, *_descendants(process.pid)]:
+    """SIGKILL an agent and every process under it (TorchElastic's workers run in sessions of their own). The
+    snapshot reapers are spared: on one machine they stand for the lost node's memory going with it (they delete the
+    node's snapshots once its agent is gone)."""
+    for pid in [process.pid, *(p for p in _descendants(process.pid) if not _is_reaper(p))]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -106,6 +115,7 @@ def run_scenario(workdir: Path, steps: int = 60, step_seconds: float = 0.2, kill
     if reference.wait(timeout=600) != 0:
         raise RuntimeError(f"reference run failed:\n{logs(reference_dir)}")
 
+    shm_before = set(Path("/dev/shm").glob("lightning_ciuic-ciuic-elastic-*"))
     port = free_port()
     first = agent(out, port, steps, step_seconds)
     time.sleep(1.0)  # the first agent hosts the rendezvous store: it is the one that stays
@@ -130,6 +140,13 @@ def run_scenario(workdir: Path, steps: int = 60, step_seconds: float = 0.2, kill
         for process in (first, second):
             if process.poll() is None:
                 lose_node(process)
+    leftover: list[Path] = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # every agent has exited: their reapers release the shared memory
+        leftover = sorted(set(Path("/dev/shm").glob("lightning_ciuic-ciuic-elastic-*")) - shm_before)
+        if not leftover:
+            break
+        time.sleep(0.2)
     final = json.loads((out / "final.json").read_text())
     expected = json.loads((reference_dir / "final.json").read_text())
     return {
@@ -142,6 +159,7 @@ def run_scenario(workdir: Path, steps: int = 60, step_seconds: float = 0.2, kill
         "reference": expected,
         "loss_difference": abs(final["loss"] - expected["loss"]) / expected["loss"],
         "decisions": [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()],
+        "shared_memory_left": [str(p) for p in leftover],
     }
 
 

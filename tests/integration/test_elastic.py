@@ -16,3 +16,4 @@ def test_losing_a_node_continues_on_one_and_a_rejoining_node_brings_the_run_back
     assert result["final"]["step"] == 60 and result["final"]["world"] == 2
     assert result["loss_difference"] <= 0.02, result
     assert result["decisions"] and all(d["action"] in ("scale_up", "scale_down", "hold") for d in result["decisions"])
+    assert result["shared_memory_left"] == [], result["shared_memory_left"]
