@@ -39,8 +39,7 @@ Contract:
 * Logged: ``recovery/rollbacks`` and ``recovery/snapshot_step``; :attr:`snapshot_seconds` sums the time spent
   taking snapshots on this rank.
 
-The one private Lightning attribute touched is the epoch loop's ``_batches_that_stepped`` (the logging step), set
-back with ``global_step`` on a rollback.
+What a snapshot holds and how it goes back into the Trainer: :mod:`lightning_ciuic.callbacks.trainer_state`.
 """
 
 from __future__ import annotations
@@ -78,19 +77,11 @@ from lightning_ciuic.checkpoint.snapshot import (
     decode_snapshot,
     encode_snapshot,
     exchange,
-    peer_of,
     plan_restores,
     recovery_order,
     transfer,
 )
-from lightning_ciuic.checkpoint.training_state import (
-    capture_module,
-    capture_optimizer,
-    restore_module,
-    restore_optimizer,
-    rng_state,
-    set_rng_state,
-)
+from lightning_ciuic.callbacks.trainer_state import apply_lightning_checkpoint, apply_training_state, capture_training_state
 from lightning_ciuic.parallel.resume import positioned
 
 RecoveryStrategy = Literal["latest", "min_loss"]
@@ -196,11 +187,6 @@ class SnapshotRecovery(Callback):
         owner = int(trainer.strategy.broadcast(os.getpid()))
         return owner, self.run_id or f"local-{owner}"
 
-    @staticmethod
-    def _peer(trainer: Trainer, rank: int) -> int:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", trainer.num_devices))
-        return peer_of(rank, trainer.world_size, local_world)
-
     def _positioned(self, trainer: Trainer, loader: Any) -> Any:
         if not isinstance(loader, DataLoader) or loader.batch_sampler is None:
             rank_zero_warn("SnapshotRecovery: the training loader has no batch sampler; a resume restarts its epoch.")
@@ -282,7 +268,8 @@ class SnapshotRecovery(Callback):
             state = self._decode_agreed(blob, f"snapshot of rank {mine_source.rank} at step {plan.step}")
             if state is None:
                 continue
-            self._apply(trainer, pl_module, state, rewind_only=False, rank_state=not plan.resharded)
+            apply_training_state(trainer, pl_module, state, rewind_only=False, rank_state=not plan.resharded, skip=self)
+            self._last_step = trainer.global_step
             origin = "a peer's copy" if any(s.where == "replica" for s in plan.sources) else "this node's memory"
             if moves and origin != "a peer's copy":
                 origin = "another rank's memory"
@@ -303,7 +290,7 @@ class SnapshotRecovery(Callback):
             if isinstance(callback, AsyncCheckpointer):
                 last = callback.latest_checkpoint()
                 if last is not None:
-                    _restore_lightning_checkpoint(trainer, trainer.strategy.load_checkpoint(last))
+                    apply_lightning_checkpoint(trainer, trainer.strategy.load_checkpoint(last))
                     return f"checkpoint {last}"
         return None
 
@@ -369,7 +356,7 @@ class SnapshotRecovery(Callback):
                 "step": step, "loss": loss, "epoch": trainer.current_epoch, "rank": trainer.global_rank,
                 "world_size": trainer.world_size, "pp": pp, "tp": tp,
             }
-            state = self._capture(trainer, pl_module)
+            state = capture_training_state(trainer, pl_module, skip=self)
             try:
                 if self.replicas is None:
                     self.store.save(step, state, meta, self.state_compression)
@@ -392,7 +379,8 @@ class SnapshotRecovery(Callback):
             rank_zero_warn(f"SnapshotRecovery: no step-{step} snapshot ({problem or 'a problem on another rank'}); kept the older ones.")
         self.snapshot_seconds += time.perf_counter() - started
 
-    def _local_world(self, trainer: Trainer) -> int:
+    @staticmethod
+    def _local_world(trainer: Trainer) -> int:
         return int(os.environ.get("LOCAL_WORLD_SIZE", trainer.num_devices))
 
     def _prune(self) -> None:
@@ -400,18 +388,6 @@ class SnapshotRecovery(Callback):
             if store is not None:
                 for step in sorted(store.headers())[: -self.max_snapshots]:
                     store.drop(step)
-
-    def _capture(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
-        compression = getattr(trainer.strategy, "compression", None)
-        return {
-            "module": capture_module(pl_module, copy=False),  # serialized right away, before the next step
-            "optimizers": [capture_optimizer(o, copy=False) for o in trainer.optimizers],
-            "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
-            "loops": trainer.fit_loop.state_dict(),
-            "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb is not self},
-            "compression": compression.state_dict() if compression is not None else None,
-            "rng": rng_state(),
-        }
 
     def _rollback(self, trainer: Trainer, pl_module: LightningModule, reason: str, batch_idx: int) -> None:
         assert self.store is not None
@@ -431,7 +407,8 @@ class SnapshotRecovery(Callback):
             state = self._decode_agreed(self.store.get(candidate), f"snapshot of rank {trainer.global_rank} at step {candidate}")
             if state is None:
                 continue
-            self._apply(trainer, pl_module, state, rewind_only=True)
+            apply_training_state(trainer, pl_module, state, rewind_only=True, skip=self)
+            self._last_step = trainer.global_step
             self._rollbacks_since_snapshot += 1
             event = RecoveryEvent(step, trainer.current_epoch, batch_idx, reason, candidate, step - candidate, time.perf_counter() - started)
             self.events.append(event)
@@ -442,28 +419,6 @@ class SnapshotRecovery(Callback):
             pl_module.log("recovery/rollbacks", float(len(self.events)), on_step=True, on_epoch=False, rank_zero_only=True)
             return
         raise RuntimeError(f"SnapshotRecovery: step {step} is bad ({reason}) and no snapshot can be loaded on every rank.")
-
-    def _apply(self, trainer: Trainer, pl_module: LightningModule, state: dict[str, Any], rewind_only: bool, rank_state: bool = True) -> None:
-        """Write a captured state back. ``rewind_only``: an in-process rollback, where the loops keep their data
-        position and only the step counters go back; otherwise (a restart) the whole loop state is restored.
-        ``rank_state=False``: the state is another rank's (a data-parallel replica), so this rank's own
-        compression residuals start from zero."""
-        restore_module(pl_module, state["module"])
-        for optimizer, captured in zip(trainer.optimizers, state["optimizers"]):
-            restore_optimizer(optimizer, captured)
-        for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["lr_schedulers"]):
-            config.scheduler.load_state_dict(scheduler_state)
-        compression = getattr(trainer.strategy, "compression", None)
-        if compression is not None and state["compression"] is not None and rank_state:
-            compression.load_state_dict(state["compression"])
-        set_rng_state(state["rng"])
-        if rewind_only:
-            _rewind_step_counters(trainer, state["loops"])
-            self._last_step = trainer.global_step
-            return
-        trainer.fit_loop.load_state_dict(state["loops"])
-        _load_callback_states(trainer, state["callbacks"], skip=self)
-        self._last_step = trainer.global_step
 
     # -- agreement between ranks ----------------------------------------------------------------------
     def _gather(self, value: Any) -> list[Any]:
@@ -534,33 +489,3 @@ def _restart_expected() -> bool:
     """Whether TorchElastic will restart this worker after a failure (restarts left)."""
     restarts, limit = os.environ.get("TORCHELASTIC_RESTART_COUNT"), os.environ.get("TORCHELASTIC_MAX_RESTARTS")
     return restarts is not None and limit is not None and int(restarts) < int(limit)
-
-
-def _rewind_step_counters(trainer: Trainer, loops: dict[str, Any]) -> None:
-    epoch_loop = trainer.fit_loop.epoch_loop
-    automatic = loops["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"]
-    epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.load_state_dict(automatic)
-    manual = loops["epoch_loop.manual_optimization.optim_step_progress"]["total"]
-    epoch_loop.manual_optimization.optim_step_progress.total.load_state_dict(manual)
-    epoch_loop._batches_that_stepped = loops["epoch_loop.state_dict"]["_batches_that_stepped"]
-
-
-def _load_callback_states(trainer: Trainer, states: dict[str, Any], skip: Callback) -> None:
-    for callback in trainer.callbacks:
-        if callback is not skip and callback.state_key in states:
-            callback.load_state_dict(states[callback.state_key])
-
-
-def _restore_lightning_checkpoint(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
-    """Apply a Lightning checkpoint read by ``strategy.load_checkpoint`` the way ``fit(ckpt_path=...)`` does:
-    weights, optimizers, schedulers, loops and callbacks."""
-    strategy = trainer.strategy
-    if "state_dict" in checkpoint:
-        strategy.load_model_state_dict(checkpoint, strict=True)
-    if "optimizer_states" in checkpoint:
-        strategy.load_optimizer_state_dict(checkpoint)
-    for config, scheduler_state in zip(trainer.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
-        config.scheduler.load_state_dict(scheduler_state)
-    if "loops" in checkpoint:
-        trainer.fit_loop.load_state_dict(checkpoint["loops"]["fit_loop"])
-    _load_callback_states(trainer, checkpoint.get("callbacks", {}), skip=None)
