@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import platform
+import socket
 import statistics
 import time
 from pathlib import Path
@@ -48,6 +49,12 @@ class StepTimer(Callback):
         if trainer.is_global_zero:
             loss = trainer.callback_metrics.get("train/loss")
             Path(self.path).write_text(json.dumps({"times": self.times, "loss": None if loss is None else float(loss)}))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def median_after_warmup(times: list[float], warmup: int) -> float:

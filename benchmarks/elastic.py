@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,14 +29,10 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.common import free_port, machine, write_section  # noqa: E402
+
 JOB = ROOT / "examples" / "elastic.py"
 RDZV_CONF = "join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def agent(out: Path, port: int, steps: int, step_seconds: float, nnodes: str = "1:2", nproc: int = 1) -> subprocess.Popen:
@@ -164,8 +159,6 @@ def run_scenario(workdir: Path, steps: int = 60, step_seconds: float = 0.2, kill
 
 
 def main() -> None:
-    from benchmarks.common import machine, write_section
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--step-seconds", type=float, default=0.2)

@@ -30,7 +30,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -45,7 +44,7 @@ import torch  # noqa: E402
 from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from benchmarks.common import MODELS, describe, machine, write_section  # noqa: E402
+from benchmarks.common import MODELS, describe, free_port, machine, write_section  # noqa: E402
 from examples.data import ByteCorpusDataModule  # noqa: E402
 from examples.deepseek import DeepSeekMini  # noqa: E402
 from lightning_ciuic import HybridParallelStrategy  # noqa: E402
@@ -127,17 +126,11 @@ def job(args: argparse.Namespace) -> None:
     trainer.fit(DeepSeekMini(**MODELS[args.model]), data, ckpt_path=ckpt_path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args: argparse.Namespace, method: str, fault: str, steps: int, directory: str) -> tuple[list[dict], float | None]:
     """Launch a job; return rank 0's moment records (one per attempt that finished) and the fault time."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", __file__, "--job",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", __file__, "--job",
         "--method", method, "--fault", fault, "--steps", str(steps), "--every", str(args.every),
         "--fault-step", str(args.fault_step), "--model", args.model, "--dir", directory,
         "--run-id", f"bench-{os.getpid()}-{time.time_ns()}",
