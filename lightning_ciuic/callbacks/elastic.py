@@ -41,6 +41,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_ciuic.comm.groups import close_group
 from lightning_ciuic.callbacks.recovery import SnapshotRecovery
 from lightning_ciuic.parallel.scaling import NodeWindow, ScaleDecision, decide
 from lightning_ciuic.telemetry import Telemetry, gather_per_rank
@@ -252,11 +253,8 @@ class ElasticResourceManager(Callback):
         if self._previous_handler is not None:
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None
-        if self._group is not None:
-            if not self._failed:  # after a failure a peer may be gone: a barrier could wait for it forever
-                dist.barrier(group=self._group)
-            dist.destroy_process_group(self._group)
-            self._group = None
+        close_group(self._group, together=not self._failed)
+        self._group = None
         Telemetry.release(trainer)
 
     @override

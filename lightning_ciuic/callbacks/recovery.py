@@ -64,6 +64,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_ciuic.comm.groups import close_group
 from lightning_ciuic.callbacks.train_loader import add_train_loader_transform, remove_train_loader_transform
 from lightning_ciuic.checkpoint.snapshot import (
     COMPRESSIONS,
@@ -211,11 +212,8 @@ class SnapshotRecovery(Callback):
         if stage != "fit":
             return
         remove_train_loader_transform(trainer, self._positioned)
-        if self._group is not None:
-            if not self._failed:  # after a failure a peer may be gone: a barrier could wait for it forever
-                dist.barrier(group=self._group)
-            dist.destroy_process_group(self._group)
-            self._group = None
+        close_group(self._group, together=not self._failed)
+        self._group = None
 
     def _release(self) -> None:
         for store in (self.store, self.replicas):

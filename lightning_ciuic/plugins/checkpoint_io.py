@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_ciuic.comm.groups import close_group
 from lightning_ciuic.checkpoint.dcp import ChunkedReader, ChunkedWriter, load_full, save_full
 from lightning_ciuic.checkpoint.incremental import LATEST, MANIFEST, CheckpointCatalog, ChunkStore, CorruptCheckpointError
 from lightning_ciuic.checkpoint.storage import Storage
@@ -241,7 +242,5 @@ class ChunkedCheckpointIO(CheckpointIO):
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
-            if self._group is not None and dist.is_initialized():
-                dist.barrier(group=self._group)
-                dist.destroy_process_group(self._group)
+            close_group(self._group)
             self._group = None
