@@ -38,7 +38,7 @@ def train(peak_lr: float, steps: int, schedule: bool) -> tuple[list[float], floa
     batches = iter(torch.utils.data.DataLoader(data.train_set, batch_size=16, shuffle=True, drop_last=True))
     losses = []
     for _ in range(steps):
-        loss = module._loss(next(batches))
+        loss = module.pipelined_loss(next(batches))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
         optimizer.step()
@@ -47,7 +47,7 @@ def train(peak_lr: float, steps: int, schedule: bool) -> tuple[list[float], floa
             scheduler.step()
         losses.append(loss.item())
     with torch.no_grad():
-        val = [module._loss(b).item() for _, b in zip(range(16), data.val_dataloader())]
+        val = [module.pipelined_loss(b).item() for _, b in zip(range(16), data.val_dataloader())]
     return losses, sum(val) / len(val)
 
 

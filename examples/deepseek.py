@@ -9,7 +9,11 @@ Architecture (after DeepSeek-V2/V3, scaled down to about a million parameters):
   The first ``n_dense_layers`` blocks use a dense SwiGLU feed-forward instead.
 * Byte-level tokens (vocabulary 256), RMSNorm, rotary position embeddings.
 
-Tensor parallelism: :meth:`DeepSeekMini.tensor_parallel_plan` shards attention heads (query and latent
+Pipeline parallelism: the model is a sequence of blocks (embedding, decoder layers, norm, head), each taking
+one tensor; :class:`DeepSeekMini` names them in ``pipeline_blocks()`` (the ``PipelineModule`` protocol), so
+``HybridParallelStrategy(pipeline_parallel_size=...)`` can cut it into stages.
+
+Tensor parallelism: :meth:`DeepSeekTransformer.tensor_parallel_plan` shards attention heads (query and latent
 up-projections column-wise, output row-wise) and every expert (gate/up column-wise, down row-wise); the
 router, norms and embeddings stay replicated. Every expert runs on every step (on zero tokens if none
 are routed to it) so all ranks run the same collectives and every parameter receives a gradient.
@@ -26,7 +30,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from lightning_ciuic import apply_tensor_parallel
+from lightning_ciuic import PipelineModule, apply_tensor_parallel
 from lightning_ciuic.parallel.tensor import sum_grad_over
 
 
@@ -83,10 +87,14 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_norm = RMSNorm(cfg.kv_lora_rank)
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, cfg.n_heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.v_dim, cfg.dim, bias=False)
+        cos, sin = rotary_tables(cfg.qk_rope_head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
         self.tp_mesh = None  # set when tensor parallelism is applied
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
+        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
         q = self.wq(x).view(b, s, -1, self.nope + self.rope)  # local heads under tensor parallelism
         heads = q.size(2)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
@@ -140,8 +148,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim)
         self.ffn = SwiGLU(cfg.dim, cfg.dense_inter_dim) if layer < cfg.n_dense_layers else MixtureOfExperts(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -153,17 +161,16 @@ class DeepSeekTransformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rotary_tables(cfg.qk_rope_head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        seq = tokens.size(1)
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         x = self.embed(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x)
         return self.head(self.norm(x))
+
+    def block_names(self) -> list[str]:
+        """The blocks that, applied in order, are :meth:`forward`."""
+        return ["embed", *(f"layers.{i}" for i in range(len(self.layers))), "norm", "head"]
 
     def tensor_parallel_plan(self) -> dict:
         plan = {}
@@ -182,10 +189,11 @@ class DeepSeekTransformer(nn.Module):
         return plan
 
 
-class DeepSeekMini(LightningModule):
+class DeepSeekMini(PipelineModule, LightningModule):
     """Next-byte language modelling with :class:`DeepSeekTransformer`; works with any strategy.
 
-    Under ``HybridParallelStrategy(tensor_parallel_size>1)`` it shards itself in ``configure_model``.
+    Under ``HybridParallelStrategy(tensor_parallel_size>1)`` it shards itself in ``configure_model``; under
+    ``pipeline_parallel_size>1`` the strategy cuts it into stages through ``pipeline_blocks()``.
     """
 
     def __init__(
@@ -232,13 +240,14 @@ class DeepSeekMini(LightningModule):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
 
-    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        inputs, targets = batch
-        logits = self(inputs)
+    def pipeline_blocks(self) -> list[str]:
+        return [f"model.{name}" for name in self.model.block_names()]
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
+        loss = self.pipelined_loss(batch)
         self.log("train/loss", loss, prog_bar=True)
         now = time.perf_counter()
         if self._last_step_time is not None:
@@ -249,7 +258,11 @@ class DeepSeekMini(LightningModule):
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("val/loss", self._loss(batch), prog_bar=True, sync_dist=True)
+        self.log("val/loss", self.pipelined_loss(batch), prog_bar=True, sync_dist=True)
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Next-byte predictions for the batch's inputs."""
+        return self.pipelined_forward(self.pipeline_inputs(batch)[0]).argmax(dim=-1)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(

@@ -76,7 +76,7 @@ def main() -> None:
     if trainer.global_rank == 0:
         held_out = next(iter(data.val_dataloader()))
         with torch.no_grad():
-            loss = float(model._loss(held_out))
+            loss = float(model.pipelined_loss(held_out))
         (args.out / "final.json").write_text(json.dumps({"loss": loss, "world": trainer.world_size, "step": trainer.global_step}))
 
 

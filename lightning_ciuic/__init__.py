@@ -20,6 +20,7 @@ from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO
 from lightning_ciuic.parallel.tensor import apply_tensor_parallel
 from lightning_ciuic.strategies.hybrid import HybridParallelStrategy
+from lightning_ciuic.strategies.pipelining import PipelineModule
 
 # Seed names (see docs/seed_guide.md): the seed's engine and optimizer wrapper are this strategy's arguments.
 HybridParallelEngine = HybridParallelStrategy
@@ -40,6 +41,7 @@ __all__ = [
     "HybridParallelStrategy",
     "NodePreempted",
     "ParallelDims",
+    "PipelineModule",
     "QuantumRecovery",
     "SnapshotRecovery",
     "WarmupCosineAnnealingLR",

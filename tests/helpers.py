@@ -77,6 +77,7 @@ def reference_training(
     lr_at: Callable[[int], float] | None = None,
     batches: list[int] | None = None,
     num_samples: int | None = None,
+    losses: list[float] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Single-process training: ``steps`` optimizer steps on the global batches a data-parallel run sees
     (optionally with the learning rate ``lr_at(step)``). ``batches``: which global batches of the epoch of
@@ -91,8 +92,10 @@ def reference_training(
         if lr_at is not None:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step)
-        loss = module._loss(batch)
+        loss = module.pipelined_loss(batch) if hasattr(module, "pipelined_loss") else module._loss(batch)
         loss.backward()
+        if losses is not None:
+            losses.append(loss.item())
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         optimizer.step()

@@ -13,6 +13,8 @@ Contract of ``GradientSynchronizer(parameters, group, ...)``:
   contributes zeros and still receives the average, so replicas never diverge. A collective that does
   not finish in time raises :class:`GradientSyncTimeoutError` naming the bucket, the axis and the timeout.
 * Inside ``no_sync()`` hooks do nothing: gradients accumulate locally (``accumulate_grad_batches``).
+  ``sync_accumulated()`` averages such locally accumulated gradients afterwards, without overlap (for
+  pipeline schedules, whose micro-batches each run a backward pass).
 * How a bucket is reduced is the one seam for compression: ``reducer(key, buffer, shapes, group)`` turns
   a flat buffer into an in-flight operation whose ``wait`` returns the bytes sent; the default is an exact
   mean (the backend's ``all_reduce`` SUM of the pre-divided buffer), the strategy passes
@@ -225,6 +227,17 @@ class GradientSynchronizer:
         self.stats.collectives += 1
         self.stats.bytes_reduced += bucket.buffer.numel() * bucket.buffer.element_size()
         self._next_bucket = bucket.index + 1
+
+    @torch.no_grad()
+    def sync_accumulated(self) -> None:
+        """Average the gradients accumulated inside ``no_sync()`` now (no-op while sync is disabled)."""
+        if not self._enabled or not self._handles:
+            return
+        for bucket in self.buckets:
+            for p in bucket.params:
+                if p.grad is not None:
+                    self._on_grad_ready(p)
+        self.finish()
 
     @torch.no_grad()
     def finish(self) -> None:

@@ -8,8 +8,9 @@ on every rank.
 Why not ``torch.nn.utils.clip_grad_norm_``: with tensor parallelism some gradients are DTensors (sharded
 over the ``tp`` axis) and some plain tensors (replicated); torch refuses to mix them in one call. Here a
 DTensor sharded on any mesh axis contributes the sum of its shards (one all-reduce over its mesh), a
-replicated DTensor or a plain tensor contributes once. Gradients are assumed already synchronized over
-the data-parallel axis (they are equal on every ``dp`` rank). Supports finite ``norm_type`` and ``inf``.
+replicated DTensor or a plain tensor contributes once. With pipeline parallelism each rank holds other
+parameters: ``pipeline_group`` adds up the stages' contributions. Gradients are assumed already synchronized
+over the data-parallel axis (they are equal on every ``dp`` rank). Supports finite ``norm_type`` and ``inf``.
 
 No Lightning imports.
 """
@@ -32,7 +33,9 @@ def _local_norm_power(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
+def total_grad_norm(
+    parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0, pipeline_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """The norm of all gradients of ``parameters`` taken together, identical on every rank."""
     norm_type = float(norm_type)
     is_inf = math.isinf(norm_type)
@@ -58,10 +61,15 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float =
             replicated = combine(replicated, _local_norm_power(grad, norm_type).cpu())
     total = replicated
     device = _collective_device()
+    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
     for group, value in sharded_by_group.items():
         value = value.to(device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(value, op=op, group=group)
         total = combine(total, value.cpu())
+    if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
+        total = total.to(device)
+        dist.all_reduce(total, op=op, group=pipeline_group)
+        total = total.cpu()
     return total if is_inf else total.pow(1.0 / norm_type)
 
 
@@ -72,10 +80,15 @@ def _collective_device() -> torch.device:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    norm_type: float = 2.0,
+    pipeline_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """Clip gradients in place to a global norm of ``max_norm``; returns the norm before clipping."""
     parameters = [p for p in parameters if p.grad is not None]
-    total = total_grad_norm(parameters, norm_type)
+    total = total_grad_norm(parameters, norm_type, pipeline_group)
     coef = float(max_norm) / (float(total) + 1e-6)
     if coef < 1.0:
         for p in parameters:

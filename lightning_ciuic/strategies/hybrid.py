@@ -1,4 +1,4 @@
-"""HybridParallelStrategy: Lightning glue for data x tensor parallelism on one (pp, dp, tp) device mesh.
+"""HybridParallelStrategy: Lightning glue for pipeline x data x tensor parallelism on one (pp, dp, tp) device mesh.
 
 Contract:
 
@@ -11,14 +11,18 @@ Contract:
   ``communication_compression`` its buckets go through :class:`GradientCompression` (error feedback,
   ring/tree, ``"auto"`` decided from measured bandwidth). ``comm/bytes_sent`` and ``comm/sync_time``
   (the previous synchronization) are logged every training step.
-* Samplers split data over the ``dp`` axis only; every ``tp`` rank of a group sees the same batch.
-* Gradient clipping by norm uses the global norm across tensor-parallel shards.
+* Pipeline parallel (``pipeline_parallel_size > 1``): after ``configure_model()`` the module (a
+  :class:`~lightning_ciuic.strategies.pipelining.PipelineModule`) is cut into stages over the ``pp`` axis,
+  this rank's kept in place; its steps run through the pipeline schedule (``self.pipelined_loss(batch)``),
+  which does the backward itself, so the strategy's backward only runs Lightning's hooks and then averages
+  the accumulated gradients over ``dp``. The idle fraction of the previous step is logged as
+  ``pipeline/bubble``.
+* Samplers split data over the ``dp`` axis only; every ``pp`` and ``tp`` rank of a group sees the same batch.
+* Gradient clipping by norm uses the global norm across tensor-parallel shards and pipeline stages.
 * Checkpoints are ``torch.distributed.checkpoint`` directories (sharded state, any layout can load
   them, the non-tensor Lightning state inside as one object), or, with ``AsyncCheckpointer`` /
   ``ChunkedCheckpointIO``, chunked, asynchronous, incremental checkpoints on any fsspec storage;
-  ``Trainer.fit(ckpt_path=...)`` resumes exactly.
-
-Pipeline parallelism (``pipeline_parallel_size > 1``) is rejected at construction until it lands.
+  ``Trainer.fit(ckpt_path=...)`` resumes exactly, also in another (pp, dp, tp) layout.
 """
 
 from __future__ import annotations
@@ -60,7 +64,14 @@ from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.grad_norm import clip_grad_norm_
 from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO
+from lightning_ciuic.parallel.pipeline import PipelineRunner, PipelineScheduleName
 from lightning_ciuic.strategies.launchers import FullWeightsMultiProcessingLauncher
+from lightning_ciuic.strategies.pipelining import (
+    PipelineConfig,
+    PipelineModule,
+    build_pipeline,
+    checkpoint_blocks,
+)
 
 StartMethod = Literal["popen", "spawn", "fork"]
 _BACKENDS = ("gloo", "nccl", "mpi", "ucc")
@@ -87,7 +98,14 @@ class HybridParallelStrategy(ParallelStrategy):
         tensor_parallel_size: ranks that shard each layer (``tp`` axis); the module applies its plan in
             ``configure_model()`` using ``self.device_mesh["tp"]``.
         data_parallel_size: model replicas (``dp`` axis); ``"auto"`` takes what is left of the world size.
-        pipeline_parallel_size: pipeline stages (``pp`` axis). Only 1 is supported in this release.
+        pipeline_parallel_size: pipeline stages (``pp`` axis); the module implements ``PipelineModule``.
+        pipeline_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"looped_bfs"``,
+            ``"interleaved_zero_bubble"``, ``"zbv_zero_bubble"`` or ``"dualpipev"`` (torch's schedules).
+        num_microbatches: micro-batches each batch is cut into for the pipeline; must divide the batch size.
+        stages_per_rank: virtual stages per rank (interleaved schedules need >= 2; V schedules use 2).
+        gradient_checkpointing: recompute each pipeline block's activations in backward instead of keeping them.
+        pipeline_split_points: names of the blocks where stages 2, 3, ... begin (default: balanced by
+            parameter count).
         bucket_size_mb: size of each gradient bucket all-reduced as one collective.
         sync_timeout: seconds a gradient collective may take before the step fails with a clear error.
         process_group_backend: ``"gloo"``, ``"nccl"`` (``None``: gloo on CPU, NCCL on CUDA).
@@ -112,6 +130,11 @@ class HybridParallelStrategy(ParallelStrategy):
         tensor_parallel_size: int = 1,
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
         pipeline_parallel_size: int = 1,
+        pipeline_schedule: PipelineScheduleName = "1f1b",
+        num_microbatches: int = 4,
+        stages_per_rank: Optional[int] = None,
+        gradient_checkpointing: bool = False,
+        pipeline_split_points: Optional[list[str]] = None,
         bucket_size_mb: float = 25.0,
         sync_timeout: float = 300.0,
         process_group_backend: Optional[str] = None,
@@ -137,11 +160,12 @@ class HybridParallelStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if pipeline_parallel_size != 1:
-            raise ValueError(
-                f"pipeline_parallel_size={pipeline_parallel_size!r}: pipeline parallelism is not supported yet;"
-                " use pipeline_parallel_size=1 with data and tensor parallelism."
-            )
+        self._pipeline_config = PipelineConfig(
+            pipeline_schedule, num_microbatches, stages_per_rank, bool(gradient_checkpointing),
+            tuple(pipeline_split_points) if pipeline_split_points is not None else None,
+        )
+        self.pipeline: Optional[PipelineRunner] = None
+        self._pipeline_grads: list[Optional[torch.Tensor]] = []
         if process_group_backend is not None and process_group_backend not in _BACKENDS:
             raise ValueError(
                 f"process_group_backend={process_group_backend!r} is not a torch.distributed backend;"
@@ -243,7 +267,9 @@ class HybridParallelStrategy(ParallelStrategy):
                 f"process_group_backend='nccl' needs CUDA devices, but this rank runs on {self.root_device}; use 'gloo'."
             )
         # Fail in the launching process, before any worker starts, when the layout cannot fit the world.
-        ParallelDims.resolve(self.num_nodes * self.num_processes, **self._requested)
+        dims = ParallelDims.resolve(self.num_nodes * self.num_processes, **self._requested)
+        if dims.pp_enabled:
+            self._pipeline_config.check_layout(dims.pp)
         if self.cluster_environment.creates_processes_externally:
             return
         if self._start_method == "popen":
@@ -292,11 +318,21 @@ class HybridParallelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self._setup_pipeline()
         self._setup_grad_sync()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self.barrier("setup")
+
+    def _setup_pipeline(self) -> None:
+        assert self.parallel_dims is not None
+        module, config = self.lightning_module, self._pipeline_config
+        if self.parallel_dims.pp_enabled:
+            self.pipeline = build_pipeline(module, self.device_mesh, config, self.root_device)
+            rank_zero_info(f"HybridParallelStrategy: {config.schedule} pipeline, {config.num_microbatches} micro-batches")
+        elif config.activation_checkpointing and isinstance(module, PipelineModule):
+            checkpoint_blocks(module)
 
     def _setup_grad_sync(self) -> None:
         self._close_grad_sync()
@@ -331,7 +367,30 @@ class HybridParallelStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.grad_sync is not None:
             self._before_training_step(self.lightning_module.trainer.global_step)
-        return super().training_step(*args, **kwargs)
+        if self.pipeline is None:
+            return super().training_step(*args, **kwargs)
+        return self._pipelined_training_step(*args, **kwargs)
+
+    def _pipelined_training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The schedule runs backward inside ``training_step``, but Lightning zeroes gradients between
+        ``training_step`` and ``backward``: zero them before instead, and keep the new ones aside until
+        ``backward``. One backward per micro-batch: they accumulate, ``post_backward`` averages them over dp."""
+        assert self.pipeline is not None
+        module = self.lightning_module
+        params = self.pipeline.parameters()
+        automatic = module.automatic_optimization
+        trainer = module.trainer
+        if automatic and trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
+            for p in params:
+                p.grad = None
+        with self.block_backward_sync():
+            output = super().training_step(*args, **kwargs)
+        if automatic:
+            self._pipeline_grads = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+        module.log("pipeline/bubble", self.pipeline.bubble, on_step=True, on_epoch=False)
+        return output
 
     def _before_training_step(self, global_step: int) -> None:
         """Per step: compression warm-up, "auto" re-checks, and logging of the previous synchronization."""
@@ -372,9 +431,34 @@ class HybridParallelStrategy(ParallelStrategy):
             yield
 
     @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The pipeline schedule already ran backward inside training_step: only Lightning's hooks remain.
+        for p, grad in zip(self.pipeline.parameters(), self._pipeline_grads):
+            p.grad = grad
+        self._pipeline_grads = []
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self.grad_sync is not None:
+        if self.grad_sync is None:
+            return
+        if self.pipeline is not None:
+            self.grad_sync.sync_accumulated()  # the schedule's backward passes ran with sync off
+        else:
             self.grad_sync.finish()
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        batch_size = getattr(dataloader, "batch_size", None)
+        if self.pipeline is not None and isinstance(batch_size, int):
+            self.pipeline.check_batch_size(batch_size, where=f"the {type(dataloader).__name__}'s batch_size")
+        return dataloader
 
     @property
     @override
@@ -388,7 +472,7 @@ class HybridParallelStrategy(ParallelStrategy):
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         # Clipping by norm must see the whole model: route the plugin's norm clipping through ours.
         if plugin is not None:
-            plugin.clip_grad_by_norm = functools.partial(_clip_grad_by_global_norm, plugin)  # picklable for spawn
+            plugin.clip_grad_by_norm = functools.partial(_clip_grad_by_global_norm, plugin, self)  # picklable for spawn
         self._precision_plugin = plugin
 
     # -- collectives -------------------------------------------------------------------------------
@@ -497,7 +581,10 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @property
     def _rank_key(self) -> str:
-        return f"rank{self.global_rank}_state"
+        """Per-rank state (compression residuals) belongs to one rank of one layout: another layout resets it."""
+        dims = self.parallel_dims
+        layout = f"_pp{dims.pp}dp{dims.dp}tp{dims.tp}" if dims is not None and (dims.pp_enabled or dims.tp_enabled) else ""
+        return f"rank{self.global_rank}{layout}_state"
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -510,6 +597,7 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._close_grad_sync()
+        self.pipeline = None
         super().teardown()
 
 
@@ -530,5 +618,9 @@ def _restarted_worker_store(world_size: int, timeout: timedelta) -> Optional[dis
     return dist.PrefixStore(f"lightning_ciuic/attempt_{attempt}", agent_store)
 
 
-def _clip_grad_by_global_norm(plugin: Precision, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
-    clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+def _clip_grad_by_global_norm(
+    plugin: Precision, strategy: HybridParallelStrategy, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]
+) -> None:
+    dims = strategy.parallel_dims
+    pipeline_group = strategy.device_mesh["pp"].get_group() if dims is not None and dims.pp_enabled else None
+    clip_grad_norm_(plugin.main_params(optimizer), clip_val, pipeline_group=pipeline_group)

@@ -1,8 +1,9 @@
 """Launchers of HybridParallelStrategy: Lightning's, with one difference for spawn/fork.
 
 ``FullWeightsMultiProcessingLauncher`` is Lightning's multiprocessing launcher, except that the weights it
-hands back to the main process after ``fit`` are full tensors: tensor-parallel DTensors are gathered on
-every rank first, because the main process has no device mesh to rebuild them on.
+hands back to the main process after ``fit`` are the full model: tensor-parallel DTensors are gathered on
+every rank first, because the main process has no device mesh to rebuild them on, and under pipeline
+parallelism the stages' parameters are gathered from the ``pp`` axis.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import tempfile
 from typing import Any, Optional
 
+import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
@@ -28,6 +30,11 @@ class FullWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None)
         state_dict = get_model_state_dict(trainer.lightning_module, options=StateDictOptions(full_state_dict=True))
+        dims = getattr(self._strategy, "parallel_dims", None)
+        if dims is not None and dims.pp_enabled:
+            stages: list[Any] = [None] * dims.pp
+            dist.all_gather_object(stages, state_dict, group=self._strategy.device_mesh["pp"].get_group())
+            state_dict = {key: value for stage in stages for key, value in stage.items()}
         if self._strategy.local_rank != 0:
             return None
         weights_path = None

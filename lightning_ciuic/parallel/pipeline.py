@@ -1,0 +1,382 @@
+"""Pipeline parallelism: stage splitting, schedule construction and execution over ``torch.distributed.pipelining``.
+
+Contract:
+
+* A model is pipelined through an ordered list of *blocks*: names of sub-modules of a root module (for a
+  LightningModule, e.g. ``["model.embed", "model.layers.0", ..., "model.head"]``) whose forwards, applied in
+  order to one tensor, compute the model's output. Every trainable parameter of the root must belong to
+  exactly one block.
+* :func:`balanced_split` cuts the blocks into contiguous stages minimizing the largest stage's parameter count;
+  :func:`split_at` cuts them before explicitly named blocks instead.
+* :func:`partition` keeps this rank's stages and replaces every other block *in place* by an
+  :class:`OnAnotherStage` placeholder. The root therefore keeps the parameter names (FQNs) of the unsplit
+  model, so its ``state_dict`` and a ``torch.distributed.checkpoint`` checkpoint are portable across
+  pipeline sizes.
+* :class:`PipelineRunner` runs one of torch's schedules (GPipe, 1F1B, interleaved 1F1B, looped BFS, the
+  zero-bubble schedules, DualPipeV) over those stages. ``run(inputs, targets, train=True)`` does forward
+  *and* backward of all micro-batches, leaving gradients accumulated in ``.grad`` (scaled so that they
+  equal the gradient of the mean micro-batch loss divided by ``loss_divisor``) and returns the mean loss,
+  identical on every rank of the pipeline group. ``train=False`` runs forward only. A schedule is built per
+  (mode, batch shape), because stages size their receive buffers from the first batch they see.
+* The runner times each stage's compute and reports ``bubble``: the fraction of the step this rank spent
+  not computing (waiting for its neighbours), to compare with :func:`theoretical_bubble`.
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+from torch.utils.checkpoint import checkpoint
+
+PipelineScheduleName = Literal[
+    "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"
+]
+
+
+@dataclass(frozen=True)
+class _ScheduleKind:
+    cls_name: str
+    placement: Literal["single", "loop", "v"]  # one stage per rank; virtual stages looped or V-shaped
+
+
+SCHEDULES: dict[str, _ScheduleKind] = {
+    "gpipe": _ScheduleKind("ScheduleGPipe", "single"),
+    "1f1b": _ScheduleKind("Schedule1F1B", "single"),
+    "interleaved_1f1b": _ScheduleKind("ScheduleInterleaved1F1B", "loop"),
+    "looped_bfs": _ScheduleKind("ScheduleLoopedBFS", "loop"),
+    "interleaved_zero_bubble": _ScheduleKind("ScheduleInterleavedZeroBubble", "loop"),
+    "zbv_zero_bubble": _ScheduleKind("ScheduleZBVZeroBubble", "v"),
+    "dualpipev": _ScheduleKind("ScheduleDualPipeV", "v"),
+}
+
+
+def resolve_stages_per_rank(schedule: str, stages_per_rank: Optional[int]) -> int:
+    """Validate ``schedule`` and its virtual stages per rank; returns the number of stages each rank holds."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline_schedule={schedule!r} is not one of {sorted(SCHEDULES)}.")
+    placement = SCHEDULES[schedule].placement
+    if stages_per_rank is not None and (isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int)):
+        raise ValueError(f"stages_per_rank must be a positive integer or None, got {stages_per_rank!r}.")
+    if placement == "single":
+        if stages_per_rank not in (None, 1):
+            raise ValueError(
+                f"pipeline_schedule={schedule!r} runs one stage per rank, but stages_per_rank={stages_per_rank};"
+                " use stages_per_rank=1 (or None), or an interleaved schedule such as 'interleaved_1f1b'."
+            )
+        return 1
+    if placement == "v":
+        if stages_per_rank not in (None, 2):
+            raise ValueError(
+                f"pipeline_schedule={schedule!r} places exactly 2 stages per rank in a V; got stages_per_rank="
+                f"{stages_per_rank}. Use stages_per_rank=2 (or None)."
+            )
+        return 2
+    if stages_per_rank is None or stages_per_rank < 2:
+        raise ValueError(
+            f"pipeline_schedule={schedule!r} interleaves several virtual stages per rank; set stages_per_rank >= 2"
+            f" (got {stages_per_rank!r}), or use 'gpipe' / '1f1b' for one stage per rank."
+        )
+    return stages_per_rank
+
+
+def stage_ids_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int, schedule: str) -> list[int]:
+    """The global stage indices pipeline rank ``pp_rank`` holds: looped (``r, r+p, ...``) or V-shaped."""
+    if SCHEDULES[schedule].placement == "v":
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + k * pp_size for k in range(stages_per_rank)]
+
+
+def theoretical_bubble(pp_size: int, num_microbatches: int) -> float:
+    """Idle fraction of GPipe and 1F1B with equal stages: ``(p - 1) / (m + p - 1)``."""
+    return (pp_size - 1) / (num_microbatches + pp_size - 1)
+
+
+def balanced_split(sizes: Sequence[int], num_stages: int) -> list[int]:
+    """Start index of each of ``num_stages`` contiguous, non-empty groups of ``sizes`` minimizing the largest sum."""
+    n = len(sizes)
+    if num_stages > n:
+        raise ValueError(f"cannot cut {n} pipeline blocks into {num_stages} stages: each stage needs at least one block.")
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    inf = float("inf")
+    # best[k][i]: smallest possible largest group when the first i blocks form k groups; cut[k][i]: start of the k-th
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    starts, end = [], n
+    for k in range(num_stages, 0, -1):
+        end = cut[k][end]
+        starts.append(end)
+    return starts[::-1]
+
+
+def split_at(block_names: Sequence[str], split_points: Sequence[str], num_stages: int) -> list[int]:
+    """Start index of each stage when stages begin at the blocks named in ``split_points``."""
+    if len(split_points) != num_stages - 1:
+        raise ValueError(
+            f"{len(split_points)} pipeline split points give {len(split_points) + 1} stages, but pipeline_parallel_size"
+            f" x stages_per_rank = {num_stages} stages are needed; give {num_stages - 1} block names."
+        )
+    starts = [0]
+    for name in split_points:
+        if name not in block_names:
+            raise ValueError(f"pipeline split point {name!r} is not a pipeline block; blocks are {list(block_names)}.")
+        starts.append(list(block_names).index(name))
+    if any(b <= a for a, b in zip(starts, starts[1:])):
+        raise ValueError(
+            f"pipeline split points {list(split_points)} must name distinct blocks in order, after the first block."
+        )
+    return starts
+
+
+class OnAnotherStage(nn.Module):
+    """Stands in for a block that lives on another pipeline stage; calling it is an error that says so."""
+
+    def __init__(self, name: str, stage: int) -> None:
+        super().__init__()
+        self.block_name, self.stage = name, stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"{self.block_name!r} runs on pipeline stage {self.stage}, not on this rank: under pipeline parallelism"
+            " the model is run by the pipeline schedule (PipelineModule.pipelined_loss / pipelined_forward),"
+            " not called directly."
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.block_name!r} on stage {self.stage}"
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: its blocks applied in order."""
+
+    def __init__(self, blocks: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: Any) -> Any:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _Recomputed:
+    """A block's forward whose activations are recomputed in backward instead of kept (when grads are on)."""
+
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        self.forward = forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.forward(*args, **kwargs)
+        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_activations(blocks: Sequence[nn.Module]) -> None:
+    """Activation checkpointing per block, in place (parameter names unchanged); applying it twice is a no-op."""
+    for block in blocks:
+        if not isinstance(block.__dict__.get("forward"), _Recomputed):
+            block.forward = _Recomputed(block.forward)
+
+
+def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    parent._modules[child] = module
+
+
+def block_modules(root: nn.Module, block_names: Sequence[str]) -> list[nn.Module]:
+    """The blocks named ``block_names``; raises if a name is missing, repeated, or a parameter is in no block."""
+    if not block_names:
+        raise ValueError("pipeline_blocks() returned no blocks; list the sub-modules that run in order.")
+    if len(set(block_names)) != len(block_names):
+        raise ValueError(f"pipeline blocks must be distinct, got {list(block_names)}.")
+    names = dict(root.named_modules())
+    missing = [name for name in block_names if name not in names]
+    if missing:
+        raise ValueError(
+            f"pipeline blocks {missing} are not sub-modules of {type(root).__name__};"
+            f" sub-module names look like {[n for n in names if n][:6]}."
+        )
+    blocks = [names[name] for name in block_names]
+    owner: dict[int, str] = {}
+    for name, block in zip(block_names, blocks):
+        for param in block.parameters():
+            if id(param) in owner and owner[id(param)] != name:
+                raise ValueError(
+                    f"a parameter is shared by pipeline blocks {owner[id(param)]!r} and {name!r} (tied weights);"
+                    " a parameter must belong to exactly one block."
+                )
+            owner[id(param)] = name
+    orphans = [name for name, p in root.named_parameters() if id(p) not in owner]
+    if orphans:
+        raise ValueError(
+            f"parameters {orphans[:5]} belong to no pipeline block; every parameter must be inside one of"
+            f" {list(block_names)}."
+        )
+    return blocks
+
+
+def partition(
+    root: nn.Module, block_names: Sequence[str], stage_starts: Sequence[int], my_stages: Sequence[int]
+) -> list[StageModule]:
+    """Keep the blocks of ``my_stages`` (in place, FQNs unchanged), replace the others; return the stage modules."""
+    blocks = block_modules(root, block_names)
+    bounds = [*stage_starts, len(block_names)]
+    stage_of = [s for s in range(len(stage_starts)) for _ in range(bounds[s], bounds[s + 1])]
+    for name, stage in zip(block_names, stage_of):
+        if stage not in my_stages:
+            _set_submodule(root, name, OnAnotherStage(name, stage))
+    return [StageModule([b for b, s in zip(blocks, stage_of) if s == stage]) for stage in my_stages]
+
+
+def _skip_local_backward_handoff(stage: PipelineStage) -> None:
+    """For a forward-only run of a V-shaped schedule: make the hand-off of input gradients between the two
+    adjacent stages on one rank a no-op. torch 2.13's V schedules still perform it in ``eval()``, where no
+    backward ran, and fail; this stage object only ever runs forward."""
+    stage.get_local_bwd_output = lambda mb_index: None
+    stage.set_local_bwd_input = lambda grads, mb_index: None
+
+
+class _TimedStage:
+    """Adds the wall time of a stage's compute calls to a shared counter."""
+
+    def __init__(self, stage: PipelineStage, clock: list[float]) -> None:
+        for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            original = getattr(stage, method)
+
+            def timed(*args: Any, _original: Callable = original, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    clock[0] += time.perf_counter() - start
+
+            setattr(stage, method, timed)
+
+
+class PipelineRunner:
+    """Runs this rank's stages with one of torch's pipeline schedules (see module docstring)."""
+
+    def __init__(
+        self,
+        stage_modules: Sequence[StageModule],
+        stage_ids: Sequence[int],
+        num_stages: int,
+        schedule: str,
+        num_microbatches: int,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        if num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}.")
+        self.stage_modules, self.stage_ids, self.num_stages = list(stage_modules), list(stage_ids), num_stages
+        self.schedule_name, self.num_microbatches = schedule, num_microbatches
+        self.loss_fn, self.group, self.device = loss_fn, group, device
+        self._loss_divisor = 1.0
+        self.bubble = 0.0
+        self.busy_seconds = self.step_seconds = 0.0
+        self._schedules: dict[tuple, Any] = {}
+        self._clock = [0.0]
+        pp_size = dist.get_world_size(group)
+        last_stage_rank = next(r for r in range(pp_size) if num_stages - 1 in self._ids_of(r, pp_size))
+        self._last_stage_rank = dist.get_global_rank(group, last_stage_rank)
+
+    def _ids_of(self, pp_rank: int, pp_size: int) -> list[int]:
+        return stage_ids_of_rank(pp_rank, pp_size, len(self.stage_ids), self.schedule_name)
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for module in self.stage_modules for p in module.parameters()]
+
+    def check_batch_size(self, batch_size: int, where: str = "a batch") -> None:
+        if batch_size % self.num_microbatches:
+            fits = [m for m in range(1, batch_size + 1) if batch_size % m == 0]
+            raise ValueError(
+                f"{where} has {batch_size} samples, which num_microbatches={self.num_microbatches} does not divide;"
+                f" use a batch size that is a multiple of {self.num_microbatches} (drop_last=True for a shorter last"
+                f" batch), or num_microbatches among {fits}."
+            )
+
+    def _schedule(self, mode: str, batch_shape: tuple) -> Any:
+        key = (mode, batch_shape)
+        if key not in self._schedules:
+            stages = [
+                PipelineStage(module, stage_id, self.num_stages, self.device, group=self.group)
+                for module, stage_id in zip(self.stage_modules, self.stage_ids)
+            ]
+            for stage in stages:
+                _TimedStage(stage, self._clock)
+            placement = SCHEDULES[self.schedule_name].placement
+            cls = getattr(torch_schedules, SCHEDULES[self.schedule_name].cls_name)
+            if placement == "v" and mode != "train":
+                for stage in stages:  # see _skip_local_backward_handoff
+                    _skip_local_backward_handoff(stage)
+            loss_fn = None if mode == "predict" else self._scaled_loss
+            if placement == "single":
+                schedule = cls(stages[0], n_microbatches=self.num_microbatches, loss_fn=loss_fn, scale_grads=False)
+            else:
+                schedule = cls(stages, n_microbatches=self.num_microbatches, loss_fn=loss_fn, scale_grads=False)
+            self._schedules[key] = schedule
+        return self._schedules[key]
+
+    def _scaled_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        return self.loss_fn(outputs, targets) / (self.num_microbatches * self._loss_divisor)
+
+    def _timed(self, call: Callable[[], Any]) -> Any:
+        self._clock[0] = 0.0
+        start = time.perf_counter()
+        result = call()
+        self.step_seconds = time.perf_counter() - start
+        self.busy_seconds = self._clock[0]
+        self.bubble = max(0.0, 1.0 - self.busy_seconds / self.step_seconds) if self.step_seconds > 0 else 0.0
+        return result
+
+    def run(self, inputs: torch.Tensor, targets: Any, train: bool = True, loss_divisor: float = 1.0) -> torch.Tensor:
+        """One batch through the pipeline; returns the mean micro-batch loss on every pipeline rank.
+
+        With ``train``, backward runs too and each gradient gets ``1 / loss_divisor`` of the mean loss's gradient
+        (``loss_divisor`` = gradient-accumulation steps, so accumulated gradients average over them)."""
+        self.check_batch_size(inputs.shape[0])
+        self._loss_divisor = loss_divisor if train else 1.0
+        schedule = self._schedule("train" if train else "eval", tuple(inputs.shape))
+        args = (inputs,) if 0 in self.stage_ids else ()
+        target = targets if self.holds_last_stage else None
+        losses: list[torch.Tensor] = []
+        call = schedule.step if train else schedule.eval
+        self._timed(lambda: call(*args, target=target, losses=losses))
+        loss = torch.zeros((), device=self.device)
+        if self.holds_last_stage:
+            loss = (torch.stack([l.detach().float() for l in losses]).sum() * self._loss_divisor).to(self.device)
+        dist.broadcast(loss, src=self._last_stage_rank, group=self.group)
+        return loss
+
+    def forward(self, inputs: torch.Tensor) -> Any:
+        """Forward only; the last stage's output, sent to every pipeline rank."""
+        self.check_batch_size(inputs.shape[0])
+        schedule = self._schedule("predict", tuple(inputs.shape))
+        args = (inputs,) if 0 in self.stage_ids else ()
+        box = [self._timed(lambda: schedule.eval(*args))]
+        dist.broadcast_object_list(box, src=self._last_stage_rank, group=self.group)
+        return box[0]

@@ -1,0 +1,156 @@
+"""Pipeline parallelism in Lightning's loop: the module protocol and the strategy's set-up of the stages.
+
+The protocol (:class:`PipelineModule`, a mixin for a ``LightningModule``) is three methods:
+
+* ``pipeline_blocks()``: the names of the sub-modules that, applied in order to one tensor, are the model
+  (e.g. ``["model.embed", "model.layers.0", ..., "model.norm", "model.head"]``);
+* ``pipeline_loss(outputs, targets)``: the loss of one micro-batch (a mean over its samples);
+* ``pipeline_inputs(batch)`` (optional): ``(inputs, targets)`` of a batch; by default ``batch[0], batch[1]``.
+
+Steps then compute their loss with ``self.pipelined_loss(batch)``: without pipeline parallelism (any
+strategy, or ``pipeline_parallel_size=1``) that is ``pipeline_loss(self(inputs), targets)``; with it, the
+pipeline schedule runs the micro-batches through the stages, forward and backward in training (Lightning's
+backward is then skipped), forward only in validation, and the mean loss, computed on the last stage, is
+returned on every rank, so ``self.log`` shows the true loss everywhere. ``self.pipelined_forward(inputs)``
+gives the model's output on every rank (``predict_step``).
+
+:func:`build_pipeline` cuts the module's blocks into ``pipeline_parallel_size * stages_per_rank`` stages
+(balanced by parameter count unless split points are given), keeps this rank's stages in place (parameter
+names unchanged, so checkpoints load into any layout) and returns the :class:`PipelineRunner`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_ciuic.parallel.pipeline import (
+    OnAnotherStage,
+    PipelineRunner,
+    balanced_split,
+    block_modules,
+    checkpoint_activations,
+    partition,
+    resolve_stages_per_rank,
+    split_at,
+    stage_ids_of_rank,
+)
+
+
+class PipelineModule:
+    """Mixin for a LightningModule that :class:`HybridParallelStrategy` can cut into pipeline stages."""
+
+    def pipeline_blocks(self) -> Sequence[str]:
+        """Names of the sub-modules that, applied in order, compute the model's output from its inputs."""
+        raise NotImplementedError(f"{type(self).__name__} must implement pipeline_blocks() to be pipelined.")
+
+    def pipeline_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        """The loss of one micro-batch: a mean over its samples."""
+        raise NotImplementedError(f"{type(self).__name__} must implement pipeline_loss(outputs, targets).")
+
+    def pipeline_inputs(self, batch: Any) -> tuple[Any, Any]:
+        """``(inputs, targets)`` of a batch; by default its first two items."""
+        return batch[0], batch[1]
+
+    @property
+    def pipeline(self) -> Optional[PipelineRunner]:
+        """The strategy's pipeline runner, or None when the module is not pipelined."""
+        trainer = getattr(self, "_trainer", None)
+        return getattr(trainer.strategy, "pipeline", None) if trainer is not None else None
+
+    def pipelined_loss(self, batch: Any) -> torch.Tensor:
+        """The batch's loss; under pipeline parallelism also runs backward when training (see module docstring)."""
+        inputs, targets = self.pipeline_inputs(batch)
+        runner = self.pipeline
+        if runner is None:
+            return self.pipeline_loss(self(inputs), targets)
+        train = bool(self.training and torch.is_grad_enabled())
+        accumulation = self._trainer.accumulate_grad_batches if train else 1
+        return runner.run(inputs, targets, train=train, loss_divisor=accumulation)
+
+    def pipelined_forward(self, inputs: Any) -> Any:
+        """The model's output for ``inputs``, on every rank."""
+        runner = self.pipeline
+        return self(inputs) if runner is None else runner.forward(inputs)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The strategy's pipeline arguments, validated."""
+
+    schedule: str = "1f1b"
+    num_microbatches: int = 4
+    stages_per_rank: Optional[int] = None
+    activation_checkpointing: bool = False
+    split_points: Optional[tuple[str, ...]] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_microbatches, bool) or not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be a positive integer, got {self.num_microbatches!r}.")
+        resolve_stages_per_rank(self.schedule, self.stages_per_rank)
+
+    @property
+    def local_stages(self) -> int:
+        return resolve_stages_per_rank(self.schedule, self.stages_per_rank)
+
+    def check_layout(self, pp: int) -> None:
+        """Raise before any process starts if the schedule cannot run on ``pp`` ranks."""
+        stages = pp * self.local_stages
+        if self.schedule == "dualpipev" and self.num_microbatches < stages:
+            raise ValueError(
+                f"pipeline_schedule='dualpipev' needs at least as many micro-batches as stages: num_microbatches="
+                f"{self.num_microbatches}, stages = pipeline_parallel_size {pp} x 2 = {stages}; use num_microbatches"
+                f" >= {stages}."
+            )
+
+
+def _stage_starts(module: nn.Module, names: Sequence[str], num_stages: int, config: PipelineConfig) -> list[int]:
+    if config.split_points is not None:
+        return split_at(names, config.split_points, num_stages)
+    if len(names) < num_stages:
+        raise ValueError(
+            f"{type(module).__name__} has {len(names)} pipeline blocks, fewer than the {num_stages} stages asked for"
+            f" (pipeline_parallel_size x stages_per_rank); use at most {len(names)} stages or split the model finer."
+        )
+    sizes = [sum(p.numel() for p in block.parameters()) for block in block_modules(module, names)]
+    return balanced_split(sizes, num_stages)
+
+
+def checkpoint_blocks(module: PipelineModule) -> None:
+    """Activation checkpointing for each of the module's pipeline blocks, without pipeline parallelism."""
+    checkpoint_activations(block_modules(module, list(module.pipeline_blocks())))
+
+
+def build_pipeline(
+    module: nn.Module, mesh: DeviceMesh, config: PipelineConfig, device: torch.device
+) -> PipelineRunner:
+    """Cut ``module`` (a :class:`PipelineModule`) into stages over ``mesh["pp"]``; keep this rank's, in place."""
+    if not isinstance(module, PipelineModule):
+        raise TypeError(
+            f"pipeline_parallel_size={mesh['pp'].size()} needs a LightningModule that implements the PipelineModule"
+            f" protocol (lightning_ciuic.PipelineModule: pipeline_blocks() and pipeline_loss()); {type(module).__name__}"
+            " does not. See docs/pipeline.md."
+        )
+    pp_mesh = mesh["pp"]
+    names = list(module.pipeline_blocks())
+    per_rank = config.local_stages
+    num_stages = pp_mesh.size() * per_rank
+    layout = getattr(module, "_pipeline_layout", None)
+    if layout is None or layout[0] != (names, num_stages):  # a module already cut keeps its cut (a second fit)
+        if any(isinstance(m, OnAnotherStage) for m in module.modules()):
+            raise RuntimeError("this module was cut into pipeline stages for another layout; build a new one.")
+        layout = ((names, num_stages), _stage_starts(module, names, num_stages, config))
+        module._pipeline_layout = layout
+    my_stages = stage_ids_of_rank(pp_mesh.get_local_rank(), pp_mesh.size(), per_rank, config.schedule)
+    stages = partition(module, names, layout[1], my_stages)
+    if config.activation_checkpointing:
+        checkpoint_activations([block for stage in stages for block in stage.blocks])
+    return PipelineRunner(
+        stages, my_stages, num_stages, config.schedule, config.num_microbatches, module.pipeline_loss,
+        pp_mesh.get_group(), device,
+    )
