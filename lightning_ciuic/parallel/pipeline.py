@@ -247,29 +247,50 @@ def partition(
     return [StageModule([b for b, s in zip(blocks, stage_of) if s == stage]) for stage in my_stages]
 
 
-def _skip_local_backward_handoff(stage: PipelineStage) -> None:
-    """For a forward-only run of a V-shaped schedule: make the hand-off of input gradients between the two
-    adjacent stages on one rank a no-op. torch 2.13's V schedules still perform it in ``eval()``, where no
-    backward ran, and fail; this stage object only ever runs forward."""
-    stage.get_local_bwd_output = lambda mb_index: None
-    stage.set_local_bwd_input = lambda grads, mb_index: None
+class _Stage(PipelineStage):
+    """torch's ``PipelineStage`` with three changes:
 
+    * Shape inference feeds zeros, not uninitialized memory, to stages after the first. Tensor-parallel
+      ranks of a stage must compute the same thing: with garbage inputs a mixture-of-experts router sends
+      different token counts to the experts on each rank and their collectives no longer match.
+    * Compute time (forward, backward, weight-gradient chunks) is added to ``clock[0]``, for the bubble.
+    * ``forward_only``: the hand-off of input gradients between two adjacent stages on one rank is a no-op.
+      torch 2.13's V-shaped schedules perform it even in ``eval()``, where no backward ran, and fail.
+    """
 
-class _TimedStage:
-    """Adds the wall time of a stage's compute calls to a shared counter."""
+    def __init__(self, *args: Any, clock: list[float], forward_only: bool, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._compute_clock, self._forward_only = clock, forward_only
 
-    def __init__(self, stage: PipelineStage, clock: list[float]) -> None:
-        for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-            original = getattr(stage, method)
+    def _to_tensor(self, arg: Any) -> torch.Tensor:
+        tensor = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor):
+            with torch.no_grad():
+                tensor.zero_()
+        return tensor
 
-            def timed(*args: Any, _original: Callable = original, **kwargs: Any) -> Any:
-                start = time.perf_counter()
-                try:
-                    return _original(*args, **kwargs)
-                finally:
-                    clock[0] += time.perf_counter() - start
+    def _timed(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            self._compute_clock[0] += time.perf_counter() - start
 
-            setattr(stage, method, timed)
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(super().forward_one_chunk, *args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(super().backward_one_chunk, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+
+    def get_local_bwd_output(self, mb_index: int) -> Any:
+        return None if self._forward_only else super().get_local_bwd_output(mb_index)
+
+    def set_local_bwd_input(self, *args: Any, **kwargs: Any) -> None:
+        if not self._forward_only:
+            super().set_local_bwd_input(*args, **kwargs)
 
 
 class PipelineRunner:
@@ -322,17 +343,15 @@ class PipelineRunner:
     def _schedule(self, mode: str, batch_shape: tuple) -> Any:
         key = (mode, batch_shape)
         if key not in self._schedules:
+            placement = SCHEDULES[self.schedule_name].placement
             stages = [
-                PipelineStage(module, stage_id, self.num_stages, self.device, group=self.group)
+                _Stage(
+                    module, stage_id, self.num_stages, self.device, group=self.group,
+                    clock=self._clock, forward_only=placement == "v" and mode != "train",
+                )
                 for module, stage_id in zip(self.stage_modules, self.stage_ids)
             ]
-            for stage in stages:
-                _TimedStage(stage, self._clock)
-            placement = SCHEDULES[self.schedule_name].placement
             cls = getattr(torch_schedules, SCHEDULES[self.schedule_name].cls_name)
-            if placement == "v" and mode != "train":
-                for stage in stages:  # see _skip_local_backward_handoff
-                    _skip_local_backward_handoff(stage)
             loss_fn = None if mode == "predict" else self._scaled_loss
             if placement == "single":
                 schedule = cls(stages[0], n_microbatches=self.num_microbatches, loss_fn=loss_fn, scale_grads=False)
