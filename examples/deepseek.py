@@ -221,6 +221,7 @@ class DeepSeekMini(PipelineModule, LightningModule):
         )
         self.model = DeepSeekTransformer(self.config)
         self._last_step_time: float | None = None
+        self._tensor_parallel = False
 
     def configure_model(self) -> None:
         mesh = self.device_mesh
@@ -232,10 +233,13 @@ class DeepSeekMini(PipelineModule, LightningModule):
                 f"tensor_parallel_size={tp} does not divide n_heads={self.config.n_heads}; use a tensor_parallel_size"
                 f" among {[d for d in range(1, self.config.n_heads + 1) if self.config.n_heads % d == 0]}."
             )
+        if tp == 1 or self._tensor_parallel:  # Lightning calls this hook once per fit/validate/predict: idempotent
+            return
         plan = {f"model.{name}": style for name, style in self.model.tensor_parallel_plan().items()}
         apply_tensor_parallel(self, mesh["tp"], plan)
         for layer in self.model.layers:
-            layer.attn.tp_mesh = mesh["tp"] if tp > 1 else None
+            layer.attn.tp_mesh = mesh["tp"]
+        self._tensor_parallel = True
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -107,3 +108,119 @@ def test_full_model_is_handed_back_after_spawn(tmp_path):
     expected = reference_training(_tiny, 6, PER_RANK_BATCH * 2, losses=expected_losses)
     assert losses == pytest.approx(expected_losses, rel=1e-4)
     assert_state_close(state, expected)
+
+
+PP2_DP2 = dict(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2)
+PP1_DP4 = dict(pipeline_parallel_size=1, data_parallel_size=4)
+GLOBAL_BATCH = 8
+
+
+def _fit_layout(layout: dict, dirpath: str, max_steps: int, ckpt_path=None, save_every=None):
+    """Train the tiny model in ``layout`` (3 steps per epoch, global batch 8); returns (module, trainer, losses)."""
+    per_rank = GLOBAL_BATCH // layout["data_parallel_size"]
+    module, recorder = _tiny(), _LossRecorder()
+    callbacks = [recorder]
+    if save_every:
+        callbacks.append(ModelCheckpoint(dirpath=dirpath, every_n_train_steps=save_every, save_top_k=-1))
+    trainer = Trainer(
+        strategy=HybridParallelStrategy(**layout), accelerator="cpu", devices=4, max_steps=max_steps, logger=False,
+        callbacks=callbacks, enable_checkpointing=bool(save_every), enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=dirpath,
+    )
+    trainer.fit(module, loader(3 * GLOBAL_BATCH, per_rank), ckpt_path=ckpt_path)
+    return module, trainer, recorder.losses
+
+
+def _resume_across_layouts(rank: int, world: int, tmp: str) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    for first, second in ((PP2_DP2, PP1_DP4), (PP1_DP4, PP2_DP2)):
+        dirpath = os.path.join(tmp, f"pp{first['pipeline_parallel_size']}")
+        straight, _, losses = _fit_layout(first, dirpath, 6, save_every=3)
+        resumed, _, resumed_losses = _fit_layout(second, dirpath, 6, ckpt_path=os.path.join(dirpath, "epoch=0-step=3.ckpt"))
+        assert resumed_losses == pytest.approx(losses[3:], rel=1e-4), (first, second)
+        options = StateDictOptions(full_state_dict=True)
+        a, b = get_model_state_dict(straight, options=options), get_model_state_dict(resumed, options=options)
+        common = a.keys() & b.keys()
+        assert common, "the layouts share parameters on this rank"
+        assert_state_close({k: b[k] for k in common}, {k: a[k] for k in common})
+
+
+def test_checkpoint_resumes_in_another_layout(tmp_path):
+    """Saved at pp=2 x dp=2, resumed at pp=1 x dp=4, and the other way round: the loss continues as without
+    the interruption (same global batch), and the parameters end equal."""
+    run_workers(_resume_across_layouts, 4, str(tmp_path))
+
+
+def _validate_and_predict(rank: int, world: int) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    module, trainer, _ = _fit_layout(PP2_DP2, ".", 3)
+    reference = _tiny()
+    reference.load_state_dict(reference_training(_tiny, 3, GLOBAL_BATCH))
+    data = loader(16, 4)
+    (metrics,) = trainer.validate(module, data, verbose=False)
+    with torch.no_grad():
+        expected = torch.stack([reference.pipelined_loss(batch) for batch in data]).mean()
+    assert metrics["val/loss"] == pytest.approx(expected.item(), rel=1e-5)
+    predictions = torch.cat(trainer.predict(module, data))
+    dp_rank = trainer.strategy.device_mesh["dp"].get_local_rank()
+    inputs = data.dataset.data[dp_rank::2, :-1]  # Lightning's predict sampler: every dp-th sample, in order
+    assert torch.equal(predictions, reference(inputs).argmax(dim=-1))
+
+
+def test_validate_and_predict_through_the_pipeline():
+    run_workers(_validate_and_predict, 4)
+
+
+def _fit_quietly(module, strategy, data, **kwargs) -> Trainer:
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=4, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **kwargs,
+    )
+    trainer.fit(module, data)
+    return trainer
+
+
+class NotPipelined(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 8)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0].float()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _accumulation_compression_and_setup_errors(rank: int, world: int) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    # Gradient accumulation: two batches of 4 per rank and optimizer step = one global batch of 16.
+    module = _tiny()
+    _fit_quietly(module, HybridParallelStrategy(**PP2_DP2), loader(64, 4), max_steps=4, accumulate_grad_batches=2)
+    expected = reference_training(_tiny, 4, 16, num_samples=64)
+    state = get_model_state_dict(module)
+    assert_state_close(state, {k: expected[k] for k in state})
+    # Compressed gradient synchronization over dp composes with the pipeline.
+    module, recorder = _tiny(), _LossRecorder()
+    strategy = HybridParallelStrategy(**PP2_DP2, communication_compression="fp16")
+    _fit_quietly(module, strategy, loader(STEPS * 8, 4), max_steps=STEPS, callbacks=[recorder])
+    expected_losses: list[float] = []
+    reference_training(_tiny, STEPS, 8, losses=expected_losses)
+    assert recorder.losses == pytest.approx(expected_losses, rel=2e-2)
+    # Bad input fails at set-up, on every rank alike, with what was given and what would work.
+    failures = [
+        (dict(pipeline_parallel_size=4, pipeline_schedule="interleaved_1f1b", stages_per_rank=2), _tiny,
+         ValueError, "has 5 pipeline blocks, fewer than the 8 stages asked for .* use at most 5 stages"),
+        (dict(PP2_DP2, num_microbatches=3), _tiny,
+         ValueError, r"the DataLoader's batch_size has 4 samples, which num_microbatches=3 does not divide; .* among \[1, 2, 4\]"),
+        (dict(pipeline_parallel_size=2, tensor_parallel_size=2), lambda: DeepSeekMini(**dict(TINY_MODEL, n_heads=3)),
+         ValueError, "tensor_parallel_size=2 does not divide n_heads=3"),
+        (PP2_DP2, NotPipelined, TypeError, "needs a LightningModule that implements the PipelineModule protocol"),
+    ]
+    for layout, factory, error, message in failures:
+        with pytest.raises(error, match=message):
+            _fit_quietly(factory(), HybridParallelStrategy(**layout), loader(16, 4), max_steps=1)
+
+
+def test_accumulation_compression_and_setup_errors():
+    run_workers(_accumulation_compression_and_setup_errors, 4)

@@ -25,7 +25,15 @@ def test_seed_names_stay_importable():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"pipeline_parallel_size": 2}, r"pipeline_parallel_size=2: pipeline parallelism is not supported yet; use pipeline_parallel_size=1"),
+        ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be a positive integer, got 0"),
+        ({"pipeline_schedule": "zigzag"}, r"pipeline_schedule='zigzag' is not one of \['1f1b', 'dualpipev', 'gpipe'"),
+        (
+            {"pipeline_schedule": "interleaved_1f1b"},
+            r"pipeline_schedule='interleaved_1f1b' interleaves several virtual stages per rank; set stages_per_rank >= 2",
+        ),
+        ({"pipeline_schedule": "1f1b", "stages_per_rank": 2}, r"'1f1b' runs one stage per rank, but stages_per_rank=2"),
+        ({"pipeline_schedule": "zbv_zero_bubble", "stages_per_rank": 3}, r"places exactly 2 stages per rank in a V; got stages_per_rank=3"),
+        ({"num_microbatches": 0}, "num_microbatches must be a positive integer, got 0"),
         ({"process_group_backend": "nccl2"}, r"process_group_backend='nccl2' is not a torch.distributed backend; use one of \('gloo', 'nccl'"),
         ({"start_method": "thread"}, "start_method='thread'; use 'popen', 'spawn' or 'fork'"),
         ({"bucket_size_mb": 0}, r"bucket_size_mb must be > 0, got 0 \(25.0 is a good default\)"),
@@ -60,4 +68,10 @@ def test_nccl_on_cpu_is_rejected_before_any_process_starts():
 def test_layout_that_cannot_fit_the_world_fails_before_processes_start():
     strategy = HybridParallelStrategy(tensor_parallel_size=4)
     with pytest.raises(ValueError, match=r"world size 2 is not divisible by .* = 1 \* 4 = 4"):
+        Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+
+
+def test_dualpipev_with_too_few_microbatches_fails_before_processes_start():
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="dualpipev", num_microbatches=2)
+    with pytest.raises(ValueError, match=r"'dualpipev' needs at least as many micro-batches as stages: num_microbatches=2, stages = pipeline_parallel_size 2 x 2 = 4"):
         Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
