@@ -4,8 +4,9 @@ Contract:
 
 * A model is pipelined through an ordered list of *blocks*: names of sub-modules of a root module (for a
   LightningModule, e.g. ``["model.embed", "model.layers.0", ..., "model.head"]``) whose forwards, applied in
-  order to one tensor, compute the model's output. Every trainable parameter of the root must belong to
-  exactly one block.
+  order to one tensor, compute the model's output. A block whose forward needs more than that tensor (a
+  Hugging Face decoder layer wants position embeddings) gets a *call*, ``call(block, x) -> y``. Every
+  trainable parameter of the root must belong to exactly one block.
 * :func:`balanced_split` cuts the blocks into contiguous stages minimizing the largest stage's parameter count;
   :func:`split_at` cuts them before explicitly named blocks instead.
 * :func:`partition` keeps this rank's stages and replaces every other block *in place* by an
@@ -27,7 +28,7 @@ No Lightning imports.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -164,16 +165,20 @@ class OnAnotherStage(nn.Module):
         return f"{self.block_name!r} on stage {self.stage}"
 
 
-class StageModule(nn.Module):
-    """One pipeline stage: its blocks applied in order."""
+BlockCall = Callable[[nn.Module, Any], Any]
 
-    def __init__(self, blocks: Sequence[nn.Module]) -> None:
+
+class StageModule(nn.Module):
+    """One pipeline stage: its blocks applied in order (through their call, where one is given)."""
+
+    def __init__(self, blocks: Sequence[nn.Module], calls: Optional[Sequence[Optional[BlockCall]]] = None) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
+        self.calls = list(calls) if calls is not None else [None] * len(blocks)
 
     def forward(self, x: Any) -> Any:
-        for block in self.blocks:
-            x = block(x)
+        for block, call in zip(self.blocks, self.calls):
+            x = block(x) if call is None else call(block, x)
         return x
 
 
@@ -235,16 +240,30 @@ def block_modules(root: nn.Module, block_names: Sequence[str]) -> list[nn.Module
 
 
 def partition(
-    root: nn.Module, block_names: Sequence[str], stage_starts: Sequence[int], my_stages: Sequence[int]
+    root: nn.Module,
+    block_names: Sequence[str],
+    stage_starts: Sequence[int],
+    my_stages: Sequence[int],
+    calls: Optional[Mapping[str, BlockCall]] = None,
 ) -> list[StageModule]:
     """Keep the blocks of ``my_stages`` (in place, FQNs unchanged), replace the others; return the stage modules."""
     blocks = block_modules(root, block_names)
+    calls = calls or {}
+    unknown = sorted(set(calls) - set(block_names))
+    if unknown:
+        raise ValueError(f"pipeline block calls are given for {unknown}, which are not pipeline blocks.")
     bounds = [*stage_starts, len(block_names)]
     stage_of = [s for s in range(len(stage_starts)) for _ in range(bounds[s], bounds[s + 1])]
     for name, stage in zip(block_names, stage_of):
         if stage not in my_stages:
             _set_submodule(root, name, OnAnotherStage(name, stage))
-    return [StageModule([b for b, s in zip(blocks, stage_of) if s == stage]) for stage in my_stages]
+    return [
+        StageModule(
+            [b for b, s in zip(blocks, stage_of) if s == stage],
+            [calls.get(n) for n, s in zip(block_names, stage_of) if s == stage],
+        )
+        for stage in my_stages
+    ]
 
 
 class _Stage(PipelineStage):

@@ -12,12 +12,21 @@ gradient summed over the ``tp`` axis backward. Use it where a replicated activat
 computation outside a parallelized module (e.g. MLA's rotary key shared by all heads), or the replicated
 weights that produced it receive only this rank's share of the gradient and the replicas drift apart.
 
+``hugging_face_plan(model, plan)`` translates a Hugging Face ``base_model_tp_plan`` / ``_tp_plan`` (patterns
+where ``*`` stands for a layer index, styles as strings) into concrete module names and torch styles:
+``colwise`` and ``rowwise`` on ``nn.Linear`` become ``ColwiseParallel`` / ``RowwiseParallel``,
+``colwise_gather_output`` a ``ColwiseParallel`` with a replicated output, ``embedding_rowwise`` on
+``nn.Embedding`` a ``RowwiseParallel`` (vocabulary-parallel embedding). Entries with other styles (packed
+3-D expert weights, expert-parallel wrappers) are returned as *skipped*: those modules stay replicated,
+which is correct, only not sharded.
+
 No Lightning imports.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Mapping
 
 import torch
@@ -77,3 +86,35 @@ def sum_grad_over(activation: torch.Tensor, tp_mesh: DeviceMesh | None) -> torch
         return activation
     replicated = DTensor.from_local(activation, tp_mesh, [Replicate()], run_check=False)
     return replicated.to_local(grad_placements=[Partial()])
+
+
+def _hugging_face_style(style: str, module: nn.Module) -> ParallelStyle | None:
+    if isinstance(module, nn.Linear):
+        if style == "colwise":
+            return ColwiseParallel()
+        if style == "rowwise":
+            return RowwiseParallel()
+        if style == "colwise_gather_output":
+            return ColwiseParallel(output_layouts=Replicate())
+    if isinstance(module, nn.Embedding) and style == "embedding_rowwise":
+        return RowwiseParallel(input_layouts=Replicate())  # token ids are replicated, not split
+    return None
+
+
+def hugging_face_plan(model: nn.Module, plan: Mapping[str, str], prefix: str = "") -> tuple[dict[str, ParallelStyle], list[str]]:
+    """``(torch plan over concrete module names, skipped "pattern: style" entries)`` for a Hugging Face plan.
+
+    ``plan`` patterns are relative to ``model``; ``prefix`` is prepended to the returned names (the model's
+    name inside the module the plan is applied to)."""
+    translated: dict[str, ParallelStyle] = {}
+    skipped: list[str] = []
+    modules = [(name, re.sub(r"\d+", "*", name), module) for name, module in model.named_modules() if name]
+    for pattern, style_name in plan.items():
+        matches = [(name, module) for name, generic, module in modules if generic == pattern]
+        styles = [_hugging_face_style(style_name, module) for _, module in matches]
+        if not matches or any(style is None for style in styles):
+            skipped.append(f"{pattern}: {style_name}")
+            continue
+        for (name, _), style in zip(matches, styles):
+            translated[prefix + name] = style
+    return translated, skipped

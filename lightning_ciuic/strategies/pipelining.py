@@ -5,7 +5,9 @@ The protocol (:class:`PipelineModule`, a mixin for a ``LightningModule``) is thr
 * ``pipeline_blocks()``: the names of the sub-modules that, applied in order to one tensor, are the model
   (e.g. ``["model.embed", "model.layers.0", ..., "model.norm", "model.head"]``);
 * ``pipeline_loss(outputs, targets)``: the loss of one micro-batch (a mean over its samples);
-* ``pipeline_inputs(batch)`` (optional): ``(inputs, targets)`` of a batch; by default ``batch[0], batch[1]``.
+* ``pipeline_inputs(batch)`` (optional): ``(inputs, targets)`` of a batch; by default ``batch[0], batch[1]``;
+* ``pipeline_block_calls()`` (optional): ``{name: call(block, x)}`` for blocks whose forward needs more than
+  the previous block's output.
 
 Steps then compute their loss with ``self.pipelined_loss(batch)``: without pipeline parallelism (any
 strategy, or ``pipeline_parallel_size=1``) that is ``pipeline_loss(self(inputs), targets)``; with it, the
@@ -21,7 +23,7 @@ names unchanged, so checkpoints load into any layout) and returns the :class:`Pi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -30,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ciuic.parallel.pipeline import (
+    BlockCall,
     OnAnotherStage,
     PipelineRunner,
     balanced_split,
@@ -56,6 +59,10 @@ class PipelineModule:
     def pipeline_inputs(self, batch: Any) -> tuple[Any, Any]:
         """``(inputs, targets)`` of a batch; by default its first two items."""
         return batch[0], batch[1]
+
+    def pipeline_block_calls(self) -> Mapping[str, BlockCall]:
+        """How to run blocks whose forward needs more than one tensor: ``{name: call(block, x) -> y}``."""
+        return {}
 
     @property
     def pipeline(self) -> Optional[PipelineRunner]:
@@ -147,7 +154,7 @@ def build_pipeline(
         layout = ((names, num_stages), _stage_starts(module, names, num_stages, config))
         module._pipeline_layout = layout
     my_stages = stage_ids_of_rank(pp_mesh.get_local_rank(), pp_mesh.size(), per_rank, config.schedule)
-    stages = partition(module, names, layout[1], my_stages)
+    stages = partition(module, names, layout[1], my_stages, module.pipeline_block_calls())
     if config.activation_checkpointing:
         checkpoint_activations([block for stage in stages for block in stage.blocks])
     return PipelineRunner(

@@ -1,0 +1,148 @@
+"""Hugging Face causal language models (Llama, Qwen2, DeepSeek-V3 families, ...) as pipeline-ready LightningModules.
+
+Contract: ``HuggingFaceCausalLM(model_type, config)`` builds ``AutoModelForCausalLM.from_config`` from a
+config given as a dictionary (no download; weights start random) with SDPA attention, and trains it on
+``(input_ids, next-token targets)`` batches with cross-entropy. Under :class:`HybridParallelStrategy` it
+needs no code of its own:
+
+* pipeline stages come from the model's ``_pp_plan`` (embedding, each decoder layer, final norm, LM head);
+  decoder layers are run with the rotary position embeddings of the base
+  model and causal attention, as the model's own forward runs them;
+* tensor parallelism comes from the model's ``_tp_plan`` (see
+  :func:`~lightning_ciuic.parallel.tensor.hugging_face_plan`): attention heads and MLPs are sharded where
+  the plan says ``colwise`` / ``rowwise``; plan entries for packed expert weights are reported and left
+  replicated. Attention and key/value head counts must divide by ``tensor_parallel_size``.
+
+Requires ``transformers`` (``pip install lightning-ciuic[hf]``); padding masks are not supported (every
+sequence of a batch is full length, as in packed pre-training data).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_ciuic.parallel.pipeline import BlockCall
+from lightning_ciuic.parallel.tensor import apply_tensor_parallel, hugging_face_plan
+from lightning_ciuic.strategies.pipelining import PipelineModule
+
+
+def _import_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as err:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "HuggingFaceCausalLM needs the 'transformers' package: pip install 'lightning-ciuic[hf]'."
+        ) from err
+    return transformers
+
+
+class _DecoderLayerCall:
+    """Runs a Hugging Face decoder layer on hidden states alone: positions 0..n-1, causal attention."""
+
+    def __init__(self, rotary: nn.Module) -> None:
+        self.rotary = rotary
+
+    def __call__(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        out = layer(
+            hidden, attention_mask=None, position_ids=positions, position_embeddings=self.rotary(hidden, positions)
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+
+class HuggingFaceCausalLM(PipelineModule, LightningModule):
+    """A ``transformers`` causal LM built from a config, trainable with pp x dp x tp (see module docstring).
+
+    Args:
+        model_type: a ``transformers`` model type, e.g. ``"llama"``, ``"qwen2"``, ``"deepseek_v3"``.
+        config: keyword arguments of that model's config (sizes, layers, heads, ...).
+        lr, weight_decay: AdamW's.
+    """
+
+    def __init__(
+        self, model_type: str, config: Optional[dict[str, Any]] = None, lr: float = 3e-4, weight_decay: float = 0.0
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        transformers = _import_transformers()
+        try:
+            hf_config = transformers.AutoConfig.for_model(model_type, **(config or {}))
+        except ValueError as err:
+            raise ValueError(f"model_type={model_type!r} is not a transformers model type: {err}") from err
+        if getattr(hf_config, "tie_word_embeddings", False):
+            raise ValueError(
+                f"{model_type} with tie_word_embeddings=True shares the embedding with the LM head, which pipeline"
+                " stages cannot split; pass config={'tie_word_embeddings': False, ...}."
+            )
+        self.model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+        self._tensor_parallel = False
+
+    # -- the model ---------------------------------------------------------------------------------
+    @property
+    def _base(self) -> nn.Module:
+        return getattr(self.model, self.model.base_model_prefix)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        if mesh is None or "tp" not in (mesh.mesh_dim_names or ()) or mesh["tp"].size() == 1 or self._tensor_parallel:
+            return
+        tp, config = mesh["tp"].size(), self.model.config
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(config, name, None)
+            if heads is not None and heads % tp:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} does not divide {name}={heads}; use a tensor_parallel_size among"
+                    f" {[d for d in range(1, heads + 1) if heads % d == 0]}."
+                )
+        plan, skipped = hugging_face_plan(self.model, self.model._tp_plan or {}, prefix="model.")
+        if skipped:
+            rank_zero_info(f"tensor parallel: kept replicated (style not translated): {skipped}")
+        apply_tensor_parallel(self, mesh["tp"], plan)
+        self._tensor_parallel = True
+
+    # -- the PipelineModule protocol -----------------------------------------------------------------
+    def pipeline_blocks(self) -> list[str]:
+        """The model's ``_pp_plan`` in forward order (base model's entries, then the head), layer lists expanded."""
+        plan = list(self.model._pp_plan or {})
+        base_first = sorted(plan, key=lambda name: not name.startswith(self.model.base_model_prefix + "."))
+        names = []
+        for name in base_first:
+            child = self.model.get_submodule(name)
+            if isinstance(child, nn.ModuleList):
+                names.extend(f"model.{name}.{i}" for i in range(len(child)))
+            else:
+                names.append(f"model.{name}")
+        return names
+
+    def pipeline_block_calls(self) -> Mapping[str, BlockCall]:
+        call = _DecoderLayerCall(self._base.rotary_emb)
+        prefix = f"model.{self.model.base_model_prefix}.layers."
+        return {name: call for name in self.pipeline_blocks() if name.startswith(prefix)}
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+    # -- Lightning -----------------------------------------------------------------------------------
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.pipelined_loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val/loss", self.pipelined_loss(batch), prog_bar=True, sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.pipelined_forward(self.pipeline_inputs(batch)[0]).argmax(dim=-1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
