@@ -207,6 +207,7 @@ class DeepSeekMini(PipelineModule, LightningModule):
         n_activated_experts: int = 2,
         moe_inter_dim: int = 96,
         dense_inter_dim: int = 256,
+        n_dense_layers: int = 1,
         max_seq_len: int = 256,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
@@ -217,7 +218,7 @@ class DeepSeekMini(PipelineModule, LightningModule):
             dim=dim, n_layers=n_layers, n_heads=n_heads, kv_lora_rank=kv_lora_rank,
             n_routed_experts=n_routed_experts, n_shared_experts=n_shared_experts,
             n_activated_experts=n_activated_experts, moe_inter_dim=moe_inter_dim,
-            dense_inter_dim=dense_inter_dim, max_seq_len=max_seq_len,
+            dense_inter_dim=dense_inter_dim, n_dense_layers=n_dense_layers, max_seq_len=max_seq_len,
         )
         self.model = DeepSeekTransformer(self.config)
         self._last_step_time: float | None = None
