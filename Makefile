@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo test setup clean bench
+.PHONY: demo demo-pipeline test setup clean bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ setup: $(VENV)/.installed
 
 demo: setup
 	$(VENV)/bin/lightning-ciuic fit --config examples/configs/demo.yaml
+
+# The main job with pipeline parallelism (pp=2 x tp=2): same model, only the strategy's arguments differ.
+demo-pipeline: setup
+	$(VENV)/bin/lightning-ciuic fit --config examples/configs/pipeline.yaml
 
 test: setup
 	$(PY) -m pytest tests
@@ -33,6 +37,7 @@ bench: setup
 	$(PY) benchmarks/checkpoint.py --steps 90 --every 30
 	$(PY) benchmarks/recovery.py --model xl --rounds 2
 	$(PY) benchmarks/elastic.py --rounds 2
+	$(PY) benchmarks/pipeline.py --steps 16 --rounds 2
 
 clean:
 	rm -rf $(VENV) lightning_logs demo_logs .pytest_cache
