@@ -28,6 +28,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -114,11 +115,12 @@ class CommunicationMonitor(Callback):
         self._sync_seen = (0.0, 0.0, 0.0)
         self._last_gather = 0
         self._meta: dict[str, Any] = {}
+        self._bubbles: list[float] = []  # this rank's measured pipeline bubble per step, after warm-up
 
     # -- set-up --------------------------------------------------------------------------------------
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.windows, self._window, self._total = [], _Window(), _Window()
+        self.windows, self._window, self._total, self._bubbles = [], _Window(), _Window(), []
         self._cursor = Telemetry.of(trainer).records_since(0)[1]
         strategy = trainer.strategy
         mesh = getattr(strategy, "_device_mesh", None)
@@ -147,6 +149,7 @@ class CommunicationMonitor(Callback):
             bandwidth_bytes_per_s=None,
             codec_s_per_value={},
             sync_s={},
+            num_microbatches=getattr(getattr(strategy, "pipeline", None), "num_microbatches", None),
         )
         if self.measure_link and dp_group is not None:
             latency, bandwidth = measure_link(dp_group)
@@ -217,6 +220,9 @@ class CommunicationMonitor(Callback):
         elif record.step >= _WARMUP_STEPS:
             self._window.add(values)
             self._total.add(values)
+            pipeline = getattr(trainer.strategy, "pipeline", None)
+            if pipeline is not None:
+                self._bubbles.append(pipeline.bubble)
         step = trainer.global_step
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if step % every == 0 and self._window.last:
@@ -250,6 +256,9 @@ class CommunicationMonitor(Callback):
         if self._window.count:
             self._gather(trainer, None, trainer.global_step, log=False)
         totals = gather_per_rank(trainer, self._total.means())
+        if self._meta["num_microbatches"] is not None:  # pipeline parallel: the bubble, averaged over ranks
+            local = statistics.fmean(self._bubbles) if self._bubbles else 0.0
+            self._meta["bubble"] = float(gather_per_rank(trainer, [local]).mean())
         self.profile = RunProfile(**self._meta, ranks=[dict(zip(RANK_FIELDS, row.tolist())) for row in totals])
         out = Path(self.dirpath or os.path.join(trainer.log_dir or trainer.default_root_dir, "monitor"))  # collective
         if not trainer.is_global_zero:

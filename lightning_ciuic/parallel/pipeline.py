@@ -15,7 +15,8 @@ Contract:
   pipeline sizes.
 * :class:`PipelineRunner` runs one of torch's schedules (GPipe, 1F1B, interleaved 1F1B, looped BFS, the
   zero-bubble schedules, DualPipeV) over those stages. ``run(inputs, targets, train=True)`` does forward
-  *and* backward of all micro-batches, leaving gradients accumulated in ``.grad`` (scaled so that they
+  *and* backward of all micro-batches (``num_microbatches`` must divide the batch; evaluation batches it does
+  not divide run with the largest number of equal micro-batches below it), leaving gradients accumulated in ``.grad`` (scaled so that they
   equal the gradient of the mean micro-batch loss divided by ``loss_divisor``) and returns the mean loss,
   identical on every rank of the pipeline group. ``train=False`` runs forward only. A schedule is built per
   (mode, batch shape), because stages size their receive buffers from the first batch they see.
@@ -332,6 +333,7 @@ class PipelineRunner:
         self.schedule_name, self.num_microbatches = schedule, num_microbatches
         self.loss_fn, self.group, self.device = loss_fn, group, device
         self._loss_divisor = 1.0
+        self._active_microbatches = num_microbatches
         self.bubble = 0.0
         self.busy_seconds = self.step_seconds = 0.0
         self._schedules: dict[tuple, Any] = {}
@@ -359,7 +361,15 @@ class PipelineRunner:
                 f" batch), or num_microbatches among {fits}."
             )
 
-    def _schedule(self, mode: str, batch_shape: tuple) -> Any:
+    def _microbatches(self, batch_size: int, train: bool) -> int:
+        """``num_microbatches`` for training (which must divide the batch); for evaluation and prediction, whose
+        last batch is often shorter, the largest number up to it that divides the batch."""
+        if train:
+            self.check_batch_size(batch_size)
+            return self.num_microbatches
+        return max(d for d in range(1, self.num_microbatches + 1) if batch_size % d == 0)
+
+    def _schedule(self, mode: str, batch_shape: tuple, microbatches: int) -> Any:
         key = (mode, batch_shape)
         if key not in self._schedules:
             placement = SCHEDULES[self.schedule_name].placement
@@ -371,16 +381,26 @@ class PipelineRunner:
                 for module, stage_id in zip(self.stage_modules, self.stage_ids)
             ]
             cls = getattr(torch_schedules, SCHEDULES[self.schedule_name].cls_name)
+            if mode != "train" and placement != "v":
+                # Forward only, so the order does not matter; GPipe and looped BFS take any number of micro-batches.
+                cls = torch_schedules.ScheduleGPipe if placement == "single" else torch_schedules.ScheduleLoopedBFS
             loss_fn = None if mode == "predict" else self._scaled_loss
-            if placement == "single":
-                schedule = cls(stages[0], n_microbatches=self.num_microbatches, loss_fn=loss_fn, scale_grads=False)
-            else:
-                schedule = cls(stages, n_microbatches=self.num_microbatches, loss_fn=loss_fn, scale_grads=False)
+            try:
+                if placement == "single":
+                    schedule = cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+                else:
+                    schedule = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+            except ValueError as err:  # e.g. DualPipeV with fewer micro-batches than stages
+                raise ValueError(
+                    f"a {mode} batch of shape {batch_shape} runs as {microbatches} micro-batches, which"
+                    f" pipeline_schedule={self.schedule_name!r} cannot ({err}); use batch sizes divisible by"
+                    f" num_microbatches={self.num_microbatches} (drop_last=True)."
+                ) from err
             self._schedules[key] = schedule
         return self._schedules[key]
 
     def _scaled_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
-        return self.loss_fn(outputs, targets) / (self.num_microbatches * self._loss_divisor)
+        return self.loss_fn(outputs, targets) / (self._active_microbatches * self._loss_divisor)
 
     def _timed(self, call: Callable[[], Any]) -> Any:
         self._clock[0] = 0.0
@@ -396,9 +416,9 @@ class PipelineRunner:
 
         With ``train``, backward runs too and each gradient gets ``1 / loss_divisor`` of the mean loss's gradient
         (``loss_divisor`` = gradient-accumulation steps, so accumulated gradients average over them)."""
-        self.check_batch_size(inputs.shape[0])
+        self._active_microbatches = self._microbatches(inputs.shape[0], train)
         self._loss_divisor = loss_divisor if train else 1.0
-        schedule = self._schedule("train" if train else "eval", tuple(inputs.shape))
+        schedule = self._schedule("train" if train else "eval", tuple(inputs.shape), self._active_microbatches)
         args = (inputs,) if 0 in self.stage_ids else ()
         target = targets if self.holds_last_stage else None
         losses: list[torch.Tensor] = []
@@ -412,8 +432,7 @@ class PipelineRunner:
 
     def forward(self, inputs: torch.Tensor) -> Any:
         """Forward only; the last stage's output, sent to every pipeline rank."""
-        self.check_batch_size(inputs.shape[0])
-        schedule = self._schedule("predict", tuple(inputs.shape))
+        schedule = self._schedule("predict", tuple(inputs.shape), self._microbatches(inputs.shape[0], train=False))
         args = (inputs,) if 0 in self.stage_ids else ()
         box = [self._timed(lambda: schedule.eval(*args))]
         dist.broadcast_object_list(box, src=self._last_stage_rank, group=self.group)

@@ -45,7 +45,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh
@@ -456,7 +456,8 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         batch_size = getattr(dataloader, "batch_size", None)
-        if self.pipeline is not None and isinstance(batch_size, int):
+        training = self.lightning_module.trainer.state.stage == RunningStage.TRAINING
+        if self.pipeline is not None and training and isinstance(batch_size, int):
             self.pipeline.check_batch_size(batch_size, where=f"the {type(dataloader).__name__}'s batch_size")
         return dataloader
 

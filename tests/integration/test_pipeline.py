@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from examples.deepseek import DeepSeekMini
-from lightning_ciuic import HybridParallelStrategy
+from lightning_ciuic import CommunicationMonitor, HybridParallelStrategy
 from tests.helpers import TINY_MODEL, assert_state_close, loader, reference_training, run_workers
 
 STEPS, PER_RANK_BATCH = 20, 4
@@ -161,6 +161,12 @@ def _validate_and_predict(rank: int, world: int) -> None:
     with torch.no_grad():
         expected = torch.stack([reference.pipelined_loss(batch) for batch in data]).mean()
     assert metrics["val/loss"] == pytest.approx(expected.item(), rel=1e-5)
+    # A batch num_microbatches=2 does not divide (3 samples per rank) is evaluated in 1 micro-batch.
+    odd = loader(6, 3)
+    (metrics,) = trainer.validate(module, odd, verbose=False)
+    with torch.no_grad():
+        expected = reference.pipelined_loss(odd.dataset[:])
+    assert metrics["val/loss"] == pytest.approx(expected.item(), rel=1e-5)
     predictions = torch.cat(trainer.predict(module, data))
     dp_rank = trainer.strategy.device_mesh["dp"].get_local_rank()
     inputs = data.dataset.data[dp_rank::2, :-1]  # Lightning's predict sampler: every dp-th sample, in order
@@ -192,7 +198,7 @@ class NotPipelined(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _accumulation_compression_and_setup_errors(rank: int, world: int) -> None:
+def _accumulation_compression_and_setup_errors(rank: int, world: int, tmp: str) -> None:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     # Gradient accumulation: two batches of 4 per rank and optimizer step = one global batch of 16.
     module = _tiny()
@@ -200,13 +206,15 @@ def _accumulation_compression_and_setup_errors(rank: int, world: int) -> None:
     expected = reference_training(_tiny, 4, 16, num_samples=64)
     state = get_model_state_dict(module)
     assert_state_close(state, {k: expected[k] for k in state})
-    # Compressed gradient synchronization over dp composes with the pipeline.
-    module, recorder = _tiny(), _LossRecorder()
+    # Compressed gradient synchronization over dp composes with the pipeline; the monitor sees the bubble.
+    module, recorder, monitor = _tiny(), _LossRecorder(), CommunicationMonitor(measure_link=False, dirpath=tmp)
     strategy = HybridParallelStrategy(**PP2_DP2, communication_compression="fp16")
-    _fit_quietly(module, strategy, loader(STEPS * 8, 4), max_steps=STEPS, callbacks=[recorder])
+    _fit_quietly(module, strategy, loader(STEPS * 8, 4), max_steps=STEPS, callbacks=[recorder, monitor])
     expected_losses: list[float] = []
     reference_training(_tiny, STEPS, 8, losses=expected_losses)
     assert recorder.losses == pytest.approx(expected_losses, rel=2e-2)
+    assert monitor.profile.pp == 2 and monitor.profile.num_microbatches == 2
+    assert 0.0 < monitor.profile.bubble < 1.0
     # Bad input fails at set-up, on every rank alike, with what was given and what would work.
     failures = [
         (dict(pipeline_parallel_size=4, pipeline_schedule="interleaved_1f1b", stages_per_rank=2), _tiny,
@@ -222,5 +230,5 @@ def _accumulation_compression_and_setup_errors(rank: int, world: int) -> None:
             _fit_quietly(factory(), HybridParallelStrategy(**layout), loader(16, 4), max_steps=1)
 
 
-def test_accumulation_compression_and_setup_errors():
-    run_workers(_accumulation_compression_and_setup_errors, 4)
+def test_accumulation_compression_and_setup_errors(tmp_path):
+    run_workers(_accumulation_compression_and_setup_errors, 4, str(tmp_path))
