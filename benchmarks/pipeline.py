@@ -11,7 +11,10 @@ Two sections of docs/benchmarks.md, one run:
   without activation checkpointing); throughput relative to naive model parallelism, the comparison in
   which the seed's "2.3x" from pipelining can be read.
 
-    .venv/bin/python benchmarks/pipeline.py [--steps 16] [--rounds 1]
+    .venv/bin/python benchmarks/pipeline.py [--steps 16] [--rounds 1] [--batch 16]
+
+``--batch`` is the global batch (samples of 64 bytes): at 16, 8 micro-batches hold 2 samples each and
+their fixed costs show; the section names carry the batch so runs at several sizes sit side by side.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from lightning_ciuic import HybridParallelStrategy  # noqa: E402
 from lightning_ciuic.parallel.pipeline import theoretical_bubble  # noqa: E402
 
 WARMUP = 4
-GLOBAL_BATCH, SEQ = 16, 64
+SEQ = 64
 BALANCED = dict(dim=256, n_layers=8, n_dense_layers=8, dense_inter_dim=768, kv_lora_rank=64, max_seq_len=SEQ)
 
 
@@ -61,7 +64,7 @@ class Probe(Callback):
         path.write_text(json.dumps({"times": self.times, "bubbles": self.bubbles}))
 
 
-def run(strategy_kwargs: dict, steps: int, workdir: Path) -> dict:
+def run(strategy_kwargs: dict, steps: int, batch: int, workdir: Path) -> dict:
     """One training run on 2 processes; returns median step time and mean bubble over ranks (after warm-up)."""
     for old in workdir.glob("rank*.json"):
         old.unlink()
@@ -72,7 +75,7 @@ def run(strategy_kwargs: dict, steps: int, workdir: Path) -> dict:
         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, callbacks=[Probe(str(workdir))],
     )
-    trainer.fit(DeepSeekMini(**BALANCED), ByteCorpusDataModule(seq_len=SEQ, batch_size=GLOBAL_BATCH // dp))
+    trainer.fit(DeepSeekMini(**BALANCED), ByteCorpusDataModule(seq_len=SEQ, batch_size=batch // dp))
     ranks = [json.loads(p.read_text()) for p in sorted(workdir.glob("rank*.json"))]
     step = statistics.median(max(r["times"][i] for r in ranks) for i in range(WARMUP, steps))
     bubbles = [statistics.mean(r["bubbles"][WARMUP:]) for r in ranks if r["bubbles"]]
@@ -110,43 +113,43 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=16, help="global batch, in samples")
+    parser.add_argument("--bubble-only", action="store_true", help="GPipe and 1F1B rows only, no layouts")
     args = parser.parse_args()
     label = describe(DeepSeekMini(**BALANCED), "balanced DeepSeekMini, 8 dense layers")
     bubble_rows, layout_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for schedule, m, extra in BUBBLE_RUNS:
-            result = best([run(pp2(schedule, m, **extra), args.steps, workdir) for _ in range(args.rounds)])
+            if args.bubble_only and schedule not in ("gpipe", "1f1b"):
+                continue
+            result = best([run(pp2(schedule, m, **extra), args.steps, args.batch, workdir) for _ in range(args.rounds)])
             theory = theoretical_bubble(2, m) if schedule in ("gpipe", "1f1b") else None
             bubble_rows.append((schedule, m, result, theory))
             print(schedule, m, result, theory, flush=True)
-        for name, kwargs in LAYOUTS:
-            result = best([run(kwargs, args.steps, workdir) for _ in range(args.rounds)])
+        for name, kwargs in [] if args.bubble_only else LAYOUTS:
+            result = best([run(kwargs, args.steps, args.batch, workdir) for _ in range(args.rounds)])
             layout_rows.append((name, result))
             print(name, result, flush=True)
-    naive = layout_rows[2][1]["step"]
     bubble_table = "\n".join(
         f"| {schedule} | {m} | {r['bubble']:.3f} ({', '.join(f'{b:.3f}' for b in r['per_rank'])}) | "
         + (f"{theory:.3f} | **{r['bubble'] / theory:.2f}** |" if theory else "(see text) | |")
         + f" {r['step'] * 1e3:.0f} |"
         for schedule, m, r, theory in bubble_rows
     )
-    layout_table = "\n".join(
-        f"| {name} | {r['step'] * 1e3:.0f} | **{naive / r['step']:.2f}** | "
-        + (f"{r['bubble']:.3f}" if r["bubble"] is not None else "-")
-        + " |"
-        for name, r in layout_rows
+    command = (
+        f"`.venv/bin/python benchmarks/pipeline.py --steps {args.steps} --rounds {args.rounds} --batch {args.batch}"
+        + (" --bubble-only`" if args.bubble_only else "`")
     )
-    command = f"`.venv/bin/python benchmarks/pipeline.py --steps {args.steps} --rounds {args.rounds}`"
     setup = (
-        f"{label}, global batch {GLOBAL_BATCH} x {SEQ} bytes, 2 CPU processes with 1 intra-op thread each, gloo;"
+        f"{label}, global batch {args.batch} x {SEQ} bytes, 2 CPU processes with 1 intra-op thread each, gloo;"
         f" median over steps {WARMUP + 1}-{args.steps} of the slowest rank's step time, best of {args.rounds}"
         f" round(s); machine: {machine()}"
     )
     write_section(
-        "pipeline_bubble",
+        f"pipeline_bubble_batch{args.batch}",
         f"""
-## Pipeline bubble: measured against (p - 1) / (m + p - 1)
+## Pipeline bubble at a global batch of {args.batch}: measured against (p - 1) / (m + p - 1)
 
 Command: {command} ({setup}). The bubble is the strategy's own measurement, logged as `pipeline/bubble`:
 the fraction of each step a rank spent outside its stages' forward and backward computation, i.e. waiting
@@ -158,9 +161,18 @@ brackets). Target: within 25% of theory for GPipe and 1F1B on a balanced model (
 {bubble_table}
 
 Interleaved, looped and zero-bubble schedules have no single closed form here (their idle time depends
-on the split of backward into input and weight gradients); they are measured at 4 micro-batches with
+on the split of backward into input and weight gradients); where measured, it is at 4 micro-batches with
 2 virtual stages per rank (V-shaped for ZBV and DualPipeV) for comparison with 1F1B's row above.
 """,
+    )
+    if args.bubble_only:
+        return
+    naive = layout_rows[2][1]["step"]
+    layout_table = "\n".join(
+        f"| {name} | {r['step'] * 1e3:.0f} | **{naive / r['step']:.2f}** | "
+        + (f"{r['bubble']:.3f}" if r["bubble"] is not None else "-")
+        + " |"
+        for name, r in layout_rows
     )
     write_section(
         "pipeline_layouts",
