@@ -198,7 +198,7 @@ class NotPipelined(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _accumulation_compression_and_setup_errors(rank: int, world: int, tmp: str) -> None:
+def _accumulation_pp4_compression_and_setup_errors(rank: int, world: int, tmp: str) -> None:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     # Gradient accumulation: two batches of 4 per rank and optimizer step = one global batch of 16.
     module = _tiny()
@@ -206,11 +206,20 @@ def _accumulation_compression_and_setup_errors(rank: int, world: int, tmp: str) 
     expected = reference_training(_tiny, 4, 16, num_samples=64)
     state = get_model_state_dict(module)
     assert_state_close(state, {k: expected[k] for k in state})
+    # pp=4: the same module, four stages of its five blocks.
+    module, recorder = _tiny(), _LossRecorder()
+    strategy = HybridParallelStrategy(pipeline_parallel_size=4, num_microbatches=4)
+    _fit_quietly(module, strategy, loader(STEPS * 4, 4), max_steps=STEPS, callbacks=[recorder])
+    expected_losses: list[float] = []
+    expected = reference_training(_tiny, STEPS, 4, losses=expected_losses)
+    assert recorder.losses == pytest.approx(expected_losses, rel=1e-4)
+    state = get_model_state_dict(module)
+    assert_state_close(state, {k: expected[k] for k in state})
     # Compressed gradient synchronization over dp composes with the pipeline; the monitor sees the bubble.
     module, recorder, monitor = _tiny(), _LossRecorder(), CommunicationMonitor(measure_link=False, dirpath=tmp)
     strategy = HybridParallelStrategy(**PP2_DP2, communication_compression="fp16")
     _fit_quietly(module, strategy, loader(STEPS * 8, 4), max_steps=STEPS, callbacks=[recorder, monitor])
-    expected_losses: list[float] = []
+    expected_losses = []
     reference_training(_tiny, STEPS, 8, losses=expected_losses)
     assert recorder.losses == pytest.approx(expected_losses, rel=2e-2)
     assert monitor.profile.pp == 2 and monitor.profile.num_microbatches == 2
@@ -230,5 +239,5 @@ def _accumulation_compression_and_setup_errors(rank: int, world: int, tmp: str) 
             _fit_quietly(factory(), HybridParallelStrategy(**layout), loader(16, 4), max_steps=1)
 
 
-def test_accumulation_compression_and_setup_errors(tmp_path):
-    run_workers(_accumulation_compression_and_setup_errors, 4, str(tmp_path))
+def test_accumulation_pp4_compression_and_setup_errors(tmp_path):
+    run_workers(_accumulation_pp4_compression_and_setup_errors, 4, str(tmp_path))
