@@ -38,6 +38,7 @@ bench: setup
 	$(PY) benchmarks/recovery.py --model xl --rounds 2
 	$(PY) benchmarks/elastic.py --rounds 2
 	$(PY) benchmarks/pipeline.py --steps 16 --rounds 2
+	$(PY) benchmarks/pipeline.py --steps 12 --rounds 1 --batch 64 --bubble-only
 
 clean:
 	rm -rf $(VENV) lightning_logs demo_logs .pytest_cache
