@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -51,7 +49,6 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_ciuic.checkpoint.sharded import load_sharded, save_sharded
 from lightning_ciuic.comm.auto import AutoCompression
 from lightning_ciuic.comm.compression import (
     AllReduceAlgorithm,
@@ -63,8 +60,9 @@ from lightning_ciuic.comm.grad_sync import GradientSynchronizer, check_bucket_si
 from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.grad_norm import clip_grad_norm_
-from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO
 from lightning_ciuic.parallel.pipeline import PipelineRunner, PipelineScheduleName
+from lightning_ciuic.strategies import checkpointing
+from lightning_ciuic.strategies.rendezvous import restarted_worker_store
 from lightning_ciuic.strategies.launchers import FullWeightsMultiProcessingLauncher
 from lightning_ciuic.strategies.pipelining import (
     PipelineConfig,
@@ -309,7 +307,7 @@ class HybridParallelStrategy(ParallelStrategy):
             rank=self.global_rank,
             world_size=self.world_size,
             timeout=self._timeout,
-            store=_restarted_worker_store(self.world_size, self._timeout),
+            store=restarted_worker_store(self.world_size, self._timeout),
         )
 
     @override
@@ -530,93 +528,25 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Collective. With a :class:`ChunkedCheckpointIO` (``AsyncCheckpointer``): staged now, written in the
-        background as chunks. Otherwise a DCP directory at ``filepath``, tensors sharded per rank."""
+        """Collective; see :func:`~lightning_ciuic.strategies.checkpointing.save_checkpoint`."""
         if storage_options is not None:
             raise TypeError("HybridParallelStrategy.save_checkpoint does not take storage_options.")
-        model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
-        rank_state = None
-        if self.compression is not None:  # error-feedback residuals differ per rank: one key per rank
-            rank_state = self.compression.state_dict()
-            checkpoint["gradient_compression"] = {"mode": self.compression.mode, "algorithm": self.compression.algorithm}
-        if isinstance(self.checkpoint_io, ChunkedCheckpointIO) and self.checkpoint_io.manages(filepath):
-            extra = {"step": checkpoint.get("global_step", 0), "epoch": checkpoint.get("epoch", 0)}
-            rank_key = self._rank_key
-            self.checkpoint_io.save_sharded(
-                filepath,
-                (model_state, optimizer_states, checkpoint, rank_state),
-                extra,
-                lambda staged, writer, group: save_sharded(*staged, rank_key, storage_writer=writer, process_group=group),
-            )
-            return
-        path = Path(self.broadcast(str(filepath)))
-        if self.is_global_zero:
-            if path.is_file():
-                path.unlink()
-            path.mkdir(parents=True, exist_ok=True)
-        self.barrier("checkpoint-dir")
-        save_sharded(model_state, optimizer_states, checkpoint, rank_state, self._rank_key, checkpoint_id=path)
-        self.barrier("checkpoint-saved")
+        checkpointing.save_checkpoint(self, checkpoint, filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load a checkpoint written by :meth:`save_checkpoint` into the (already set-up) model and optimizers,
-        whatever layout wrote it."""
-        path = self.broadcast(str(checkpoint_path))
-        assert self.model is not None
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        io = self.checkpoint_io
-        if isinstance(io, ChunkedCheckpointIO) and io.manages(path):
-            meta, rank_state = io.load_with_fallback(
-                path, lambda name: load_sharded(self.model, optimizers, self._rank_key, storage_reader=io.reader(name))
-            )
-        else:
-            meta, rank_state = load_sharded(self.model, optimizers, self._rank_key, checkpoint_id=Path(path))
-        compression_config = meta.pop("gradient_compression", None)
-        if self.compression is not None and rank_state is not None:
-            self.compression.load_state_dict(rank_state)
-            self.compression.set_mode(**compression_config)
-        elif self.compression is not None:
-            rank_zero_info("checkpoint has no gradient-compression state for this rank: residuals start at zero.")
-        return meta
-
-    @property
-    def _rank_key(self) -> str:
-        """Per-rank state (compression residuals) belongs to one rank of one layout: another layout resets it."""
-        dims = self.parallel_dims
-        layout = f"_pp{dims.pp}dp{dims.dp}tp{dims.tp}" if dims is not None and (dims.pp_enabled or dims.tp_enabled) else ""
-        return f"rank{self.global_rank}{layout}_state"
+        """Into the set-up model and optimizers, whatever layout wrote it; see ``checkpointing.load_checkpoint``."""
+        return checkpointing.load_checkpoint(self, checkpoint_path)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            if isinstance(self.checkpoint_io, ChunkedCheckpointIO) and self.checkpoint_io.manages(filepath):
-                self.checkpoint_io.remove_checkpoint(filepath)
-            else:
-                shutil.rmtree(filepath, ignore_errors=True)
+        checkpointing.remove_checkpoint(self, filepath)
 
     @override
     def teardown(self) -> None:
         self._close_grad_sync()
         self.pipeline = None
         super().teardown()
-
-
-def _restarted_worker_store(world_size: int, timeout: timedelta) -> Optional[dist.Store]:
-    """The rendezvous store for a worker that TorchElastic restarted, or ``None`` for the usual env:// set-up.
-
-    TorchElastic's static rendezvous (plain ``torchrun --max-restarts=N``) keeps one agent store across restarts,
-    and torch's env:// handler expects a fresh store per attempt, so restarted gloo ranks read the previous
-    attempt's peer addresses and fail ("Gloo connectFullMesh failed ... Connection refused"). A key prefix per
-    attempt gives each attempt its own namespace in the same store.
-    """
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return None
-    agent_store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
-    )
-    return dist.PrefixStore(f"lightning_ciuic/attempt_{attempt}", agent_store)
 
 
 def _clip_grad_by_global_norm(

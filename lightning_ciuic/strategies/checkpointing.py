@@ -1,0 +1,101 @@
+"""How :class:`~lightning_ciuic.strategies.hybrid.HybridParallelStrategy` writes, reads and removes checkpoints.
+
+Contract (collective calls, every rank with the same path):
+
+* ``save_checkpoint(strategy, checkpoint, filepath)``: with a :class:`ChunkedCheckpointIO` (``AsyncCheckpointer``)
+  that manages ``filepath``, the state is staged now and written in the background as chunks; otherwise it is a
+  ``torch.distributed.checkpoint`` directory at ``filepath``, tensors sharded per rank under the unsplit model's
+  parameter names. Lightning's non-tensor state travels inside as one object; per-rank state (compression
+  residuals) under a key of this rank and layout.
+* ``load_checkpoint(strategy, path)`` loads either kind into the already set-up model and optimizers, whatever
+  (pp, dp, tp) layout wrote it, and returns Lightning's state. Residuals written by another rank or layout are not
+  loaded: they start at zero.
+* ``remove_checkpoint(strategy, filepath)`` deletes one (global rank zero).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_ciuic.checkpoint.sharded import load_sharded, save_sharded
+from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO
+
+if TYPE_CHECKING:
+    from lightning_ciuic.strategies.hybrid import HybridParallelStrategy
+
+
+def rank_key(strategy: HybridParallelStrategy) -> str:
+    """Per-rank state (compression residuals) belongs to one rank of one layout: another layout resets it."""
+    dims = strategy.parallel_dims
+    layout = f"_pp{dims.pp}dp{dims.dp}tp{dims.tp}" if dims is not None and (dims.pp_enabled or dims.tp_enabled) else ""
+    return f"rank{strategy.global_rank}{layout}_state"
+
+
+def _chunked_io(strategy: HybridParallelStrategy, path: Any) -> ChunkedCheckpointIO | None:
+    io = strategy.checkpoint_io
+    return io if isinstance(io, ChunkedCheckpointIO) and io.manages(path) else None
+
+
+def save_checkpoint(strategy: HybridParallelStrategy, checkpoint: dict[str, Any], filepath: Any) -> None:
+    model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
+    rank_state = None
+    compression = strategy.compression
+    if compression is not None:  # error-feedback residuals differ per rank: one key per rank
+        rank_state = compression.state_dict()
+        checkpoint["gradient_compression"] = {"mode": compression.mode, "algorithm": compression.algorithm}
+    key = rank_key(strategy)
+    io = _chunked_io(strategy, filepath)
+    if io is not None:
+        extra = {"step": checkpoint.get("global_step", 0), "epoch": checkpoint.get("epoch", 0)}
+        io.save_sharded(
+            filepath,
+            (model_state, optimizer_states, checkpoint, rank_state),
+            extra,
+            lambda staged, writer, group: save_sharded(*staged, key, storage_writer=writer, process_group=group),
+        )
+        return
+    path = Path(strategy.broadcast(str(filepath)))
+    if strategy.is_global_zero:
+        if path.is_file():
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+    strategy.barrier("checkpoint-dir")
+    save_sharded(model_state, optimizer_states, checkpoint, rank_state, key, checkpoint_id=path)
+    strategy.barrier("checkpoint-saved")
+
+
+def load_checkpoint(strategy: HybridParallelStrategy, checkpoint_path: Any) -> dict[str, Any]:
+    path = strategy.broadcast(str(checkpoint_path))
+    model = strategy.model
+    assert model is not None
+    optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+    key = rank_key(strategy)
+    io = _chunked_io(strategy, path)
+    if io is not None:
+        meta, rank_state = io.load_with_fallback(
+            path, lambda name: load_sharded(model, optimizers, key, storage_reader=io.reader(name))
+        )
+    else:
+        meta, rank_state = load_sharded(model, optimizers, key, checkpoint_id=Path(path))
+    compression_config = meta.pop("gradient_compression", None)
+    compression = strategy.compression
+    if compression is not None and rank_state is not None:
+        compression.load_state_dict(rank_state)
+        compression.set_mode(**compression_config)
+    elif compression is not None:
+        rank_zero_info("checkpoint has no gradient-compression state for this rank: residuals start at zero.")
+    return meta
+
+
+def remove_checkpoint(strategy: HybridParallelStrategy, filepath: Any) -> None:
+    if not strategy.is_global_zero:
+        return
+    io = _chunked_io(strategy, filepath)
+    if io is not None:
+        io.remove_checkpoint(filepath)
+    else:
+        shutil.rmtree(filepath, ignore_errors=True)
