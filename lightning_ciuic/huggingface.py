@@ -11,7 +11,8 @@ needs no code of its own:
 * tensor parallelism comes from the model's ``_tp_plan`` (see
   :func:`~lightning_ciuic.parallel.tensor.hugging_face_plan`): attention heads and MLPs are sharded where
   the plan says ``colwise`` / ``rowwise``; plan entries for packed expert weights are reported and left
-  replicated. Attention and key/value head counts must divide by ``tensor_parallel_size``.
+  replicated. Where attention is sharded, attention and key/value head counts must divide by
+  ``tensor_parallel_size``.
 
 Requires ``transformers`` (``pip install lightning-ciuic[hf]``); padding masks are not supported (every
 sequence of a batch is full length, as in packed pre-training data).
@@ -97,14 +98,15 @@ class HuggingFaceCausalLM(PipelineModule, LightningModule):
         if mesh is None or "tp" not in (mesh.mesh_dim_names or ()) or mesh["tp"].size() == 1 or self._tensor_parallel:
             return
         tp, config = mesh["tp"].size(), self.model.config
-        for name in ("num_attention_heads", "num_key_value_heads"):
-            heads = getattr(config, name, None)
-            if heads is not None and heads % tp:
-                raise ValueError(
-                    f"tensor_parallel_size={tp} does not divide {name}={heads}; use a tensor_parallel_size among"
-                    f" {[d for d in range(1, heads + 1) if heads % d == 0]}."
-                )
         plan, skipped = hugging_face_plan(self.model, self.model._tp_plan or {}, prefix="model.")
+        if any(".self_attn." in name for name in plan):  # heads are split: each rank must get whole heads
+            for name in ("num_attention_heads", "num_key_value_heads"):
+                heads = getattr(config, name, None)
+                if heads is not None and heads % tp:
+                    raise ValueError(
+                        f"tensor_parallel_size={tp} does not divide {name}={heads}; use a tensor_parallel_size among"
+                        f" {[d for d in range(1, heads + 1) if heads % d == 0]}."
+                    )
         if skipped:
             rank_zero_info(f"tensor parallel: kept replicated (style not translated): {skipped}")
         apply_tensor_parallel(self, mesh["tp"], plan)

@@ -73,3 +73,14 @@ def test_console_script_trains_the_main_job(tmp_path):
     (metrics,) = Path(tmp_path).rglob("metrics.csv")
     losses = [float(r["train/loss"]) for r in csv.DictReader(metrics.open()) if r.get("train/loss")]
     assert len(losses) >= 5 and losses[-1] < losses[0] - 0.5, losses
+
+
+def test_shipped_pipeline_configs_parse():
+    """The pipeline demo and the Hugging Face Llama config build their strategy, model and data from YAML."""
+    for name, model_type in (("pipeline.yaml", "DeepSeekMini"), ("hf_llama.yaml", "HuggingFaceCausalLM")):
+        cli = _cli(["--config", str(ROOT / "examples" / "configs" / name)])
+        strategy = cli.trainer.strategy
+        assert strategy._requested["pipeline_parallel_size"] == 2 and strategy._requested["tensor_parallel_size"] == 2
+        assert strategy._pipeline_config.schedule == "1f1b" and strategy._pipeline_config.num_microbatches == 4
+        assert type(cli.model).__name__ == model_type
+        assert len(cli.model.pipeline_blocks()) >= 4

@@ -57,6 +57,13 @@ def _pp2_tp2(rank: int, world: int) -> None:
         assert recorder.losses == pytest.approx(expected_losses, rel=1e-4), model_type
         state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
         assert_state_close(state, {k: expected[k] for k in state}, atol=1e-4)  # Adam after 20 steps, fp32
+    three_heads = HuggingFaceCausalLM("llama", dict(CONFIGS["llama"], hidden_size=48, num_attention_heads=3, num_key_value_heads=3))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide num_attention_heads=3; .* among \[1, 3\]"):
+        Trainer(
+            strategy=HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2),
+            accelerator="cpu", devices=world, max_steps=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        ).fit(three_heads, loader(8, PER_RANK_BATCH))
 
 
 def test_llama_and_deepseek_v3_train_with_pp2_tp2():
