@@ -16,10 +16,11 @@ Contract:
 * :class:`PipelineRunner` runs one of torch's schedules (GPipe, 1F1B, interleaved 1F1B, looped BFS, the
   zero-bubble schedules, DualPipeV) over those stages. ``run(inputs, targets, train=True)`` does forward
   *and* backward of all micro-batches (``num_microbatches`` must divide the batch; evaluation batches it does
-  not divide run with the largest number of equal micro-batches below it), leaving gradients accumulated in ``.grad`` (scaled so that they
-  equal the gradient of the mean micro-batch loss divided by ``loss_divisor``) and returns the mean loss,
-  identical on every rank of the pipeline group. ``train=False`` runs forward only. A schedule is built per
-  (mode, batch shape), because stages size their receive buffers from the first batch they see.
+  not divide run with the largest number of equal micro-batches below it), leaving gradients accumulated in
+  ``.grad`` (scaled so that they equal the gradient of the mean micro-batch loss divided by ``loss_divisor``)
+  and returns the mean loss, identical on every rank of the pipeline group. ``train=False`` runs forward
+  only. A schedule is built per (mode, batch shape), because stages size their receive buffers from the
+  first batch they see.
 * The runner times each stage's compute and reports ``bubble``: the fraction of the step this rank spent
   not computing (waiting for its neighbours), to compare with :func:`theoretical_bubble`.
 
@@ -107,7 +108,9 @@ def balanced_split(sizes: Sequence[int], num_stages: int) -> list[int]:
     """Start index of each of ``num_stages`` contiguous, non-empty groups of ``sizes`` minimizing the largest sum."""
     n = len(sizes)
     if num_stages > n:
-        raise ValueError(f"cannot cut {n} pipeline blocks into {num_stages} stages: each stage needs at least one block.")
+        raise ValueError(
+            f"cannot cut {n} pipeline blocks into {num_stages} stages: each stage needs at least one block."
+        )
     prefix = [0]
     for size in sizes:
         prefix.append(prefix[-1] + size)

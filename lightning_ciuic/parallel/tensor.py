@@ -101,7 +101,9 @@ def _hugging_face_style(style: str, module: nn.Module) -> ParallelStyle | None:
     return None
 
 
-def hugging_face_plan(model: nn.Module, plan: Mapping[str, str], prefix: str = "") -> tuple[dict[str, ParallelStyle], list[str]]:
+def hugging_face_plan(
+    model: nn.Module, plan: Mapping[str, str], prefix: str = ""
+) -> tuple[dict[str, ParallelStyle], list[str]]:
     """``(torch plan over concrete module names, skipped "pattern: style" entries)`` for a Hugging Face plan.
 
     ``plan`` patterns are relative to ``model``; ``prefix`` is prepended to the returned names (the model's

@@ -62,14 +62,9 @@ from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.grad_norm import clip_grad_norm_
 from lightning_ciuic.parallel.pipeline import PipelineRunner, PipelineScheduleName
 from lightning_ciuic.strategies import checkpointing
-from lightning_ciuic.strategies.rendezvous import restarted_worker_store
 from lightning_ciuic.strategies.launchers import FullWeightsMultiProcessingLauncher
-from lightning_ciuic.strategies.pipelining import (
-    PipelineConfig,
-    PipelineModule,
-    build_pipeline,
-    checkpoint_blocks,
-)
+from lightning_ciuic.strategies.pipelining import PipelineConfig, PipelineModule, build_pipeline, checkpoint_blocks
+from lightning_ciuic.strategies.rendezvous import restarted_worker_store
 
 StartMethod = Literal["popen", "spawn", "fork"]
 _BACKENDS = ("gloo", "nccl", "mpi", "ucc")
@@ -429,7 +424,9 @@ class HybridParallelStrategy(ParallelStrategy):
             yield
 
     @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         if self.pipeline is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The pipeline schedule already ran backward inside training_step: only Lightning's hooks remain.

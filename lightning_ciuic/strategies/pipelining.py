@@ -97,7 +97,8 @@ class PipelineConfig:
     split_points: Optional[tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_microbatches, bool) or not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
+        m = self.num_microbatches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"num_microbatches must be a positive integer, got {self.num_microbatches!r}.")
         resolve_stages_per_rank(self.schedule, self.stages_per_rank)
 
