@@ -23,6 +23,7 @@ names unchanged, so checkpoints load into any layout) and returns the :class:`Pi
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -45,16 +46,17 @@ from lightning_ciuic.parallel.pipeline import (
 )
 
 
-class PipelineModule:
-    """Mixin for a LightningModule that :class:`HybridParallelStrategy` can cut into pipeline stages."""
+class PipelineModule(abc.ABC):
+    """Mixin for a LightningModule that :class:`HybridParallelStrategy` can cut into pipeline stages
+    (a class that leaves out one of the abstract methods cannot be instantiated)."""
 
+    @abc.abstractmethod
     def pipeline_blocks(self) -> Sequence[str]:
         """Names of the sub-modules that, applied in order, compute the model's output from its inputs."""
-        raise NotImplementedError(f"{type(self).__name__} must implement pipeline_blocks() to be pipelined.")
 
+    @abc.abstractmethod
     def pipeline_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         """The loss of one micro-batch: a mean over its samples."""
-        raise NotImplementedError(f"{type(self).__name__} must implement pipeline_loss(outputs, targets).")
 
     def pipeline_inputs(self, batch: Any) -> tuple[Any, Any]:
         """``(inputs, targets)`` of a batch; by default its first two items."""
