@@ -333,6 +333,7 @@ class PipelineRunner:
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}.")
         self.stage_modules, self.stage_ids, self.num_stages = list(stage_modules), list(stage_ids), num_stages
+        self._parameters = [p for module in self.stage_modules for p in module.parameters()]
         self.schedule_name, self.num_microbatches = schedule, num_microbatches
         self.loss_fn, self.group, self.device = loss_fn, group, device
         self._loss_divisor = 1.0
@@ -353,7 +354,8 @@ class PipelineRunner:
         return self.num_stages - 1 in self.stage_ids
 
     def parameters(self) -> list[nn.Parameter]:
-        return [p for module in self.stage_modules for p in module.parameters()]
+        """This rank's parameters (fixed once the stages are cut; read twice per training step)."""
+        return self._parameters
 
     def check_batch_size(self, batch_size: int, where: str = "a batch") -> None:
         if batch_size % self.num_microbatches:
