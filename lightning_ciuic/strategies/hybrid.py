@@ -324,7 +324,13 @@ class HybridParallelStrategy(ParallelStrategy):
         if self.parallel_dims.pp_enabled:
             self.pipeline = build_pipeline(module, self.device_mesh, config, self.root_device)
             rank_zero_info(f"HybridParallelStrategy: {config.schedule} pipeline, {config.num_microbatches} micro-batches")
-        elif config.activation_checkpointing and isinstance(module, PipelineModule):
+        elif config.activation_checkpointing:
+            if not isinstance(module, PipelineModule):
+                raise TypeError(
+                    f"gradient_checkpointing=True recomputes each pipeline block, so it needs a LightningModule that"
+                    f" implements the PipelineModule protocol; {type(module).__name__} does not. Implement"
+                    " pipeline_blocks() and pipeline_loss() (docs/pipeline.md) or set gradient_checkpointing=False."
+                )
             checkpoint_blocks(module)
 
     def _setup_grad_sync(self) -> None:
