@@ -13,13 +13,25 @@ import os
 from pathlib import Path
 
 import torch
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import Callback, Trainer, seed_everything
 
 from examples.deepseek import DeepSeekMini
 from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
 from lightning_ciuic.callbacks.recovery import SnapshotRecovery
 from lightning_ciuic.faults import FailAt
 from tests.helpers import TINY_MODEL, loader
+
+
+class SavesCommittedBefore(Callback):
+    """At the start of step ``step``, wait until the background checkpoint writes begun so far are committed, so
+    "the last checkpoint" a fault in that step leaves is the same however loaded the machine is."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step + 1 == self.step:
+            trainer.strategy.checkpoint_io.wait()
 
 
 def main() -> None:
@@ -42,6 +54,8 @@ def main() -> None:
     callbacks = [recovery]
     if args.checkpoint_dir:
         callbacks.append(AsyncCheckpointer(args.checkpoint_dir, every_n_train_steps=args.snapshot_freq))
+        if args.fault:
+            callbacks.append(SavesCommittedBefore(args.fault_step))  # before FailAt: runs first
     if args.fault:
         callbacks.append(FailAt(args.fault_step, args.fault, ranks=(args.fault_rank,), lose_snapshots=args.lose_snapshots))
     trainer = Trainer(
