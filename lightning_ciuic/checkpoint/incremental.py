@@ -72,15 +72,16 @@ class ChunkStore:
     def _file(chunk: str) -> str:
         return f"chunks/{chunk[:2]}/{chunk}"
 
-    def _encode(self, piece: memoryview) -> tuple[str, bytes]:
+    def _encode(self, piece: memoryview) -> tuple[str, bytes | memoryview]:
         """``("zst", compressed)`` where zstd pays (a 64 kB sample shrinks by 5% or more), else ``("raw", piece)``:
-        fp32 weights barely compress (about 1.08x) and are not worth the CPU; metadata, integers and zeros are."""
+        fp32 weights barely compress (about 1.08x) and are not worth the CPU; metadata, integers and zeros are.
+        A raw piece is written from the caller's buffer, not copied (a copy costs as much CPU as hashing it)."""
         if self.compression == "zstd":
             compressor = zstandard.ZstdCompressor(level=self.level)
             sample = piece[: 64 * 1024]
             if len(compressor.compress(sample)) <= 0.95 * len(sample):
                 return "zst", compressor.compress(piece)
-        return "raw", bytes(piece)
+        return "raw", piece
 
     def put(self, data: bytes | memoryview) -> list[str]:
         """Store ``data``; returns its chunk ids (``<digest>.zst`` or ``<digest>.raw``) in order."""

@@ -77,7 +77,7 @@ class Storage:
         except OSError as err:
             raise PermissionError(f"checkpoint storage {self.url!r} is not writable: {err}") from err
 
-    def write_atomic(self, relative: str, data: bytes) -> None:
+    def write_atomic(self, relative: str, data: bytes | memoryview) -> None:
         final = self.path(relative)
         temporary = f"{final}.tmp-{uuid.uuid4().hex}"
 
