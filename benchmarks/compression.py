@@ -30,12 +30,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from benchmarks.common import MODELS, ROOT, machine, median_after_warmup, write_section  # noqa: E402
 from benchmarks.sim_cluster import SimulatedCluster, available  # noqa: E402
-from lightning_ciuic.comm.auto import CANDIDATES, TRIAL_STEPS  # noqa: E402
+from lightning_ciuic.comm.auto import CANDIDATES, SETTLE_STEPS, TRIAL_STEPS  # noqa: E402
 
 OURS = ["none", "fp16", "bf16", "int8", "nf4", "topk", "powersgd", "powersgd rank 16", "auto"]
 DDP_VARIANTS = ["DDPStrategy", "DDP + torch fp16 hook", "DDP + torch PowerSGD hook"]
 WARMUP = 5
-AUTO_TRIAL = len(CANDIDATES) * TRIAL_STEPS
+AUTO_TRIAL = SETTLE_STEPS + len(CANDIDATES) * TRIAL_STEPS
 
 
 def _strategy(variant: str):

@@ -9,7 +9,10 @@ by every data-parallel rank at the start of every optimizer step (its collective
    time for this model's gradient (``collectives * 2 (w-1) * latency + wire_bytes / bandwidth + codec``);
 2. it then *tries* the candidates, fastest predicted first, ``trial_steps`` optimizer steps each, timing
    whole steps (the slowest rank counts), because a prediction cannot see what the hardware does when
-   encoding competes with backward for the same cores or when communication hides behind compute;
+   encoding competes with backward for the same cores or when communication hides behind compute. The
+   first decision a process takes starts timing only after ``settle_steps`` more steps (run in the mode
+   predicted fastest): a process's first steps are slower (allocator, caches, connections), and a
+   candidate timed there would lose to the ones timed after;
 3. it keeps the mode with the lowest measured step time. All ranks take the same decision (the measured
    times are reduced with MAX across ranks first); it is returned as :class:`AutoDecision`, whose
    ``reason`` (measured link, predictions, measurements) the strategy logs.
@@ -36,6 +39,7 @@ from lightning_ciuic.comm.compression import GradientCompression
 
 CANDIDATES = ("none", "fp16", "int8", "nf4")
 TRIAL_STEPS = 6  # per candidate; the first is dropped (warm-up of a mode switch)
+SETTLE_STEPS = 5  # before a process's first trial: its first steps are slower whatever the mode
 _WIRE_FRACTION = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}
 
 
@@ -143,14 +147,24 @@ def measure_sync_seconds(
 
 
 class AutoCompression:
-    def __init__(self, compression: GradientCompression, recheck_steps: int = 500, trial_steps: int = TRIAL_STEPS) -> None:
+    def __init__(
+        self,
+        compression: GradientCompression,
+        recheck_steps: int = 500,
+        trial_steps: int = TRIAL_STEPS,
+        settle_steps: int = SETTLE_STEPS,
+    ) -> None:
         if recheck_steps < 1:
             raise ValueError(f"auto recheck interval must be >= 1 optimizer step, got {recheck_steps}.")
         if trial_steps < 2:
             raise ValueError(f"trial_steps must be >= 2 (the first step of a trial is dropped), got {trial_steps}.")
+        if settle_steps < 0:
+            raise ValueError(f"settle_steps must be >= 0, got {settle_steps}.")
         self.compression = compression
         self.recheck_steps = recheck_steps
         self.trial_steps = trial_steps
+        self.settle_steps = settle_steps
+        self._trial_from = 0  # the first optimizer step the trial times
         self.history: list[AutoDecision] = []
         self._pending: AutoDecision | None = None  # the decision being measured
         self._order: list[str] = []
@@ -160,12 +174,13 @@ class AutoCompression:
     def on_step(self, group: dist.ProcessGroup, global_step: int, gradient_numel: int, buckets: int) -> AutoDecision | None:
         """Advance the trial by one optimizer step; returns a decision on the step it is taken."""
         now = time.perf_counter()
-        if self._pending is not None and self._last is not None and self._last[0] == global_step - 1:
+        timed = self._last is not None and self._last[0] == global_step - 1 and global_step - 1 >= self._trial_from
+        if self._pending is not None and timed:
             self._times.setdefault(self.compression.mode, []).append(now - self._last[1])
         self._last = (global_step, now)
         if self._pending is None:
             if global_step % self.recheck_steps == 0:
-                self._start(group, gradient_numel, buckets)
+                self._start(group, global_step, gradient_numel, buckets)
             return None
         tried = self._times.get(self.compression.mode, [])
         if len(tried) < self.trial_steps:
@@ -176,7 +191,7 @@ class AutoCompression:
             return None
         return self._finish(group)
 
-    def _start(self, group: dist.ProcessGroup, gradient_numel: int, buckets: int) -> None:
+    def _start(self, group: dist.ProcessGroup, global_step: int, gradient_numel: int, buckets: int) -> None:
         world = dist.get_world_size(group)
         latency, bandwidth = measure_link(group)
         predicted = {
@@ -189,6 +204,7 @@ class AutoCompression:
         self._order = sorted(predicted, key=predicted.get)
         self._pending = AutoDecision(self._order[0], latency, bandwidth, predicted)
         self._times = {}
+        self._trial_from = global_step + (0 if self.history else self.settle_steps)
         self.compression.set_mode(self._order[0], self.compression.algorithm)
 
     def _finish(self, group: dist.ProcessGroup) -> AutoDecision:

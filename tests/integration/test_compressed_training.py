@@ -14,9 +14,11 @@ from lightning.pytorch.loggers import CSVLogger
 
 from examples.deepseek import DeepSeekMini
 from lightning_ciuic import HybridParallelStrategy
+from lightning_ciuic.comm.auto import CANDIDATES, SETTLE_STEPS, TRIAL_STEPS
 from tests.helpers import TINY_MODEL, assert_state_close, loader, reference_training
 
 STEPS = 8
+AUTO_STEPS = SETTLE_STEPS + len(CANDIDATES) * TRIAL_STEPS + 2  # settle, try every candidate, decide
 
 
 class Report(Callback):
@@ -79,7 +81,7 @@ def _fit(tmp_path, module, steps=STEPS, callbacks=(), ckpt_path=None, logger=Fal
 )
 def test_every_mode_trains_and_keeps_replicas_identical(tmp_path, kwargs):
     auto = kwargs["communication_compression"] == "auto"
-    report = _fit(tmp_path, _tiny(), steps=26 if auto else STEPS, **kwargs)  # auto tries 4 modes x 6 steps
+    report = _fit(tmp_path, _tiny(), steps=AUTO_STEPS if auto else STEPS, **kwargs)
     losses = report["losses"]
     assert report["replicas_identical"]
     assert sum(losses[-3:]) / 3 < losses[0] - 0.3, losses
