@@ -32,6 +32,7 @@ def _worker(rank: int, fn: Callable[..., None], world_size: int, port: int, args
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     try:
         fn(rank, world_size, *args)
+        dist.barrier()  # no rank tears its gloo pairs down while a peer may still be using them
     finally:
         dist.destroy_process_group()
 
