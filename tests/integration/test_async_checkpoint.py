@@ -39,8 +39,8 @@ def _ciuic(dp, tp=1):
 
 @pytest.mark.parametrize(
     "save_layout, resume_layout",
-    [((2, 1), (2, 1)), ((2, 2), (2, 2)), ((2, 1), (4, 1)), ((4, 1), (1, 2))],
-    ids=["dp2", "dp2xtp2", "dp2-to-dp4", "dp4-to-tp2"],
+    [((2, 2), (2, 2)), ((2, 1), (4, 1)), ((4, 1), (1, 2))],  # dp alone: saved at dp=2, resumed at dp=4
+    ids=["dp2xtp2", "dp2-to-dp4", "dp4-to-tp2"],
 )
 def test_resume_from_last_continues_exactly(tmp_path, save_layout, resume_layout):
     url = str(tmp_path / "checkpoints")
