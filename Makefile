@@ -34,7 +34,7 @@ bench: setup
 	$(PY) benchmarks/compression.py
 	$(PY) benchmarks/data_balance.py --steps 60 --settle 25 --rounds 3
 	$(PY) benchmarks/monitor.py --steps 25 --rounds 3 --batch 4 --overhead-steps 80
-	$(PY) benchmarks/checkpoint.py --steps 90 --every 30
+	$(PY) benchmarks/checkpoint.py --steps 90 --every 30 --rounds 3
 	$(PY) benchmarks/recovery.py --model xl --rounds 2
 	$(PY) benchmarks/elastic.py --rounds 2
 	$(PY) benchmarks/pipeline.py --steps 16 --rounds 2

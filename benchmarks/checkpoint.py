@@ -1,7 +1,8 @@
 """AsyncCheckpointer against Lightning's ModelCheckpoint on about 1 GB of training state, side by side.
 
 One process on the CPU; a model of five 4096x4096 linear layers (84M parameters) with Adam: 1.0 GB of state
-(weights + two moments). Runs, each ``--steps`` steps, saving every ``--every`` steps to a local directory:
+(weights + two moments). Runs of ``--steps`` steps, saving every ``--every`` steps to a local directory; the first
+three run side by side in each of ``--rounds`` rounds, and the tables show the medians:
 
 * ``none``: no checkpointing (the reference throughput);
 * ``ModelCheckpoint``: Lightning's blocking ``torch.save``; stall = the saving step's time minus the median step;
@@ -10,12 +11,13 @@ One process on the CPU; a model of five 4096x4096 linear layers (84M parameters)
 * ``frozen``: 90% of the parameters frozen (fine-tuning): bytes written by the second checkpoint against the first;
 * checkpoint overhead (the seed's "47% less"): (run time - none's) of each, at the same interval;
 * thread or process for the background writer: the throughput of training steps while a background *thread*
-  hashes, compresses and writes, against while a background *process* (same work, state in shared memory) does;
+  hashes, compresses and writes, against while a spawned background *process* (same work, state in shared
+  memory) does;
 * a lossless XOR delta of fp32 state against the previous checkpoint, compressed with zstd, against plain zstd.
 
 Writes the ``checkpoint`` section of docs/benchmarks.md.
 
-    .venv/bin/python benchmarks/checkpoint.py [--steps 90] [--every 30]
+    .venv/bin/python benchmarks/checkpoint.py [--steps 90] [--every 30] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -130,7 +132,6 @@ class Round:
     mc_stall: float
     first_stall: float
     as_stall: float
-    busy_steps: int
     during: float  # throughput of the steps run while a save was written, over no checkpointing's
     during_median: float
     per_save: float  # the stall plus the training time lost while the write ran, per save
@@ -159,7 +160,6 @@ def side_by_side(tmp: str, steps: int, every: int) -> Round:
         mc_stall=mc_stall,
         first_stall=async_ckpt.stalls[0],  # allocates the staging buffers
         as_stall=statistics.median(async_ckpt.stalls[1:] or async_ckpt.stalls),  # reuses them
-        busy_steps=len(busy_periods),
         during=base / statistics.fmean(busy_periods) if busy_periods else float("nan"),  # steps per second, as a ratio
         during_median=base / statistics.median(busy_periods) if busy_periods else float("nan"),
         per_save=(sum(async_ckpt.stalls) + slowed) / max(1, async_ckpt.saves),
@@ -267,7 +267,9 @@ def main() -> None:
         f"""
 ## AsyncCheckpointer vs ModelCheckpoint (about 1 GB of state)
 
-Command: `.venv/bin/python benchmarks/checkpoint.py --steps {args.steps} --every {args.every} --rounds {args.rounds}`\n(one CPU process, 2 threads, local disk, zstd level 3, incremental; no checkpointing, ModelCheckpoint and\nAsyncCheckpointer side by side in each round, medians of {args.rounds} rounds; machine: {machine()}).
+Command: `.venv/bin/python benchmarks/checkpoint.py --steps {args.steps} --every {args.every} --rounds {args.rounds}`
+(one CPU process, 2 threads, local disk, zstd level 3, incremental; no checkpointing, ModelCheckpoint and
+AsyncCheckpointer side by side in each round, medians of {args.rounds} rounds; machine: {machine()}).
 
 | measure | result |
 |---|---|
