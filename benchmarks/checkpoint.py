@@ -277,7 +277,7 @@ AsyncCheckpointer side by side in each round, medians of {args.rounds} rounds; m
 
 - Background writer: a thread at nice 19, as shipped ({thread_rate:.0%} of solo throughput while it writes the
   state once; a spawned process at nice 19 with the state in shared memory: {process_rate:.0%}). {writer_verdict}
-  What the write costs is CPU: hashing (about 1 GB/s) and writing into the page cache; raw chunks are written
+  What the write costs is CPU: hashing and writing into the page cache; raw chunks are written
   from the staging buffer without a copy.
 - XOR delta against the previous checkpoint: {verdict}.
 - The whole-run figure includes, once per run, waiting at the end for the last background write: on this 2-core
