@@ -8,7 +8,10 @@ Contract of ``Storage(url, storage_options=None, retries=4, backoff=0.5)``:
 * Paths given to methods are relative to the root, ``/``-separated.
 * :meth:`write_atomic` makes a file appear complete or not at all: it writes ``<path>.tmp-<random>`` then
   moves it into place (a rename on local disks; on object stores a single PUT is already atomic, and
-  the move is a server-side copy). Readers never see a partial file under the final name.
+  the move is a server-side copy). Readers never see a partial file under the final name. On a local
+  file system a page-aligned buffer (:func:`page_aligned_empty`) is written with ``O_DIRECT``: straight from
+  memory to the device, without the CPU copy into the page cache (which costs about 2.5 s of CPU per GB here,
+  twice the hashing); a file system that refuses ``O_DIRECT`` (tmpfs on older kernels) gets buffered writes.
 * Every operation that touches storage is retried ``retries`` times with exponential backoff (``backoff``
   seconds, doubling) on ``OSError`` and the transient errors fsspec backends raise; the last error is
   re-raised with the URL and the number of attempts in the message.
@@ -18,19 +21,55 @@ No Lightning imports.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
+import math
+import mmap
+import os
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any, Optional, TypeVar
 
 import fsspec
+import torch
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 
 T = TypeVar("T")
 
 
+PAGE = 4096  # O_DIRECT wants the buffer's address, offsets and lengths aligned to the device's block size
+
+
 class StorageError(OSError):
     """A storage operation failed after every retry."""
+
+
+def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor whose data starts on a page boundary (anonymous memory map), so that
+    :meth:`Storage.write_atomic` can write it with ``O_DIRECT``."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+
+def _write_direct(path: str, view: memoryview) -> None:
+    """Write ``view`` (page-aligned address) to a new file with ``O_DIRECT``; an unaligned tail goes through
+    the page cache."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        done, aligned_end = 0, len(view) - len(view) % PAGE
+        while done < aligned_end:
+            done += os.write(fd, view[done:aligned_end])
+        if done < len(view):
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            while done < len(view):
+                done += os.write(fd, view[done:])
+    finally:
+        os.close(fd)
 
 
 class Storage:
@@ -48,6 +87,7 @@ class Storage:
             ) from err
         self.url, self.root = url, root.rstrip("/")
         self.retries, self.backoff = retries, backoff
+        self.direct_io = isinstance(self.fs, LocalFileSystem) and hasattr(os, "O_DIRECT")  # off once refused
 
     def path(self, relative: str) -> str:
         return f"{self.root}/{relative}" if relative else self.root
@@ -80,15 +120,31 @@ class Storage:
     def write_atomic(self, relative: str, data: bytes | memoryview) -> None:
         final = self.path(relative)
         temporary = f"{final}.tmp-{uuid.uuid4().hex}"
+        view = memoryview(data).cast("B")
 
         def write() -> None:
             parent = final.rsplit("/", 1)[0]
             self.fs.makedirs(parent, exist_ok=True)
-            with self.fs.open(temporary, "wb") as f:
-                f.write(data)
+            if not self._wrote_direct(temporary, view):
+                with self.fs.open(temporary, "wb") as f:
+                    f.write(view)
             self.fs.mv(temporary, final)
 
         self._retry(f"write {relative}", write)
+
+    def _wrote_direct(self, path: str, view: memoryview) -> bool:
+        """Whether ``view`` went to ``path`` with ``O_DIRECT`` (False: not local, too small or unaligned, or
+        the file system refuses it, which turns direct writes off for this storage)."""
+        if not self.direct_io or len(view) < PAGE or view.readonly or ctypes.addressof(ctypes.c_char.from_buffer(view)) % PAGE:
+            return False
+        try:
+            _write_direct(path, view)
+            return True
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+            self.direct_io = False
+            return False
 
     def read(self, relative: str) -> bytes:
         return self._retry(f"read {relative}", lambda: self.fs.cat_file(self.path(relative)))

@@ -38,7 +38,7 @@ from typing_extensions import override
 from lightning_ciuic.comm.groups import close_group
 from lightning_ciuic.checkpoint.dcp import ChunkedReader, ChunkedWriter, load_full, save_full
 from lightning_ciuic.checkpoint.incremental import LATEST, MANIFEST, CheckpointCatalog, ChunkStore, CorruptCheckpointError
-from lightning_ciuic.checkpoint.storage import Storage
+from lightning_ciuic.checkpoint.storage import Storage, page_aligned_empty
 
 Compression = Literal["zstd", "none"]
 T = TypeVar("T")
@@ -63,7 +63,8 @@ class Stager:
     """Copies a state's tensors into private CPU buffers kept between saves (the training stall).
 
     Reusing the buffers avoids allocating and first-touching a fresh copy of the state at every save, which is
-    most of a plain clone's cost; the price is one resident CPU copy of the state. A buffer is reused only after
+    most of a plain clone's cost; the price is one resident CPU copy of the state. Buffers are page-aligned, so
+    local storage writes them with ``O_DIRECT`` (no copy into the page cache). A buffer is reused only after
     the save that read it has finished (the IO waits for it before staging again). DTensors are staged as
     DTensors over their local shard."""
 
@@ -86,7 +87,7 @@ class Stager:
         tensor = tensor.detach()
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = self._buffers[path] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            buffer = self._buffers[path] = page_aligned_empty(tuple(tensor.shape), tensor.dtype)
         return buffer.copy_(tensor)
 
 
