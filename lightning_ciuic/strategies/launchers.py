@@ -3,7 +3,9 @@
 ``FullWeightsMultiProcessingLauncher`` is Lightning's multiprocessing launcher, except that the weights it
 hands back to the main process after ``fit`` are the full model: tensor-parallel DTensors are gathered on
 every rank first, because the main process has no device mesh to rebuild them on, and under pipeline
-parallelism the stages' parameters are gathered from the ``pp`` axis.
+parallelism the stages' parameters are gathered from the ``pp`` axis. And a worker that finished leaves its
+process groups together with its peers before its process exits (a gloo group destroyed at interpreter exit
+aborts the process now and then: "terminate called without an active exception", pytorch#190489).
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ from typing_extensions import override
 
 class FullWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
     """Lightning's spawn/fork launcher, except that the weights handed back to the main process are full
-    tensors: tensor-parallel DTensors are gathered on every rank first (the main process has no mesh)."""
+    tensors (tensor-parallel DTensors are gathered on every rank first: the main process has no mesh), and
+    finished workers destroy their process groups together before exiting."""
+
+    @override
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears its gloo pairs down while a peer may still be using them
+            dist.destroy_process_group()
 
     @override
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Optional[_WorkerOutput]:
