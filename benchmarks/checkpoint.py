@@ -339,8 +339,8 @@ AsyncCheckpointer side by side in each round, medians of {args.rounds} rounds; m
 
 - Background writer: a thread at nice 19, as shipped ({thread_rate:.0%} of solo throughput while it writes the
   state once, median of {args.rounds}; a spawned process at nice 19 with the state in shared memory: {process_rate:.0%}). {writer_verdict}
-  What the write costs is CPU: hashing (about 1 s per GB here) and, through the page cache, copying into it
-  (about 2.5 s per GB) and the kernel's writeback, which also slows steps after the write has returned; with
+  What the write costs is CPU: hashing and, through the page cache, copying into it and the kernel's
+  writeback, which also slows steps after the write has returned (the page-cache row above); with
   O_DIRECT (local storage, page-aligned staging buffers) raw chunks go from the staging buffer to the disk
   without either. fp32 chunks are stored raw: zstd shrinks them by only about 7%.
 - Delta encoding against the previous checkpoint: {verdict}.

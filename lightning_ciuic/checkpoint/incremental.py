@@ -75,8 +75,8 @@ class ChunkStore:
 
     def _encode(self, piece: memoryview) -> tuple[str, bytes | memoryview]:
         """``("zst", compressed)`` where zstd pays (a 64 kB sample shrinks by ``ZSTD_MIN_SAVING`` or more), else
-        ``("raw", piece)``: fp32 weights and optimizer moments shrink by only about 7% (1.08x), for about twice the
-        CPU of hashing them; metadata, integers and zeros shrink far more. A raw piece is written from the
+        ``("raw", piece)``: fp32 weights and optimizer moments shrink by only about 7% (1.08x), for more CPU than
+        hashing them; metadata, integers and zeros shrink far more. A raw piece is written from the
         caller's buffer, not copied (a copy costs as much CPU as hashing it)."""
         if self.compression == "zstd":
             compressor = zstandard.ZstdCompressor(level=self.level)

@@ -10,8 +10,8 @@ Contract of ``Storage(url, storage_options=None, retries=4, backoff=0.5)``:
   moves it into place (a rename on local disks; on object stores a single PUT is already atomic, and
   the move is a server-side copy). Readers never see a partial file under the final name. On a local
   file system a page-aligned buffer (:func:`page_aligned_empty`) is written with ``O_DIRECT``: straight from
-  memory to the device, without the CPU copy into the page cache (which costs about 2.5 s of CPU per GB here,
-  twice the hashing); a file system that refuses ``O_DIRECT`` (tmpfs on older kernels) gets buffered writes.
+  memory to the device, without the CPU copy into the page cache (which costs more CPU than hashing the
+  bytes); a file system that refuses ``O_DIRECT`` (tmpfs on older kernels) gets buffered writes.
 * Every operation that touches storage is retried ``retries`` times with exponential backoff (``backoff``
   seconds, doubling) on ``OSError`` and the transient errors fsspec backends raise; the last error is
   re-raised with the URL and the number of attempts in the message.
