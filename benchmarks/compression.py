@@ -6,13 +6,16 @@ Three parts, each a set of runs with 2 processes (one per simulated node, gloo, 
    median step time, bytes this rank sent per step, ratio to ``DDPStrategy`` (fp32). Every mode of ours,
    plus torch's fp16 and PowerSGD DDP hooks registered on Lightning's DDP model;
 2. fast link: the same model on loopback: ``"auto"`` against uncompressed;
-3. loss: the example model for ``--loss-steps`` steps per mode (same seed and data order); mean training
-   loss of the last 20 steps against uncompressed.
+3. loss: the example model for ``--loss-steps`` steps per mode (same seed and data order, loopback); mean
+   training loss of the last 20 steps against uncompressed, under the example's AdamW and under SGD with
+   momentum (where error feedback's convergence guarantees are proven).
 
 Needs root and iproute2 for part 1 (see benchmarks/sim_cluster.py); says so and skips it otherwise.
-Writes the ``compression`` section of docs/benchmarks.md.
+``--parts speed`` (1 and 2) writes the ``compression`` section of docs/benchmarks.md, ``--parts loss`` (3)
+the ``compression_loss`` section; both by default.
 
-    .venv/bin/python benchmarks/compression.py [--steps 25] [--loss-steps 200] [--speed-runs 1gbit:16 1gbit:4 200mbit:4]
+    .venv/bin/python benchmarks/compression.py [--parts speed loss] [--steps 25] [--speed-runs 1gbit:16 1gbit:4 200mbit:4]
+        [--loss-steps 200] [--sgd-lr 0.1]
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ OURS = ["none", "fp16", "bf16", "int8", "nf4", "topk", "powersgd", "powersgd ran
 DDP_VARIANTS = ["DDPStrategy", "DDP + torch fp16 hook", "DDP + torch PowerSGD hook"]
 WARMUP = 5
 AUTO_TRIAL = SETTLE_STEPS + len(CANDIDATES) * TRIAL_STEPS
+LOSS_VARIANTS = ["none", "fp16", "bf16", "int8", "nf4", "topk", "topk warm-up 20", "powersgd", "powersgd warm-up 20",
+                 "powersgd rank 16"]
+SGD_LOSS_VARIANTS = ["none", "int8", "nf4", "topk", "powersgd", "powersgd rank 16"]
 
 
 def _strategy(variant: str):
@@ -120,7 +126,10 @@ def worker(args: argparse.Namespace) -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, callbacks=callbacks,
     )
-    trainer.fit(DeepSeekMini(**MODELS[args.model]), ByteCorpusDataModule(seq_len=64, batch_size=args.batch_size))
+    model = DeepSeekMini(**MODELS[args.model])
+    if args.sgd:  # the loss comparison under SGD with momentum, where error feedback's guarantees are proven
+        model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=args.sgd_lr, momentum=0.9)
+    trainer.fit(model, ByteCorpusDataModule(seq_len=64, batch_size=args.batch_size))
 
 
 def run(
@@ -191,6 +200,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="worker: samples of 64 bytes per rank")
     parser.add_argument("--speed-runs", nargs="+", default=["1gbit:16", "1gbit:4", "200mbit:4"],
                         help="RATE:BATCH pairs for the simulated-cluster speed tables")
+    parser.add_argument("--parts", nargs="+", choices=["speed", "loss"], default=["speed", "loss"])
+    parser.add_argument("--sgd-lr", type=float, default=0.1, help="LR of the loss comparison under SGD with momentum 0.9")
+    parser.add_argument("--sgd", action="store_true", help="worker: train with SGD (momentum 0.9, --sgd-lr) instead of AdamW")
     parser.add_argument("--out", default="")
     parser.add_argument("--monitor-dir", default="", help="worker: add a CommunicationMonitor writing here")
     parser.add_argument("--straggler", action="store_true", help="worker: slow rank 1 down 2x (with --monitor-dir)")
@@ -198,49 +210,73 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    sections = []
     with tempfile.TemporaryDirectory() as tmp:
-        workdir = Path(tmp)
-        reason = available()
-        if reason:
-            sections.append(f"### Speed on a simulated cluster\n\nSkipped: {reason}.")
-        for pair in [] if reason else args.speed_runs:
-            rate, batch_size = pair.split(":")
-            sections.append(speed_section(rate, args.steps, workdir, int(batch_size)))
+        if "speed" in args.parts:
+            speed_part(args, Path(tmp))
+        if "loss" in args.parts:
+            loss_part(args, Path(tmp))
 
-        fast = {v: run(v, "large", args.steps + (AUTO_TRIAL if v == "auto" else 0), workdir, None) for v in ("none", "auto")}
-        none_step, auto_step = summarize(fast["none"])[0], summarize(fast["auto"])[0]
-        sections.append(
-            "### Fast link (loopback)\n\n"
-            f"uncompressed {none_step * 1e3:.0f} ms/step, auto {auto_step * 1e3:.0f} ms/step: ratio **{auto_step / none_step:.2f}** "
-            f"(target <= 1.05).\n\n`auto` said: {fast['auto']['auto'][0] if fast['auto']['auto'] else ''}"
-        )
 
-        loss_variants = ["none", "fp16", "bf16", "int8", "nf4", "topk", "topk warm-up 20", "powersgd", "powersgd warm-up 20",
-                         "powersgd rank 16"]
-        losses = {v: run(v, "example", args.loss_steps, workdir, None)["losses"] for v in loss_variants}
-        reference = sum(losses["none"][-20:]) / 20
-        loss_rows = "\n".join(
-            f"| {v} | {sum(l[-20:]) / 20:.4f} | **{(sum(l[-20:]) / 20 - reference) / reference:+.2%}** |" for v, l in losses.items()
-        )
-        sections.append(
-            f"### Loss after {args.loss_steps} steps (example model, AdamW, error feedback on)\n\n"
-            "| mode | mean train loss, last 20 steps | vs uncompressed |\n|---|---|---|\n" + loss_rows
-        )
+def speed_part(args: argparse.Namespace, workdir: Path) -> None:
+    """The ``compression`` section: every mode on capped links and on loopback."""
+    sections = []
+    reason = available()
+    if reason:
+        sections.append(f"### Speed on a simulated cluster\n\nSkipped: {reason}.")
+    for pair in [] if reason else args.speed_runs:
+        rate, batch_size = pair.split(":")
+        sections.append(speed_section(rate, args.steps, workdir, int(batch_size)))
 
+    fast = {v: run(v, "large", args.steps + (AUTO_TRIAL if v == "auto" else 0), workdir, None) for v in ("none", "auto")}
+    none_step, auto_step = summarize(fast["none"])[0], summarize(fast["auto"])[0]
+    sections.append(
+        "### Fast link (loopback)\n\n"
+        f"uncompressed {none_step * 1e3:.0f} ms/step, auto {auto_step * 1e3:.0f} ms/step: ratio **{auto_step / none_step:.2f}** "
+        f"(target <= 1.05).\n\n`auto` said: {fast['auto']['auto'][0] if fast['auto']['auto'] else ''}"
+    )
     body = "\n\n".join(sections)
     write_section(
         "compression",
         f"""
 ## Compressed gradient synchronization on a simulated 2-node cluster
 
-Command: `.venv/bin/python benchmarks/compression.py --steps {args.steps} --loss-steps {args.loss_steps} --speed-runs {' '.join(args.speed_runs)}`
+Command: `.venv/bin/python benchmarks/compression.py --parts speed --steps {args.steps} --speed-runs {' '.join(args.speed_runs)}`
 (2 processes, one per network namespace, 1 intra-op thread each, gloo, `num_nodes=2`; both "nodes" share this
 machine's 2 cores, so codec time competes with compute as it would not on two real nodes; median step time after {WARMUP} warm-up steps, for `auto` after its {AUTO_TRIAL}-step trial of the candidates; machine: {machine()}). Targets at 1 Gbit/s: int8 step time
-<= 0.45x DDPStrategy, bytes <= 27% of fp32 (nf4 <= 15%, top-k 1% <= 3%); loss within 2% of uncompressed (5% for
-top-k); auto <= 1.05x uncompressed on loopback.
+<= 0.45x DDPStrategy, bytes <= 27% of fp32 (nf4 <= 15%, top-k 1% <= 3%); auto <= 1.05x uncompressed on loopback.
 
 {body}
+""",
+    )
+
+
+def _loss_table(losses: dict[str, list[float]]) -> str:
+    reference = sum(losses["none"][-20:]) / 20
+    rows = [f"| {v} | {sum(l[-20:]) / 20:.4f} | **{(sum(l[-20:]) / 20 - reference) / reference:+.2%}** |" for v, l in losses.items()]
+    return "| mode | mean train loss, last 20 steps | vs uncompressed |\n|---|---|---|\n" + "\n".join(rows)
+
+
+def loss_part(args: argparse.Namespace, workdir: Path) -> None:
+    """The ``compression_loss`` section: the example model's loss per mode, under AdamW and under SGD."""
+    adamw = {v: run(v, "example", args.loss_steps, workdir, None)["losses"] for v in LOSS_VARIANTS}
+    sgd_args = ("--sgd", "--sgd-lr", str(args.sgd_lr))
+    sgd = {v: run(v, "example", args.loss_steps, workdir, None, extra_args=sgd_args)["losses"] for v in SGD_LOSS_VARIANTS}
+    write_section(
+        "compression_loss",
+        f"""
+## Compressed gradient synchronization: loss after {args.loss_steps} steps
+
+Command: `.venv/bin/python benchmarks/compression.py --parts loss --loss-steps {args.loss_steps} --sgd-lr {args.sgd_lr}`
+(example model, 2 processes on loopback, batch 16 x 64 bytes per rank, same seed and data order, error feedback
+on; machine: {machine()}). Target: within 2% of uncompressed for int8, nf4 and PowerSGD, 5% for top-k.
+
+### AdamW (the example model's optimizer: lr 3e-3, betas 0.9/0.95)
+
+{_loss_table(adamw)}
+
+### SGD with momentum 0.9, lr {args.sgd_lr}
+
+{_loss_table(sgd)}
 """,
     )
 
