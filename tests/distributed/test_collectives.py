@@ -67,11 +67,6 @@ def _check_all(rank, world):
     assert sent == (world - 1) * 8 * topk.k(N)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_collectives_against_the_exact_mean(world):
-    run_workers(_check_all, world)
-
-
 def _powersgd(rank, world):
     torch.manual_seed(0)  # a shared low-rank matrix plus rank-specific noise, and a vector
     base = torch.randn(40, 3) @ torch.randn(3, 30)
@@ -93,6 +88,12 @@ def _powersgd(rank, world):
     _identical_everywhere(y)
 
 
+def _collectives_then_powersgd(rank, world):
+    _check_all(rank, world)
+    _powersgd(rank, world)
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_powersgd_recovers_a_low_rank_average(world):
-    run_workers(_powersgd, world)
+def test_collectives_against_the_exact_mean_and_powersgd_recovers_a_low_rank_average(world):
+    """Every collective, then PowerSGD, in one process group per world size (a group start costs seconds)."""
+    run_workers(_collectives_then_powersgd, world)
