@@ -42,7 +42,7 @@ WARMUP = 5
 AUTO_TRIAL = SETTLE_STEPS + len(CANDIDATES) * TRIAL_STEPS
 LOSS_VARIANTS = ["none", "fp16", "bf16", "int8", "nf4", "topk", "topk warm-up 20", "powersgd", "powersgd warm-up 20",
                  "powersgd rank 16"]
-SGD_LOSS_VARIANTS = ["none", "int8", "nf4", "topk", "powersgd", "powersgd rank 16"]
+SGD_LOSS_VARIANTS = ["none", "int8", "nf4", "topk", "topk warm-up 20", "powersgd", "powersgd warm-up 20", "powersgd rank 16"]
 
 
 def _strategy(variant: str):
