@@ -429,9 +429,11 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         call = schedule.step if train else schedule.eval
         self._timed(lambda: call(*args, target=target, losses=losses))
-        loss = torch.zeros((), device=self.device)
+        # Every pipeline rank must allocate the dtype the last stage sends: the model's (float64 under "64-true").
+        dtype = self._parameters[0].dtype if self._parameters else torch.get_default_dtype()
+        loss = torch.zeros((), dtype=dtype, device=self.device)
         if self.holds_last_stage:
-            loss = (torch.stack([l.detach().float() for l in losses]).sum() * self._loss_divisor).to(self.device)
+            loss = (torch.stack([l.detach() for l in losses]).sum() * self._loss_divisor).to(self.device, dtype)
         dist.broadcast(loss, src=self._last_stage_rank, group=self.group)
         return loss
 
