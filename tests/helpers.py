@@ -84,6 +84,7 @@ def reference_training(
     (optionally with the learning rate ``lr_at(step)``). ``batches``: which global batches of the epoch of
     ``num_samples`` samples feed the steps (default: the first ``steps``)."""
     module = module_factory()
+    assert all(p.dtype == torch.float64 for p in module.parameters()), "the reference trains in float64"
     optimizer = module.configure_optimizers()
     dataset = TokenWindows(num_samples or steps * global_batch)
     order = lightning_epoch_order(len(dataset))
@@ -104,7 +105,38 @@ def reference_training(
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def assert_state_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol=1e-4, atol=1e-5) -> None:
+# Equivalence runs (reference and parallel) train in float64: ``Trainer(precision=PRECISION)`` and modules made
+# with ``.double()`` (a spawned run hands its weights back into the main process's module, in that module's dtype).
+PRECISION = "64-true"
+# Lightning logs metrics in float32: a logged float64 loss (and its mean over replicas) is off by a few 2^-24.
+LOGGED_LOSS_REL = 1e-6
+
+
+def rounding_atol(steps: int, lr: float, dtype: torch.dtype = torch.float64, adam_eps: float = 1e-8, terms: int = 1024) -> float:
+    """The largest parameter difference that rounding alone can make between two orders of summation after
+    ``steps`` Adam(W) steps at ``lr``: a gradient summed over at most ``terms`` products of magnitude <= 1 (true of
+    these tiny models) carries an error of at most ``terms * u`` (u: the dtype's unit roundoff; the standard
+    bound for a sum), and Adam turns a gradient error dg into at most ``lr * dg / eps`` of parameter per step (the
+    slope of g / (|g| + eps) at g = 0), never more than the ``lr`` a step moves at all. In float64 that is
+    1.1e-5 lr per step; in float32 it is the whole step, which is why float32 runs cannot tell a bug from
+    rounding under Adam."""
+    unit_roundoff = torch.finfo(dtype).eps / 2
+    return steps * lr * min(1.0, terms * unit_roundoff / adam_eps)
+
+
+def assert_state_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], steps: int, lr: float = TINY_MODEL["lr"]) -> None:
+    """Equal up to :func:`rounding_atol` of ``steps`` Adam steps at ``lr``; both states must be float64."""
+    assert actual.keys() == expected.keys()
+    atol = rounding_atol(steps, lr)
+    for key in expected:
+        for name, state in (("actual", actual), ("expected", expected)):
+            if state[key].is_floating_point():
+                assert state[key].dtype == torch.float64, f"{name} {key} is {state[key].dtype}: compare in float64"
+        torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def assert_state_equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Bit for bit: the same layout and kernels ran the same steps (exact resume)."""
     assert actual.keys() == expected.keys()
     for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
+        assert torch.equal(actual[key], expected[key]), f"{key} differs by {(actual[key] - expected[key]).abs().max()}"

@@ -15,18 +15,19 @@ from lightning.pytorch import Trainer, seed_everything
 from examples.deepseek import DeepSeekMini
 from lightning_ciuic import AsyncCheckpointer, ChunkedCheckpointIO, HybridParallelStrategy
 from lightning_ciuic.checkpoint.incremental import CheckpointCatalog
-from tests.helpers import TINY_MODEL, assert_state_close, loader
+from tests.helpers import PRECISION, TINY_MODEL, assert_state_close, loader
 
 GLOBAL_BATCH, STEPS_PER_EPOCH = 4, 4
 
 
 def _fit(strategy, devices, max_steps, url=None, ckpt_path=None):
     seed_everything(7)
-    module = DeepSeekMini(**TINY_MODEL)
+    module = DeepSeekMini(**TINY_MODEL).double()
     callbacks = [AsyncCheckpointer(url, save_interval=None, every_n_train_steps=STEPS_PER_EPOCH)] if url else []
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, enable_checkpointing=bool(url),
+        precision=PRECISION,
     )
     dp = devices // getattr(strategy, "_requested", {}).get("tensor_parallel_size", 1) if not isinstance(strategy, str) else devices
     trainer.fit(module, loader(STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH // dp), ckpt_path=ckpt_path)
@@ -48,7 +49,7 @@ def test_resume_from_last_continues_exactly(tmp_path, save_layout, resume_layout
     uninterrupted = _fit(_ciuic(dp, tp), dp * tp, 2 * STEPS_PER_EPOCH)
     _fit(_ciuic(dp, tp), dp * tp, STEPS_PER_EPOCH, url)
     resumed = _fit(_ciuic(dp2, tp2), dp2 * tp2, 2 * STEPS_PER_EPOCH, url, ckpt_path="last")
-    assert_state_close(resumed, uninterrupted)
+    assert_state_close(resumed, uninterrupted, 2 * STEPS_PER_EPOCH)
     manifests = CheckpointCatalog(ChunkedCheckpointIO(url).store).manifests()
     assert [m.step for m in manifests] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
     assert manifests[0].world_size == dp * tp
@@ -59,7 +60,7 @@ def test_ddp_strategy_resumes_exactly(tmp_path):
     uninterrupted = _fit("ddp_spawn", 2, 2 * STEPS_PER_EPOCH)
     _fit("ddp_spawn", 2, STEPS_PER_EPOCH, url)
     resumed = _fit("ddp_spawn", 2, 2 * STEPS_PER_EPOCH, url, ckpt_path="last")
-    assert_state_close(resumed, uninterrupted)
+    assert_state_close(resumed, uninterrupted, 2 * STEPS_PER_EPOCH)
 
 
 TRAIN_FOREVER = textwrap.dedent(

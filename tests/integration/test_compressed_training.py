@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -15,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from examples.deepseek import DeepSeekMini
 from lightning_ciuic import HybridParallelStrategy
 from lightning_ciuic.comm.auto import CANDIDATES, SETTLE_STEPS, TRIAL_STEPS
-from tests.helpers import TINY_MODEL, assert_state_close, loader, reference_training
+from tests.helpers import PRECISION, TINY_MODEL, assert_state_close, assert_state_equal, loader, reference_training
 
 STEPS = 8
 AUTO_STEPS = SETTLE_STEPS + len(CANDIDATES) * TRIAL_STEPS + 2  # settle, try every candidate, decide
@@ -54,16 +55,33 @@ def _tiny():
     return DeepSeekMini(**TINY_MODEL)
 
 
-def _fit(tmp_path, module, steps=STEPS, callbacks=(), ckpt_path=None, logger=False, **strategy_kwargs):
+def _fit(tmp_path, module, steps=STEPS, callbacks=(), ckpt_path=None, logger=False, precision="32-true", **strategy_kwargs):
     strategy = HybridParallelStrategy(data_parallel_size=2, start_method="spawn", **strategy_kwargs)
     report = tmp_path / "report.json"
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, logger=logger, log_every_n_steps=1,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(callbacks),
-        default_root_dir=tmp_path, callbacks=[Report(report), *callbacks],
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        default_root_dir=tmp_path, callbacks=[Report(report), *callbacks], precision=precision,
     )
     trainer.fit(module, loader(4 * 2 * 2, 2), ckpt_path=ckpt_path)
     return json.loads(report.read_text())
+
+
+class DropResiduals(Callback):
+    """Forgets the error-feedback residuals a resume restored (what a resume that did not save them would do)."""
+
+    def on_train_start(self, trainer, pl_module):
+        assert trainer.strategy.compression.error_feedback.residuals, "the resume restored residuals"
+        trainer.strategy.compression.error_feedback.residuals.clear()
+
+
+def saved_items(state, prefix=""):
+    """(dotted key, tensor) of every tensor in a nested checkpoint dictionary."""
+    for key, value in state.items():
+        if isinstance(value, dict):
+            yield from saved_items(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            yield f"{prefix}{key}", value
 
 
 @pytest.mark.parametrize(
@@ -98,10 +116,10 @@ def test_every_mode_trains_and_keeps_replicas_identical(tmp_path, kwargs):
 
 @pytest.mark.parametrize("algorithm", ["ring", "tree"])
 def test_uncompressed_ring_and_tree_match_single_process(tmp_path, algorithm):
-    module = _tiny()
-    _fit(tmp_path, module, steps=4, allreduce_algorithm=algorithm)
-    expected = reference_training(_tiny, 4, 2 * 2)
-    assert_state_close(module.state_dict(), expected)
+    module = _tiny().double()
+    _fit(tmp_path, module, steps=4, allreduce_algorithm=algorithm, precision=PRECISION)
+    expected = reference_training(lambda: _tiny().double(), 4, 2 * 2)
+    assert_state_close(module.state_dict(), expected, 4)
 
 
 def test_warmup_steps_stay_uncompressed(tmp_path):
@@ -116,12 +134,17 @@ def test_int8_resumes_with_its_residuals(tmp_path):
     logger = CSVLogger(tmp_path, name="logs")
     _fit(tmp_path, straight, callbacks=[checkpoints], logger=logger, communication_compression="int8")
     step4 = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
-    saved = dcp.FileSystemReader(str(step4)).read_metadata().state_dict_metadata
+    dcp_to_torch_save(step4, tmp_path / "step4.pt")
+    state = torch.load(tmp_path / "step4.pt", weights_only=False)
     for rank in (0, 1):  # each rank's error-feedback residuals are in the checkpoint, and not zero
-        assert any(k.startswith(f"rank{rank}_state.residual.") for k in saved)
+        residuals = [v for k, v in saved_items(state) if k.startswith(f"rank{rank}_state.residual.")]
+        assert residuals and all(r.abs().sum() > 0 for r in residuals), f"rank {rank}'s residuals"
     resumed = _tiny()
     _fit(tmp_path, resumed, ckpt_path=str(step4), communication_compression="int8")
-    assert_state_close(resumed.state_dict(), straight.state_dict(), rtol=1e-5, atol=1e-6)
+    assert_state_equal(resumed.state_dict(), straight.state_dict())
+    forgetful = _tiny()  # the same resume with the residuals dropped after loading: not the same run
+    _fit(tmp_path, forgetful, ckpt_path=str(step4), callbacks=[DropResiduals()], communication_compression="int8")
+    assert any(not torch.equal(forgetful.state_dict()[k], v) for k, v in straight.state_dict().items())
 
     (metrics,) = (tmp_path / "logs").rglob("metrics.csv")
     rows = [r for r in csv.DictReader(metrics.open()) if r.get("comm/bytes_sent")]

@@ -9,7 +9,7 @@ from lightning.pytorch import Trainer, seed_everything
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lightning_ciuic import HybridParallelStrategy
-from tests.helpers import assert_state_close, loader, reference_training, run_workers
+from tests.helpers import LOGGED_LOSS_REL, PRECISION, assert_state_close, loader, reference_training, run_workers
 
 pytest.importorskip("transformers")
 
@@ -24,6 +24,7 @@ CONFIGS = {
         COMMON, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
         topk_group=1, first_k_dense_replace=1, moe_intermediate_size=16, kv_lora_rank=8, q_lora_rank=None,
         qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+        experts_implementation="eager",  # torch's grouped_mm (the default) has no float64 kernel
     ),
 }
 
@@ -31,7 +32,7 @@ CONFIGS = {
 def _factory(model_type: str):
     def build() -> HuggingFaceCausalLM:
         seed_everything(5)
-        return HuggingFaceCausalLM(model_type, CONFIGS[model_type], lr=1e-2)
+        return HuggingFaceCausalLM(model_type, CONFIGS[model_type], lr=1e-2).double()
 
     return build
 
@@ -45,18 +46,19 @@ def _pp2_tp2(rank: int, world: int) -> None:
         trainer = Trainer(
             strategy=HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2),
             accelerator="cpu", devices=world, max_steps=STEPS, logger=False, callbacks=[recorder],
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
         )
         trainer.fit(module, loader(STEPS * PER_RANK_BATCH, PER_RANK_BATCH))
         if model_type == "deepseek_v3":
-            # Routing is discrete: a last-bit difference of a tensor-parallel sum can flip an expert choice, after
-            # which trajectories drift apart slowly. Equal while no choice flipped; close afterwards.
+            # Hugging Face's DeepSeek-V3 routes in float32 by design (router and RMSNorm cast to float32), so a last-bit
+            # difference of a tensor-parallel sum can flip a discrete expert choice, after which trajectories drift
+            # apart slowly: equal while no choice flipped, close afterwards. Llama has no discrete step: compared fully.
             assert recorder.losses[:8] == pytest.approx(expected_losses[:8], rel=1e-4), model_type
             assert recorder.losses == pytest.approx(expected_losses, rel=1e-2), model_type
             continue
-        assert recorder.losses == pytest.approx(expected_losses, rel=1e-4), model_type
+        assert recorder.losses == pytest.approx(expected_losses, rel=LOGGED_LOSS_REL), model_type
         state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-        assert_state_close(state, {k: expected[k] for k in state}, atol=1e-4)  # Adam after 20 steps, fp32
+        assert_state_close(state, {k: expected[k] for k in state}, STEPS)
     three_heads = HuggingFaceCausalLM("llama", dict(CONFIGS["llama"], hidden_size=48, num_attention_heads=3, num_key_value_heads=3))
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide num_attention_heads=3; .* among \[1, 3\]"):
         Trainer(

@@ -14,7 +14,7 @@ from examples.deepseek import DeepSeekMini
 from lightning_ciuic import HybridParallelStrategy
 from lightning_ciuic.callbacks.recovery import SnapshotRecovery
 from lightning_ciuic.faults import FailAt
-from tests.helpers import TINY_MODEL, assert_state_close, loader, reference_training
+from tests.helpers import PRECISION, TINY_MODEL, assert_state_close, loader, reference_training
 
 STEPS, PER_RANK_BATCH, DP = 10, 2, 2
 NUM_SAMPLES = 16 * PER_RANK_BATCH * DP  # 16 global batches: room for the skipped ones
@@ -22,14 +22,14 @@ NUM_SAMPLES = 16 * PER_RANK_BATCH * DP  # 16 global batches: room for the skippe
 
 def _tiny() -> DeepSeekMini:
     seed_everything(7)
-    return DeepSeekMini(**TINY_MODEL)
+    return DeepSeekMini(**TINY_MODEL).double()
 
 
 def _fit(callbacks: list[Callback], strategy: object, devices: int = DP) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     module = _tiny()
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=STEPS, logger=False, callbacks=callbacks,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
     )
     trainer.fit(module, loader(NUM_SAMPLES, PER_RANK_BATCH))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -54,7 +54,7 @@ def test_nan_gradient_rolls_back_and_skips_the_batches_since_the_snapshot(layout
     # Snapshots at steps 3 and 6; step 8 (global batch 7) is poisoned on rank 1 -> back to step 6: the batches of
     # steps 7 and 8 are skipped, and steps 7..10 train on batches 8..11.
     assert metrics["recovery/rollbacks"] == 1
-    assert_state_close(actual, _expected([0, 1, 2, 3, 4, 5, 8, 9, 10, 11]))
+    assert_state_close(actual, _expected([0, 1, 2, 3, 4, 5, 8, 9, 10, 11]), STEPS)
 
 
 def test_non_finite_loss_after_a_poisoned_update_rolls_back():
@@ -62,7 +62,7 @@ def test_non_finite_loss_after_a_poisoned_update_rolls_back():
     actual, metrics = _fit([recovery, FailAt(8, "nan", ranks=(0,))], _ciuic())
     # Without the gradient check the NaN update lands; step 9's loss is NaN -> back to step 6, skipping 3 batches.
     assert metrics["recovery/rollbacks"] == 1
-    assert_state_close(actual, _expected([0, 1, 2, 3, 4, 5, 9, 10, 11, 12]))
+    assert_state_close(actual, _expected([0, 1, 2, 3, 4, 5, 9, 10, 11, 12]), STEPS)
 
 
 class CorruptNewestSnapshot(Callback):
@@ -86,7 +86,7 @@ def test_corrupt_snapshot_is_detected_and_the_next_one_used_and_shared_memory_re
     actual, metrics = _fit(callbacks, _ciuic())
     # Kept: steps 2, 4, 6. Rank 0's step-6 snapshot fails its CRC -> every rank uses step 4; steps 5..8 skipped.
     assert metrics["recovery/rollbacks"] == 1
-    assert_state_close(actual, _expected([0, 1, 2, 3, 8, 9, 10, 11, 12, 13]))
+    assert_state_close(actual, _expected([0, 1, 2, 3, 8, 9, 10, 11, 12, 13]), STEPS)
     deadline = time.monotonic() + 10  # the run's directory goes with the process that owned it
     while list(Path(tmp_path).iterdir()) and time.monotonic() < deadline:
         time.sleep(0.2)
