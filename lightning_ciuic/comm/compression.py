@@ -8,8 +8,9 @@ Contract of ``GradientCompression(mode, ...)``, called per bucket as ``reducer(k
   :class:`~lightning_ciuic.comm.auto.AutoCompression` into one of the dense modes and set with
   :meth:`set_mode`.
 * ``algorithm`` for ``none``/``fp16``/``bf16``: ``"ring"`` or ``"tree"`` run our point-to-point
-  implementations; ``"native"`` (what ``"auto"`` resolves to unless the selector prefers a tree) is the
-  backend's own all-reduce. Quantized, top-k and PowerSGD modes have their own collectives.
+  implementations; ``"native"`` (what ``"auto"`` resolves to) is the backend's own all-reduce. Quantized,
+  top-k and PowerSGD modes have their own collectives: ``"ring"``/``"tree"`` with them (or with mode
+  ``"auto"``, which may choose int8 or nf4) is an error.
 * With ``error_feedback=True`` every lossy mode keeps, per bucket, what compression dropped and adds it
   to the next step's gradient. Residuals and PowerSGD's warm-start ``Q`` are in :meth:`state_dict`.
 * For the first ``warmup_steps`` optimizer steps (``set_step``) buckets go uncompressed.
@@ -46,6 +47,7 @@ CompressionMode = Literal["none", "fp16", "bf16", "int8", "nf4", "topk", "powers
 AllReduceAlgorithm = Literal["auto", "ring", "tree"]
 COMPRESSION_MODES: tuple[str, ...] = get_args(CompressionMode)
 ALGORITHMS: tuple[str, ...] = get_args(AllReduceAlgorithm)
+RING_TREE_MODES = ("none", "fp16", "bf16")  # the modes our ring and tree all-reduces carry
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -69,6 +71,12 @@ def validate_compression(mode: str, compression_ratio: float, powersgd_rank: int
         raise ValueError(f"communication_compression={mode!r} is not a mode; use one of {COMPRESSION_MODES}.")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"allreduce_algorithm={algorithm!r}; use one of {ALGORITHMS}.")
+    if algorithm != "auto" and mode not in RING_TREE_MODES:
+        raise ValueError(
+            f"allreduce_algorithm={algorithm!r} applies to communication_compression in {RING_TREE_MODES} only;"
+            f" {mode!r} runs its own collective ({'it may choose int8 or nf4' if mode == 'auto' else 'quantized all-to-all, sparse all-gather or low-rank all-reduces'})."
+            f" Use allreduce_algorithm='auto' with {mode!r}, or one of {RING_TREE_MODES} with {algorithm!r}."
+        )
     TopK(compression_ratio)
     PowerSGD(powersgd_rank)
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:

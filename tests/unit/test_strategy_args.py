@@ -46,6 +46,11 @@ def test_seed_names_stay_importable():
         ({"communication_compression": "topk", "compression_ratio": 1.01}, r"compression_ratio must be in \(0, 1\], got 1.01"),
         ({"communication_compression": "powersgd", "powersgd_rank": 0}, "powersgd_rank must be an integer >= 1, got 0"),
         ({"allreduce_algorithm": "butterfly"}, r"allreduce_algorithm='butterfly'; use one of \('auto', 'ring', 'tree'\)"),
+        (
+            {"communication_compression": "int8", "allreduce_algorithm": "ring"},
+            r"allreduce_algorithm='ring' applies to communication_compression in \('none', 'fp16', 'bf16'\) only; 'int8'",
+        ),
+        ({"communication_compression": "auto", "allreduce_algorithm": "tree"}, r"'auto' runs its own collective \(it may choose int8"),
         ({"compression_warmup_steps": -5}, "compression_warmup_steps must be an integer >= 0, got -5"),
         ({"communication_compression": "auto", "auto_recheck_steps": 0}, "auto_recheck_steps must be >= 1, got 0"),
         (
