@@ -62,6 +62,10 @@ def checkpoint_command(argv: list[str]) -> int:
     action, url, rest = argv[0], argv[1], argv[2:]
     io = ChunkedCheckpointIO(url)
     manifests = io.catalog.manifests()
+    if not manifests:
+        what = "holds no committed checkpoint" if io.store.storage.exists("") else "does not exist"
+        print(f"no checkpoints: {url} {what}; give the URL an AsyncCheckpointer wrote to.", file=sys.stderr)
+        return 1
     if action == "ls":
         print(f"{'name':32} {'step':>8} {'epoch':>6} {'size MB':>9} {'written MB':>11} {'ranks':>5}  created")
         for m in manifests:

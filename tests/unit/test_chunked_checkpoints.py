@@ -187,6 +187,14 @@ def test_command_line_lists_verifies_and_exports(tmp_path, capsys):
 
     code, out = run("ls", url)
     assert code == 0 and "step=1" in out and "step=2" in out
+    with pytest.raises(SystemExit) as missing:
+        cli_main(["checkpoint", "ls", str(tmp_path / "nowhere")])
+    assert missing.value.code == 1 and "no checkpoints: " in capsys.readouterr().err
+    assert not (tmp_path / "nowhere").exists(), "listing creates nothing"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as empty:
+        cli_main(["checkpoint", "verify", str(tmp_path / "empty")])
+    assert empty.value.code == 1 and "empty holds no committed checkpoint" in capsys.readouterr().err
     assert run("verify", url)[0] == 0
     bad_file = _damage(io.store, "step=2", "flip")
     code, out = run("verify", url)
