@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
@@ -150,7 +149,9 @@ class ChunkedReader(StorageReader):
                 continue
             assert item.dtype is not None and item.shape is not None
             tensor = torch.frombuffer(bytearray(raw), dtype=item.dtype) if raw else torch.empty(0, dtype=item.dtype)
-            tensor = narrow_tensor_by_index(tensor.reshape(item.shape), request.storage_offsets, request.lengths)
+            tensor = tensor.reshape(item.shape)
+            for dim, (offset, length) in enumerate(zip(request.storage_offsets, request.lengths)):
+                tensor = tensor.narrow(dim, offset, length)  # the part of the saved tensor this request reads
             target = planner.resolve_tensor(request).detach()
             if target.size() != tensor.size():
                 raise RuntimeError(f"{request.storage_index}: saved shard {tuple(tensor.size())} does not fit {tuple(target.size())}")
@@ -225,6 +226,7 @@ def load_full(store: ChunkStore, name: str) -> dict[str, Any]:
 
         return fill(metadata["skeleton"])
     state: dict[str, Any] = {}
-    # What torch's own dcp_to_torch_save does: the empty-state-dict planner rebuilds the saved structure.
+    # What torch's own dcp_to_torch_save does: the empty-state-dict planner rebuilds the saved structure. The public
+    # dcp.load cannot: it copies back only the keys the given state dict already had (none), and warns.
     _load_state_dict(state, storage_reader=ChunkedReader(store, name), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return state

@@ -134,7 +134,7 @@ def quantized_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, codec: Codec
     dist.all_to_all_single(received, torch.cat(encoded), group=group)
     mine = sum(codec.decode(part, chunk) for part in received.split(piece)) / world
     gathered = torch.empty(piece * world, dtype=torch.uint8)
-    dist.all_gather_into_tensor(gathered, codec.encode(mine), group=group)
+    dist.all_gather_single(gathered, codec.encode(mine), group=group)
     x.copy_(torch.cat([codec.decode(part, chunk) for part in gathered.split(piece)])[: x.numel()])
     return transmitted, 2 * (world - 1) * piece
 
@@ -146,7 +146,7 @@ def topk_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, topk: TopK) -> tu
     transmitted = TopK.decode(indices, values, numel)
     all_indices = torch.empty(world * indices.numel(), dtype=indices.dtype)
     all_values = torch.empty(world * values.numel(), dtype=values.dtype)
-    dist.all_gather_into_tensor(all_indices, indices, group=group)
-    dist.all_gather_into_tensor(all_values, values, group=group)
+    dist.all_gather_single(all_indices, indices, group=group)
+    dist.all_gather_single(all_values, values, group=group)
     x.copy_(TopK.decode(all_indices, all_values, numel) / world)
     return transmitted, (world - 1) * topk.nbytes(numel)

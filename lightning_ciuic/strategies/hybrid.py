@@ -175,7 +175,7 @@ class HybridParallelStrategy(ParallelStrategy):
         )
         if communication_compression != "none" and process_group_backend in ("mpi", "ucc"):
             raise ValueError(
-                f"communication_compression={communication_compression!r} needs all_to_all, all_gather_into_tensor and"
+                f"communication_compression={communication_compression!r} needs all_to_all, all_gather_single and"
                 f" point-to-point sends, supported here on 'gloo' and 'nccl'; got process_group_backend="
                 f"{process_group_backend!r}. Use 'gloo'/'nccl' or communication_compression='none'."
             )
