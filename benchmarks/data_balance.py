@@ -123,6 +123,11 @@ def main() -> None:
         )
     gain_tp, gain_ga = ratio("straggler", "straggler+throughput")[0], ratio("straggler", "straggler+gradient_aware")[0]
     overhead = 1 / ratio("even", "even+balancer")[0] - 1
+    even_split = results["even+balancer"]["splits"][-1]
+    split = (
+        f"the split stayed even ({even_split} of {2 * args.batch} on rank 0 at the end)" if even_split == args.batch
+        else f"**the split moved** to {even_split} of {2 * args.batch} on rank 0 with no straggler"
+    )
     slowdown = ratio("straggler", "even")[0]
     label = describe(DeepSeekMini(**MODELS[args.model]), args.model)
     write_section(
@@ -143,7 +148,7 @@ after step {args.settle}; {args.rounds} alternating rounds, ratios paired within
 
 - With a straggler: **{gain_tp:.2f}x** throughput with `"throughput"`, **{gain_ga:.2f}x** with `"gradient_aware"`
   (target >= 1.35x; ideal 1.5x for a 2x straggler on 2 ranks).
-- Without a straggler: overhead **{overhead * 100:+.1f}%** (target <= 2%); the split stayed even.
+- Without a straggler: overhead **{overhead * 100:+.1f}%** (target <= 2%); {split}.
 - The loss trajectory is the same run's: the per-step global-batch loss differs from the unbalanced run's by at most
   the figure in the last column (fp32 summation order).
 """,
