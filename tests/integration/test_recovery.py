@@ -57,6 +57,17 @@ def test_nan_gradient_rolls_back_and_skips_the_batches_since_the_snapshot(layout
     assert_state_close(actual, _expected([0, 1, 2, 3, 4, 5, 8, 9, 10, 11]), STEPS)
 
 
+def test_min_loss_rolls_back_to_the_snapshot_with_the_lowest_loss():
+    losses: list[float] = []
+    reference_training(_tiny, 6, PER_RANK_BATCH * DP, num_samples=NUM_SAMPLES, losses=losses)
+    assert losses[2] < losses[5], "the data make 'min_loss' and 'latest' choose differently"
+    recovery = SnapshotRecovery(snapshot_freq=3, store="memory", check_gradients=True, recovery_strategy="min_loss")
+    actual, metrics = _fit([recovery, FailAt(8, "nan", ranks=(1,))], _ciuic())
+    # Snapshots at steps 3 and 6, step 3's with the lower loss: back to step 3, steps 4..10 on batches 8..14.
+    assert metrics["recovery/rollbacks"] == 1
+    assert_state_close(actual, _expected([0, 1, 2, 8, 9, 10, 11, 12, 13, 14]), STEPS)
+
+
 def test_non_finite_loss_after_a_poisoned_update_rolls_back():
     recovery = SnapshotRecovery(snapshot_freq=3, store="memory")  # check_gradients=False, the default
     actual, metrics = _fit([recovery, FailAt(8, "nan", ranks=(0,))], _ciuic())
