@@ -5,9 +5,13 @@ One process on the CPU; a model of five 4096x4096 linear layers (84M parameters)
 three run side by side in each of ``--rounds`` rounds, and the tables show the medians:
 
 * ``none``: no checkpointing (the reference throughput);
-* ``ModelCheckpoint``: Lightning's blocking ``torch.save``; stall = the saving step's time minus the median step;
-* ``AsyncCheckpointer``: stall = the staging copy (measured by the IO); throughput of the steps while a save is
-  written in the background, against ``none``;
+* ``ModelCheckpoint``: Lightning's blocking ``torch.save``;
+* ``AsyncCheckpointer``: the staging copy now, the write in the background; throughput of the steps while a save
+  is written in the background, against ``none``;
+* both measured the same way: the stall of a save is the period of the step that saves (batch start to the next
+  batch start, or to the end of training for the last step) minus the median period without checkpointing; the
+  cost per save is the training time the whole run added to the no-checkpoint run (waiting at the end for the
+  last background write included) divided by the saves the run really made;
 * ``frozen``: 90% of the parameters frozen (fine-tuning): bytes written by the second checkpoint against the first;
 * checkpoint overhead (the seed's "47% less"): (run time - none's) of each, at the same interval;
 * thread or process for the background writer: the throughput of training steps while a background *thread*
@@ -70,9 +74,9 @@ class Wide(LightningModule):
 
 
 class StepTimes(Callback):
-    """Start-to-start period of every step (so a save made in any callback's batch-end hook is inside it), and
-    whether a background save was in flight when the step started (the step that stages a save is not: its
-    period holds the stall, which is reported on its own)."""
+    """Start-to-start period of every step (so a save made in any callback's batch-end hook is inside it; the last
+    step's period ends when training ends), and whether a background save was in flight when the step started
+    (the step that stages a save is not: its period holds the stall, which is reported on its own)."""
 
     def __init__(self, io=None) -> None:
         self.periods, self.busy, self.io, self._start, self._busy = [], [], io, None, False
@@ -83,6 +87,10 @@ class StepTimes(Callback):
             self.periods.append(now - self._start)
             self.busy.append(self._busy)
         self._start, self._busy = now, self.io is not None and self.io.busy
+
+    def on_train_end(self, trainer, pl_module):
+        self.periods.append(time.perf_counter() - self._start)
+        self.busy.append(self._busy)
 
 
 def fit(callbacks: list, steps: int, module: Wide | None = None, io=None) -> tuple[list[float], list[bool], float]:
@@ -171,17 +179,18 @@ class Round:
     through the page cache), the same steps each."""
 
     base: float  # median step period without checkpointing
-    mc_stall: float
-    first_stall: float
-    as_stall: float
+    mc_stall: float  # median over saves of (the saving step's period - base), both methods alike
+    first_stall: float  # AsyncCheckpointer's first save (it allocates the staging buffers)
+    as_stall: float  # AsyncCheckpointer's later saves
     during: float  # throughput of the steps run while a save was written, over no checkpointing's
     during_median: float
-    per_save: float  # the stall plus the training time lost while the write ran, per save
+    mc_per_save: float  # (run time - no checkpointing's) / saves made
+    per_save: float
     buffered_during: float  # the same two with page-cache writes instead of O_DIRECT
     buffered_per_save: float
     mc_overhead: float  # run time - no checkpointing's
     as_overhead: float
-    saves: int
+    saves: int  # files ModelCheckpoint wrote
     async_saves: int
     postponed: int
 
@@ -190,44 +199,47 @@ def side_by_side(tmp: str, steps: int, every: int) -> Round:
     none_periods, _, none_total = fit([], steps)
     base = statistics.median(none_periods[1:])
 
+    save_steps = [i for i in range(steps) if (i + 1) % every == 0]  # period i holds step i + 1's end
     blocking = ModelCheckpoint(dirpath=f"{tmp}/modelcheckpoint", every_n_train_steps=every, save_top_k=-1)
     mc_periods, _, mc_total = fit([blocking], steps)
-    save_steps = [i for i in range(len(mc_periods)) if (i + 1) % every == 0]  # period i holds step i's end
-    mc_stall = statistics.median(mc_periods[i] - base for i in save_steps)
+    mc_saves = len(list(Path(f"{tmp}/modelcheckpoint").iterdir()))
+    mc_stalls = [mc_periods[i] - base for i in save_steps]
 
-    direct = _async_run(f"{tmp}/async", steps, every, base, direct_io=True)
-    buffered = _async_run(f"{tmp}/async-buffered", steps, every, base, direct_io=False)
+    direct = _async_run(f"{tmp}/async", steps, every, base, none_total, direct_io=True)
+    buffered = _async_run(f"{tmp}/async-buffered", steps, every, base, none_total, direct_io=False)
+    as_stalls = [direct["periods"][i] - base for i in save_steps]
     return Round(
         base=base,
-        mc_stall=mc_stall,
-        first_stall=direct["callback"].stalls[0],  # allocates the staging buffers
-        as_stall=statistics.median(direct["callback"].stalls[1:] or direct["callback"].stalls),  # reuses them
+        mc_stall=statistics.median(mc_stalls),
+        first_stall=as_stalls[0],  # allocates the staging buffers
+        as_stall=statistics.median(as_stalls[1:] or as_stalls),  # reuses them
         during=direct["during"],
         during_median=direct["during_median"],
+        mc_per_save=(mc_total - none_total) / max(1, mc_saves),
         per_save=direct["per_save"],
         buffered_during=buffered["during"],
         buffered_per_save=buffered["per_save"],
         mc_overhead=mc_total - none_total,
         as_overhead=direct["total"] - none_total,
-        saves=len(save_steps),
+        saves=mc_saves,
         async_saves=direct["callback"].saves,
         postponed=direct["callback"].postponed,
     )
 
 
-def _async_run(url: str, steps: int, every: int, base: float, direct_io: bool) -> dict:
+def _async_run(url: str, steps: int, every: int, base: float, none_total: float, direct_io: bool) -> dict:
     """An AsyncCheckpointer run writing with O_DIRECT (as shipped) or through the page cache."""
     callback = AsyncCheckpointer(url, save_interval=None, every_n_train_steps=every, save_on_train_end=False)
     callback.io.store.storage.direct_io = direct_io
     periods, busy, total = fit([callback], steps, io=callback.io)
     busy_periods = [p for p, b in zip(periods, busy) if b]
-    slowed = sum(p - base for p in busy_periods)  # training time lost to the background writes (noise cancels)
     return {
         "callback": callback,
+        "periods": periods,
         "total": total,
         "during": base / statistics.fmean(busy_periods) if busy_periods else float("nan"),  # steps/s, as a ratio
         "during_median": base / statistics.median(busy_periods) if busy_periods else float("nan"),
-        "per_save": (sum(callback.stalls) + slowed) / max(1, callback.saves),
+        "per_save": (total - none_total) / max(1, callback.saves),  # every save's whole cost, the last one's too
     }
 
 
@@ -279,27 +291,29 @@ def main() -> None:
         return statistics.median(getattr(r, field) for r in rounds)
 
     last = rounds[-1]
-    base, mc_stall, as_stall, per_save = median("base"), median("mc_stall"), median("as_stall"), median("per_save")
+    base, mc_stall, as_stall = median("base"), median("mc_stall"), median("as_stall")
+    mc_per_save, per_save = median("mc_per_save"), median("per_save")
     during_each = ", ".join(f"{r.during:.0%}" for r in rounds)
     rows = [
         f"| state | {state_bytes / 1e9:.2f} GB (84M parameters + Adam moments) |",
         f"| median step period without checkpointing | {base * 1e3:.0f} ms |",
-        f"| ModelCheckpoint stall per save (blocking torch.save, extra time of the saving step) | {mc_stall:.2f} s |",
-        f"| AsyncCheckpointer stall per save (the staging copy; median of saves after the first) |"
+        f"| ModelCheckpoint stall per save (blocking torch.save: the saving step's period minus the median period) | {mc_stall:.2f} s |",
+        f"| AsyncCheckpointer stall per save (the same measure: the staging copy; median of the saves after the first) |"
         f" {as_stall:.2f} s: **{as_stall / mc_stall:.1%}** of ModelCheckpoint's (target <= 10%); the first save, which"
         f" allocates the staging buffers: {median('first_stall'):.2f} s |",
         f"| throughput of the steps that ran while a save was written in the background (steps per second; rounds:"
         f" {during_each}) | **{median('during'):.0%}** of no checkpointing (target >= 90%); the median step ran at"
         f" {median('during_median'):.0%} |",
-        f"| checkpoint overhead per save: the stall (the first save's allocation included) plus the training time lost while the write runs |"
-        f" ModelCheckpoint {mc_stall:.2f} s, AsyncCheckpointer {per_save:.2f} s: **{per_save / mc_stall:.0%}** of ModelCheckpoint's"
+        f"| checkpoint cost per save: training time the run added to the no-checkpoint run (waiting at the end for the"
+        f" last background write included) / saves made (rounds: {', '.join(f'{r.per_save / r.mc_per_save:.0%}' for r in rounds)}) |"
+        f" ModelCheckpoint {mc_per_save:.2f} s, AsyncCheckpointer {per_save:.2f} s: **{per_save / mc_per_save:.0%}** of ModelCheckpoint's"
         f" (seed: 53%, i.e. 47% less) |",
-        f"| the whole {args.steps}-step run, including waiting at the end for the last background write (run time -"
-        f" no-checkpoint run time) | ModelCheckpoint {median('mc_overhead'):.1f} s ({last.saves} saves), AsyncCheckpointer"
-        f" {median('as_overhead'):.1f} s ({last.async_saves} saves, {last.postponed} due steps postponed while one was in flight) |",
+        f"| the whole {args.steps}-step run (run time - no-checkpoint run time) | ModelCheckpoint {median('mc_overhead'):.1f} s"
+        f" ({last.saves} saves), AsyncCheckpointer {median('as_overhead'):.1f} s ({last.async_saves} saves, {last.postponed}"
+        f" due steps postponed while one was in flight) |",
         f"| the same two with writes through the page cache instead of O_DIRECT | during a write"
         f" {median('buffered_during'):.0%} of no checkpointing; per save {median('buffered_per_save'):.2f} s"
-        f" ({median('buffered_per_save') / mc_stall:.0%} of ModelCheckpoint's) |",
+        f" ({median('buffered_per_save') / mc_per_save:.0%} of ModelCheckpoint's) |",
         f"| 90% of parameters frozen, Adam: second checkpoint's bytes written / a full checkpoint's | **{frozen['adam'][0]:.1%}**"
         f" (target <= 15%; what changed is {frozen['adam'][1]:.1%}: the trainable 10% and its two Adam moments) |",
         f"| 90% of parameters frozen, SGD: the same | **{frozen['sgd'][0]:.1%}** (what changed: {frozen['sgd'][1]:.1%}) |",
@@ -348,7 +362,7 @@ AsyncCheckpointer side by side in each round, medians of {args.rounds} rounds; m
   without either. fp32 chunks are stored raw: zstd shrinks them by only
   {1 - delta['adam']['plain'] / frozen['adam'][0]:.0%} (the frozen-Adam rows above: {delta['adam']['plain']:.1%} against {frozen['adam'][0]:.1%}).
 - Delta encoding against the previous checkpoint: {verdict}.
-- The whole-run figure includes, once per run, waiting at the end for the last background write: on this 2-core
+- The cost per save includes, once per run, waiting at the end for the last background write: on this 2-core
   machine training keeps every core busy, so the lowest-priority writer gets little CPU until training ends and
   then finishes at full speed. With accelerators the host CPU is mostly idle and the write proceeds during training.
 """,
