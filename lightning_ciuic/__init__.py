@@ -1,62 +1,72 @@
 """lightning_ciuic: distributed-training plugin pack for PyTorch Lightning.
 
-Importing the package registers the strategy names with Lightning's ``StrategyRegistry``:
-``Trainer(strategy="ciuic")`` (processes started like ``DDPStrategy``, one script run per rank) and
-``Trainer(strategy="ciuic_spawn")`` (multiprocessing spawn: notebooks, tests).
+Public names load on first use (module ``__getattr__``), so the framework-free floors (``parallel``, ``comm``,
+``checkpoint``, ``advice``) import without Lightning. Where Lightning is installed, importing the package
+registers the strategy names with Lightning's ``StrategyRegistry``: ``Trainer(strategy="ciuic")`` (processes
+started like ``DDPStrategy``, one script run per rank) and ``Trainer(strategy="ciuic_spawn")`` (multiprocessing
+spawn: notebooks, tests).
+
+Seed names (see docs/seed_guide.md) are aliases, not the API: ``HybridParallelEngine`` and
+``GradientSyncOptimizer`` are :class:`HybridParallelStrategy` (the seed's engine and optimizer wrapper are its
+arguments); ``QuantumRecovery`` is :class:`SnapshotRecovery`.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from __future__ import annotations
 
-from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
-from lightning_ciuic.callbacks.data_balance import DynamicDataBalancer
-from lightning_ciuic.callbacks.elastic import ElasticResourceManager, NodePreempted
-from lightning_ciuic.callbacks.monitor import CommunicationMonitor
-from lightning_ciuic.callbacks.lr_schedule import WarmupCosineAnnealingLR, WarmupCosineSchedule, warmup_cosine_lr
-from lightning_ciuic.callbacks.recovery import QuantumRecovery, SnapshotRecovery
-from lightning_ciuic.comm.compression import GradientCompression
-from lightning_ciuic.comm.grad_sync import GradientSynchronizer, GradientSyncTimeoutError
-from lightning_ciuic.comm.hooks import GradientQuantizer, register_compression_hook
-from lightning_ciuic.parallel.dims import ParallelDims
-from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO
-from lightning_ciuic.parallel.tensor import apply_tensor_parallel
-from lightning_ciuic.strategies.hybrid import HybridParallelStrategy
-from lightning_ciuic.strategies.pipelining import PipelineModule
+import importlib
+from typing import Any
 
-# Seed names (see docs/seed_guide.md): the seed's engine and optimizer wrapper are this strategy's arguments.
-HybridParallelEngine = HybridParallelStrategy
-GradientSyncOptimizer = HybridParallelStrategy
-
-__all__ = [
-    "AsyncCheckpointer",
-    "ChunkedCheckpointIO",
-    "CommunicationMonitor",
-    "DynamicDataBalancer",
-    "ElasticResourceManager",
-    "GradientCompression",
-    "GradientQuantizer",
-    "GradientSyncOptimizer",
-    "GradientSyncTimeoutError",
-    "GradientSynchronizer",
-    "HybridParallelEngine",
-    "HybridParallelStrategy",
-    "NodePreempted",
-    "ParallelDims",
-    "PipelineModule",
-    "QuantumRecovery",
-    "SnapshotRecovery",
-    "WarmupCosineAnnealingLR",
-    "WarmupCosineSchedule",
-    "apply_tensor_parallel",
-    "register_compression_hook",
-    "warmup_cosine_lr",
-]
-
-_REGISTERED = {
-    "ciuic": ({}, "Hybrid pipeline x tensor x data parallel (processes started per rank, like DDPStrategy)"),
-    "ciuic_spawn": ({"start_method": "spawn"}, "HybridParallelStrategy started with multiprocessing spawn"),
-    "ciuic_fork": ({"start_method": "fork"}, "HybridParallelStrategy started with multiprocessing fork"),
-}
-for _name, (_kwargs, _description) in _REGISTERED.items():
-    if _name not in StrategyRegistry:
-        StrategyRegistry.register(_name, HybridParallelStrategy, description=_description, **_kwargs)
 __version__ = "0.1.0"
+
+# public name -> (module, attribute)
+_EXPORTS: dict[str, tuple[str, str]] = {
+    "AsyncCheckpointer": ("lightning_ciuic.callbacks.async_checkpoint", "AsyncCheckpointer"),
+    "ChunkedCheckpointIO": ("lightning_ciuic.plugins.checkpoint_io", "ChunkedCheckpointIO"),
+    "CommunicationMonitor": ("lightning_ciuic.callbacks.monitor", "CommunicationMonitor"),
+    "DynamicDataBalancer": ("lightning_ciuic.callbacks.data_balance", "DynamicDataBalancer"),
+    "ElasticResourceManager": ("lightning_ciuic.callbacks.elastic", "ElasticResourceManager"),
+    "GradientCompression": ("lightning_ciuic.comm.compression", "GradientCompression"),
+    "GradientQuantizer": ("lightning_ciuic.comm.hooks", "GradientQuantizer"),
+    "GradientSyncOptimizer": ("lightning_ciuic.strategies.hybrid", "HybridParallelStrategy"),  # seed alias
+    "GradientSyncTimeoutError": ("lightning_ciuic.comm.grad_sync", "GradientSyncTimeoutError"),
+    "GradientSynchronizer": ("lightning_ciuic.comm.grad_sync", "GradientSynchronizer"),
+    "HybridParallelEngine": ("lightning_ciuic.strategies.hybrid", "HybridParallelStrategy"),  # seed alias
+    "HybridParallelStrategy": ("lightning_ciuic.strategies.hybrid", "HybridParallelStrategy"),
+    "NodePreempted": ("lightning_ciuic.callbacks.elastic", "NodePreempted"),
+    "ParallelDims": ("lightning_ciuic.parallel.dims", "ParallelDims"),
+    "PipelineModule": ("lightning_ciuic.strategies.pipelining", "PipelineModule"),
+    "QuantumRecovery": ("lightning_ciuic.callbacks.recovery", "QuantumRecovery"),  # seed alias
+    "SnapshotRecovery": ("lightning_ciuic.callbacks.recovery", "SnapshotRecovery"),
+    "WarmupCosineAnnealingLR": ("lightning_ciuic.callbacks.lr_schedule", "WarmupCosineAnnealingLR"),
+    "WarmupCosineSchedule": ("lightning_ciuic.callbacks.lr_schedule", "WarmupCosineSchedule"),
+    "apply_tensor_parallel": ("lightning_ciuic.parallel.tensor", "apply_tensor_parallel"),
+    "register_compression_hook": ("lightning_ciuic.comm.hooks", "register_compression_hook"),
+    "warmup_cosine_lr": ("lightning_ciuic.callbacks.lr_schedule", "warmup_cosine_lr"),
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lightning_ciuic' has no attribute {name!r}")
+    module, attribute = _EXPORTS[name]
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value  # the next access does not come back here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+def _register_strategy_names() -> None:
+    try:
+        from lightning_ciuic.strategies.registry import register
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] != "lightning":
+            raise
+        return  # no Lightning here: the framework-free floors still import
+    register()
+
+
+_register_strategy_names()

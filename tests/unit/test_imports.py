@@ -1,0 +1,46 @@
+"""The framework-free floors (parallel/, comm/, checkpoint/, advice) import with Lightning blocked, and the
+package root loads its public names lazily while registering the strategy names where Lightning is installed."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import lightning_ciuic
+
+FLOORS = ("parallel", "comm", "checkpoint")
+PACKAGE = Path(lightning_ciuic.__file__).parent
+
+
+def floor_modules() -> list[str]:
+    modules = [f"lightning_ciuic.{floor}.{path.stem}" for floor in FLOORS for path in sorted((PACKAGE / floor).glob("*.py"))]
+    return [m for m in modules if not m.endswith("__init__")] + ["lightning_ciuic.advice"]
+
+
+def test_every_floor_module_imports_with_lightning_blocked():
+    modules = floor_modules()
+    assert len(modules) > 15
+    code = (
+        "import sys\n"
+        "sys.modules['lightning'] = sys.modules['pytorch_lightning'] = None  # any import of them fails\n"
+        f"for name in {modules!r}:\n"
+        "    __import__(name)\n"
+        "assert not [m for m in sys.modules if m.startswith('lightning.')], 'Lightning got imported'\n"
+        "import lightning_ciuic\n"
+        "assert lightning_ciuic.ParallelDims.__name__ == 'ParallelDims'  # public names of the floors load lazily\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_package_root_is_lazy_and_registers_the_strategy_names():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert {"ciuic", "ciuic_spawn", "ciuic_fork"} <= set(StrategyRegistry.available_strategies())
+    strategy = StrategyRegistry.get("ciuic_spawn")
+    assert type(strategy) is lightning_ciuic.HybridParallelStrategy and strategy._start_method == "spawn"
+    assert lightning_ciuic.GradientSyncOptimizer is lightning_ciuic.HybridParallelStrategy  # seed alias
+    assert set(lightning_ciuic.__all__) <= set(dir(lightning_ciuic))
+    with pytest.raises(AttributeError, match="has no attribute 'NoSuchThing'"):
+        lightning_ciuic.NoSuchThing  # noqa: B018
