@@ -19,7 +19,9 @@ by every data-parallel rank at the start of every optimizer step (its collective
 
 Candidates are the dense modes ``none``, ``fp16``, ``int8``, ``nf4`` (their error is bounded and error
 feedback covers it); ``topk`` and ``powersgd`` change convergence too much to be picked silently.
-The strategy re-decides every ``recheck_steps`` optimizer steps, as link conditions change.
+The strategy re-decides every ``recheck_steps`` optimizer steps, as link conditions change. Probes and votes
+use tensors on ``device`` (the gradients' device: CUDA tensors under NCCL), and timed GPU work is synchronized
+before the host clock is read.
 
 No Lightning imports.
 """
@@ -63,39 +65,50 @@ class AutoDecision:
         )
 
 
-def _timed_allreduce(numel: int, group: dist.ProcessGroup, repeats: int) -> float:
-    x = torch.zeros(numel)
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a no-op on the CPU), so a host clock read after it times that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_allreduce(numel: int, group: dist.ProcessGroup, repeats: int, device: torch.device) -> float:
+    x = torch.zeros(numel, device=device)
     dist.all_reduce(x, group=group)  # warm the connection
     times = []
     for _ in range(repeats):
         dist.barrier(group=group)
+        synchronize(device)
         start = time.perf_counter()
         dist.all_reduce(x, group=group)
+        synchronize(device)  # NCCL returns once the collective is queued, not done
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def measure_link(group: dist.ProcessGroup, repeats: int = 5) -> tuple[float, float]:
-    """(latency seconds, bandwidth bytes/second) of the backend's all-reduce over ``group``."""
+def measure_link(group: dist.ProcessGroup, repeats: int = 5, device: torch.device = torch.device("cpu")) -> tuple[float, float]:
+    """(latency seconds, bandwidth bytes/second) of the backend's all-reduce over ``group``, with tensors on
+    ``device`` (the gradients' device: CUDA under NCCL)."""
     world = dist.get_world_size(group)
     small, large = 4 * 1024, 1024 * 1024  # float32 values: 16 KiB and 4 MiB
-    t_small, t_large = _timed_allreduce(small, group, repeats), _timed_allreduce(large, group, repeats)
+    t_small, t_large = _timed_allreduce(small, group, repeats, device), _timed_allreduce(large, group, repeats, device)
     ring = 2 * (world - 1) / world
     bandwidth = ring * 4 * (large - small) / max(t_large - t_small, 1e-9)
     latency = max(t_small - ring * 4 * small / bandwidth, 0.0) / max(1, 2 * (world - 1))
     return latency, bandwidth
 
 
-def codec_seconds_per_value(mode: str, sample: int = 1 << 18) -> float:
-    """Encode + decode time per value on this machine (the quantized path decodes twice)."""
+def codec_seconds_per_value(mode: str, sample: int = 1 << 18, device: torch.device = torch.device("cpu")) -> float:
+    """Encode + decode time per value on ``device`` (the quantized path decodes twice)."""
     if mode == "none":
         return 0.0
-    codec, x = dense_codec(mode), torch.randn(sample)
+    codec, x = dense_codec(mode), torch.randn(sample, device=device)
     codec.roundtrip(x)
+    synchronize(device)
     start = time.perf_counter()
     data = codec.encode(x)
     codec.decode(data, sample)
     codec.decode(data, sample)
+    synchronize(device)
     return (time.perf_counter() - start) / sample
 
 
@@ -113,7 +126,12 @@ def predicted_sync_seconds(
 
 
 def measure_sync_seconds(
-    group: dist.ProcessGroup, numel: int, buckets: int, modes: tuple[str, ...] = CANDIDATES, repeats: int = 3
+    group: dist.ProcessGroup,
+    numel: int,
+    buckets: int,
+    modes: tuple[str, ...] = CANDIDATES,
+    repeats: int = 3,
+    device: torch.device = torch.device("cpu"),
 ) -> dict[str, float]:
     """Each mode's measured time to average ``numel`` values in ``buckets`` buckets over ``group`` through the
     reducer training uses (codec, collectives, worker thread), *while this thread computes* (matrix products,
@@ -121,27 +139,29 @@ def measure_sync_seconds(
     measurement misjudges it badly. Median of ``repeats`` after a warm-up; the slowest rank's time, so every
     rank gets the same numbers."""
     sizes = [numel // buckets + (1 if b < numel % buckets else 0) for b in range(max(1, buckets))]
-    load = torch.randn(256, 256)
+    load = torch.randn(256, 256, device=device)
     result = []
     for mode in modes:
         reducer = GradientCompression(mode, error_feedback=False)
         times = []
         try:
             for attempt in range(repeats + 1):
-                buffers = [torch.randn(size) for size in sizes]
+                buffers = [torch.randn(size, device=device) for size in sizes]
                 dist.barrier(group=group)
+                synchronize(device)
                 start = time.perf_counter()
                 pending = [reducer(f"probe{b}", buffer, [buffer.shape], group) for b, buffer in enumerate(buffers)]
                 while not all(reduction.done() for reduction in pending):
                     load @ load  # the compute that training overlaps with communication
                 for reduction in pending:
                     reduction.wait(timedelta(seconds=300))
+                synchronize(device)
                 if attempt:
                     times.append(time.perf_counter() - start)
         finally:
             reducer.close()
         result.append(statistics.median(times))
-    slowest = torch.tensor(result, dtype=torch.float64)
+    slowest = torch.tensor(result, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return dict(zip(modes, slowest.tolist()))
 
@@ -153,6 +173,7 @@ class AutoCompression:
         recheck_steps: int = 500,
         trial_steps: int = TRIAL_STEPS,
         settle_steps: int = SETTLE_STEPS,
+        device: torch.device = torch.device("cpu"),
     ) -> None:
         if recheck_steps < 1:
             raise ValueError(f"auto recheck interval must be >= 1 optimizer step, got {recheck_steps}.")
@@ -161,6 +182,7 @@ class AutoCompression:
         if settle_steps < 0:
             raise ValueError(f"settle_steps must be >= 0, got {settle_steps}.")
         self.compression = compression
+        self.device = torch.device(device)  # the gradients' device: measurements and votes use tensors there
         self.recheck_steps = recheck_steps
         self.trial_steps = trial_steps
         self.settle_steps = settle_steps
@@ -193,9 +215,11 @@ class AutoCompression:
 
     def _start(self, group: dist.ProcessGroup, global_step: int, gradient_numel: int, buckets: int) -> None:
         world = dist.get_world_size(group)
-        latency, bandwidth = measure_link(group)
+        latency, bandwidth = measure_link(group, device=self.device)
         predicted = {
-            mode: predicted_sync_seconds(mode, gradient_numel, buckets, world, latency, bandwidth, codec_seconds_per_value(mode))
+            mode: predicted_sync_seconds(
+                mode, gradient_numel, buckets, world, latency, bandwidth, codec_seconds_per_value(mode, device=self.device)
+            )
             for mode in CANDIDATES
         }
         box = [predicted]  # the first rank's predictions order the trial everywhere
@@ -208,7 +232,9 @@ class AutoCompression:
         self.compression.set_mode(self._order[0], self.compression.algorithm)
 
     def _finish(self, group: dist.ProcessGroup) -> AutoDecision:
-        medians = torch.tensor([statistics.median(self._times[m][1:]) for m in self._order], dtype=torch.float64)
+        medians = torch.tensor(
+            [statistics.median(self._times[m][1:]) for m in self._order], dtype=torch.float64, device=self.device
+        )
         dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)  # the slowest rank sets the pace
         decision = self._pending
         assert decision is not None

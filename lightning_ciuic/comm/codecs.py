@@ -63,18 +63,22 @@ class Codec(ABC):
 
 
 class FullPrecision(Codec):
-    """float32 on the wire: no compression (the reference the others are measured against)."""
+    """``dtype`` on the wire (float32 by default; a float64 bucket's own dtype keeps it exact): no compression, the
+    reference the others are measured against."""
 
     name = "none"
 
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
+
     def nbytes(self, numel: int) -> int:
-        return 4 * numel
+        return self.dtype.itemsize * numel
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1).float().contiguous().view(torch.uint8)
+        return x.reshape(-1).to(self.dtype).contiguous().view(torch.uint8)
 
     def decode(self, data: torch.Tensor, numel: int) -> torch.Tensor:
-        return data.view(torch.float32)[:numel]
+        return data.view(self.dtype)[:numel]
 
 
 def _padded_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -230,7 +234,11 @@ class ErrorFeedback:
 
     def compensate(self, key: str, x: torch.Tensor) -> torch.Tensor:
         residual = self.residuals.get(key)
-        return x if residual is None else x + residual
+        if residual is None:
+            return x
+        if residual.device != x.device:  # restored from a checkpoint on the CPU: to the gradients' device, once
+            residual = self.residuals[key] = residual.to(x.device)
+        return x + residual
 
     def update(self, key: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         residual = self.residuals.get(key)

@@ -1,11 +1,14 @@
 """Averaging collectives that send fewer bytes, and count every byte they send.
 
-Each function averages a flat float32 tensor ``x`` in place over ``group`` and returns
+Each function averages a flat floating-point tensor ``x`` in place over ``group`` (codecs carry float32; the
+native all-reduce keeps ``x``'s dtype) and returns
 ``(transmitted, bytes_sent)``: ``transmitted`` is what this rank's contribution became after encoding
 (what error feedback subtracts from the input), ``bytes_sent`` the payload bytes this rank put on the wire.
 Every rank ends with bit-identical results: whatever is encoded once is decoded the same way everywhere.
+Every buffer is allocated on ``x``'s device, so the same code runs over gloo on CPU tensors and over NCCL on
+CUDA tensors.
 
-* :func:`native_allreduce_` — torch's all-reduce (gloo/NCCL choose the algorithm); float32, or a 16-bit cast.
+* :func:`native_allreduce_` — torch's all-reduce (gloo/NCCL choose the algorithm); in x's dtype, or a 16-bit cast.
   Counted as a ring: ``2 (w-1)/w * bytes``.
 * :func:`ring_allreduce_` — reduce-scatter then all-gather around a ring of point-to-point messages,
   ``2 (w-1)`` steps of ``1/w`` of the data: bandwidth-optimal.
@@ -33,13 +36,13 @@ def _ring_bytes(nbytes: int, world: int) -> int:
     return 2 * (world - 1) * nbytes // world
 
 
-def native_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, int]:
-    """``all_reduce`` SUM / w, on the wire in ``dtype`` (float32, float16 or bfloat16)."""
+def native_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, int]:
+    """``all_reduce`` SUM / w, on the wire in ``dtype`` (``x``'s own, or float16 / bfloat16)."""
     world = dist.get_world_size(group)
-    wire = x.to(dtype, copy=True)
-    transmitted = wire.to(torch.float32, copy=True)
+    wire = x.to(dtype or x.dtype, copy=True)
+    transmitted = wire.to(x.dtype, copy=True)
     dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group)
-    x.copy_(wire.float() / world)
+    x.copy_(wire.to(x.dtype) / world)
     return transmitted, _ring_bytes(wire.numel() * wire.element_size(), world)
 
 
@@ -67,7 +70,7 @@ def ring_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, codec: Codec) -> 
     parts = list(padded.split(chunk))
     nxt, prev, sent = (rank + 1) % world, (rank - 1) % world, 0
     transmitted = torch.cat([codec.roundtrip(p) for p in parts])[: x.numel()]
-    incoming = torch.empty(codec.nbytes(chunk), dtype=torch.uint8)
+    incoming = torch.empty(codec.nbytes(chunk), dtype=torch.uint8, device=x.device)
     for step in range(world - 1):  # reduce-scatter: after it, rank r owns the sum of chunk (r + 1) % w
         out_index, in_index = (rank - step) % world, (rank - step - 1) % world
         message = codec.encode(parts[out_index])
@@ -103,11 +106,11 @@ def tree_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, codec: Codec) -> 
             sent += message.numel()
             break
         if rank + mask < world:
-            incoming = torch.empty(nbytes, dtype=torch.uint8)
+            incoming = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
             dist.recv(incoming, dist.get_global_rank(group, rank + mask), group=group)
             total += codec.decode(incoming, numel)
         mask <<= 1
-    result = codec.encode(total / world) if rank == 0 else torch.empty(nbytes, dtype=torch.uint8)
+    result = codec.encode(total / world) if rank == 0 else torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     if rank:  # receive from the parent (clear the lowest set bit), then serve children below that bit
         dist.recv(result, dist.get_global_rank(group, rank & (rank - 1)), group=group)
     mask = (rank & -rank) >> 1 if rank else 1 << (world - 1).bit_length() - 1
@@ -130,10 +133,10 @@ def quantized_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, codec: Codec
     if world == 1:
         x.copy_(transmitted)
         return transmitted, 0
-    received = torch.empty(piece * world, dtype=torch.uint8)
+    received = torch.empty(piece * world, dtype=torch.uint8, device=x.device)
     dist.all_to_all_single(received, torch.cat(encoded), group=group)
     mine = sum(codec.decode(part, chunk) for part in received.split(piece)) / world
-    gathered = torch.empty(piece * world, dtype=torch.uint8)
+    gathered = torch.empty(piece * world, dtype=torch.uint8, device=x.device)
     dist.all_gather_single(gathered, codec.encode(mine), group=group)
     x.copy_(torch.cat([codec.decode(part, chunk) for part in gathered.split(piece)])[: x.numel()])
     return transmitted, 2 * (world - 1) * piece
@@ -144,8 +147,8 @@ def topk_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, topk: TopK) -> tu
     world, numel = dist.get_world_size(group), x.numel()
     indices, values = topk.encode(x)
     transmitted = TopK.decode(indices, values, numel)
-    all_indices = torch.empty(world * indices.numel(), dtype=indices.dtype)
-    all_values = torch.empty(world * values.numel(), dtype=values.dtype)
+    all_indices = indices.new_empty(world * indices.numel())
+    all_values = values.new_empty(world * values.numel())
     dist.all_gather_single(all_indices, indices, group=group)
     dist.all_gather_single(all_values, values, group=group)
     x.copy_(TopK.decode(all_indices, all_values, numel) / world)

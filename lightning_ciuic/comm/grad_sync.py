@@ -19,13 +19,14 @@ Contract of ``GradientSynchronizer(parameters, group, ...)``:
   a flat buffer into an in-flight operation whose ``wait`` returns the bytes sent; the default is an exact
   mean (the backend's ``all_reduce`` SUM of the pre-divided buffer), the strategy passes
   :class:`~lightning_ciuic.comm.compression.GradientCompression` for the compressed modes.
+* :attr:`stats` counts collectives, bytes and seconds; on a GPU the seconds come from CUDA events and may lag
+  by a step (:class:`~lightning_ciuic.comm.timing.DeviceClock`).
 
 No Lightning imports.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from lightning_ciuic.comm.timing import DeviceClock
 
 
 class GradientSyncTimeoutError(RuntimeError):
@@ -93,6 +96,12 @@ class SyncStats:
     bytes_sent: int = 0
     wait_seconds: float = 0.0
     comm_seconds: float = 0.0
+
+    def add_wait(self, seconds: float) -> None:
+        self.wait_seconds += seconds
+
+    def add_comm(self, seconds: float) -> None:
+        self.comm_seconds += seconds
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -174,15 +183,18 @@ class GradientSynchronizer:
         self.stats = SyncStats()
         self._enabled = True
         self._next_bucket = 0
-        self._first_launch = 0.0
+        self._first_launch: object = 0.0
         params = [p for p in parameters if p.requires_grad]
         self.buckets = _make_buckets(params, int(bucket_size_mb * 1024 * 1024))
+        # times communication on the gradients' device: CUDA events under NCCL, read without blocking
+        self.clock = DeviceClock(self.buckets[0].buffer.device if self.buckets else torch.device("cpu"))
         self._slots = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def remove(self) -> None:
-        """Detach the hooks; the synchronizer does nothing afterwards."""
+        """Detach the hooks (and settle pending timings); the synchronizer does nothing afterwards."""
+        self.clock.collect(wait=True)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -222,7 +234,7 @@ class GradientSynchronizer:
                 bucket.slice(slot).zero_()
         shapes = [_local(p).shape for p in bucket.params]
         if bucket.index == 0:
-            self._first_launch = time.perf_counter()
+            self._first_launch = self.clock.mark()
         bucket.pending = self.reducer(f"bucket{bucket.index}", bucket.buffer, shapes, self.group)
         self.stats.collectives += 1
         self.stats.bytes_reduced += bucket.buffer.numel() * bucket.buffer.element_size()
@@ -246,7 +258,7 @@ class GradientSynchronizer:
             return
         for bucket in self.buckets[self._next_bucket :]:
             self._launch(bucket)
-        start = time.perf_counter()
+        start = self.clock.mark()
         for bucket in self.buckets:
             self._wait(bucket)
             for slot, p in enumerate(bucket.params):
@@ -256,9 +268,9 @@ class GradientSynchronizer:
                 local.copy_(bucket.slice(slot).view_as(local))
             bucket.ready = [False] * len(bucket.params)
             bucket.pending = None
-        end = time.perf_counter()
-        self.stats.wait_seconds += end - start
-        self.stats.comm_seconds += end - self._first_launch
+        end = self.clock.mark()  # on a GPU: after the copies, which wait for the collectives on the stream
+        self.clock.add(start, end, self.stats.add_wait)
+        self.clock.add(self._first_launch, end, self.stats.add_comm)
         self._next_bucket = 0
 
     def _wait(self, bucket: _Bucket) -> None:

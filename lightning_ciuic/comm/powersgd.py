@@ -56,13 +56,16 @@ class PowerSGD:
         exact = [v for v, s in zip(flat_views, shapes) if not self._is_compressed(s)]
         if key not in self.q_memory:
             g = torch.Generator().manual_seed(0)  # the same start on every rank
-            self.q_memory[key] = [torch.randn(m.shape[1], self.rank, generator=g) for m in matrices]
+            # drawn on the CPU (the same numbers on every rank and device), then moved to the gradients' device
+            self.q_memory[key] = [torch.randn(m.shape[1], self.rank, generator=g).to(x.device, x.dtype) for m in matrices]
 
+        # a Q restored from a checkpoint arrives on the CPU: move it to the gradients' device once
+        self.q_memory[key] = [q.to(x.device, x.dtype) for q in self.q_memory[key]]
         ps = [m @ q for m, q in zip(matrices, self.q_memory[key])]  # P = M Q (Q warm-started)
-        flat_p = _mean_(_concat(ps), group, world)
+        flat_p = _mean_(_concat(ps, x.device), group, world)
         ps = [_orthonormalize(p) for p in _split(flat_p, [p.shape for p in ps])]
         qs = [m.T @ p for m, p in zip(matrices, ps)]  # Q = M^T P
-        flat_rest = _mean_(_concat(qs + exact), group, world)  # the new Q and the exact part, one all-reduce
+        flat_rest = _mean_(_concat(qs + exact, x.device), group, world)  # the new Q and the exact part, one all-reduce
         rest = _split(flat_rest, [t.shape for t in qs + exact])
         averaged_qs, averaged_exact = rest[: len(qs)], rest[len(qs) :]
         self.q_memory[key] = [q.clone() for q in averaged_qs]
@@ -88,8 +91,8 @@ def _split(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
     return out
 
 
-def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+def _concat(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0, device=device)
 
 
 def _mean_(flat: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:

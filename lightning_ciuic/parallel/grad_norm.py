@@ -26,51 +26,62 @@ from torch.distributed.tensor import DTensor, Shard
 
 
 def _local_norm_power(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
-    grad = grad.detach().float()
+    """This tensor's contribution (max |g| for inf, else sum |g|^p) as a float64 scalar on the gradient's device."""
+    grad = grad.detach()
     if math.isinf(norm_type):
-        return grad.abs().max() if grad.numel() else grad.new_zeros(())
-    return grad.abs().pow(norm_type).sum()
+        value = grad.abs().max() if grad.numel() else grad.new_zeros(())
+    else:
+        value = grad.abs().pow(norm_type).sum(dtype=torch.float64)  # float64 sums: fp16/bf16/fp32 gradients alike
+    return value.to(torch.float64)
 
 
 @torch.no_grad()
 def total_grad_norm(
     parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0, pipeline_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
-    """The norm of all gradients of ``parameters`` taken together, identical on every rank."""
+    """The norm of all gradients of ``parameters`` taken together, identical on every rank: a scalar in the
+    gradients' dtype (as torch's) on the device collectives use, summed in float64 (the gradients stay where they
+    are; nothing waits on the host)."""
     norm_type = float(norm_type)
     is_inf = math.isinf(norm_type)
-    combine = torch.maximum if is_inf else torch.add
-    replicated = torch.zeros(())
-    sharded_by_group: dict[dist.ProcessGroup, torch.Tensor] = {}
+    device = _collective_device()
+
+    def combine(values: list[torch.Tensor]) -> torch.Tensor:
+        if not values:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        stacked = torch.stack([v.to(device) for v in values])
+        return stacked.max() if is_inf else stacked.sum()
+
+    replicated: list[torch.Tensor] = []
+    sharded_by_group: dict[dist.ProcessGroup, list[torch.Tensor]] = {}
+    dtype = None
     for p in parameters:
         grad = p.grad
         if grad is None:
             continue
+        dtype = grad.dtype if dtype is None else torch.promote_types(dtype, grad.dtype)
         if isinstance(grad, DTensor):
             shard_dims = [i for i, pl in enumerate(grad.placements) if isinstance(pl, Shard)]
             if len(shard_dims) > 1:  # sharded over several mesh axes: rare, take the exact slow path
-                replicated = combine(replicated, _local_norm_power(grad.full_tensor(), norm_type).cpu())
-                continue
-            local = _local_norm_power(grad.to_local(), norm_type).cpu()
-            if shard_dims:
+                replicated.append(_local_norm_power(grad.full_tensor(), norm_type))
+            elif shard_dims:
                 group = grad.device_mesh.get_group(shard_dims[0])
-                sharded_by_group[group] = combine(sharded_by_group.get(group, torch.zeros(())), local)
+                sharded_by_group.setdefault(group, []).append(_local_norm_power(grad.to_local(), norm_type))
             else:
-                replicated = combine(replicated, local)
+                replicated.append(_local_norm_power(grad.to_local(), norm_type))
         else:
-            replicated = combine(replicated, _local_norm_power(grad, norm_type).cpu())
-    total = replicated
-    device = _collective_device()
+            replicated.append(_local_norm_power(grad, norm_type))
     op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
-    for group, value in sharded_by_group.items():
-        value = value.to(device)
+    parts = [combine(replicated)]
+    for group, values in sharded_by_group.items():
+        value = combine(values)
         dist.all_reduce(value, op=op, group=group)
-        total = combine(total, value.cpu())
+        parts.append(value)
+    total = combine(parts)
     if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
-        total = total.to(device)
         dist.all_reduce(total, op=op, group=pipeline_group)
-        total = total.cpu()
-    return total if is_inf else total.pow(1.0 / norm_type)
+    total = total if is_inf else total.pow(1.0 / norm_type)
+    return total.to(dtype or torch.get_default_dtype())
 
 
 def _collective_device() -> torch.device:
@@ -89,7 +100,7 @@ def clip_grad_norm_(
     """Clip gradients in place to a global norm of ``max_norm``; returns the norm before clipping."""
     parameters = [p for p in parameters if p.grad is not None]
     total = total_grad_norm(parameters, norm_type, pipeline_group)
-    coef = float(max_norm) / (float(total) + 1e-6)
+    coef = float(max_norm) / (float(total) + 1e-6)  # the one host sync of clipping
     if coef < 1.0:
         for p in parameters:
             grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
