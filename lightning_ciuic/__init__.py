@@ -23,6 +23,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "AsyncCheckpointer": ("lightning_ciuic.callbacks.async_checkpoint", "AsyncCheckpointer"),
     "ChunkedCheckpointIO": ("lightning_ciuic.plugins.checkpoint_io", "ChunkedCheckpointIO"),
     "CommunicationMonitor": ("lightning_ciuic.callbacks.monitor", "CommunicationMonitor"),
+    "CompressionConfig": ("lightning_ciuic.comm.compression", "CompressionConfig"),
+    "DataParallel": ("lightning_ciuic.comm.data_parallel", "DataParallel"),
     "DynamicDataBalancer": ("lightning_ciuic.callbacks.data_balance", "DynamicDataBalancer"),
     "ElasticResourceManager": ("lightning_ciuic.callbacks.elastic", "ElasticResourceManager"),
     "GradientCompression": ("lightning_ciuic.comm.compression", "GradientCompression"),
@@ -33,13 +35,16 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "HybridParallelEngine": ("lightning_ciuic.strategies.hybrid", "HybridParallelStrategy"),  # seed alias
     "HybridParallelStrategy": ("lightning_ciuic.strategies.hybrid", "HybridParallelStrategy"),
     "NodePreempted": ("lightning_ciuic.callbacks.elastic", "NodePreempted"),
+    "ParallelContext": ("lightning_ciuic.strategies.context", "ParallelContext"),
     "ParallelDims": ("lightning_ciuic.parallel.dims", "ParallelDims"),
     "PipelineModule": ("lightning_ciuic.strategies.pipelining", "PipelineModule"),
     "QuantumRecovery": ("lightning_ciuic.callbacks.recovery", "QuantumRecovery"),  # seed alias
+    "Replicated": ("lightning_ciuic.comm.data_parallel", "Replicated"),
     "SnapshotRecovery": ("lightning_ciuic.callbacks.recovery", "SnapshotRecovery"),
     "WarmupCosineAnnealingLR": ("lightning_ciuic.callbacks.lr_schedule", "WarmupCosineAnnealingLR"),
     "WarmupCosineSchedule": ("lightning_ciuic.callbacks.lr_schedule", "WarmupCosineSchedule"),
     "apply_tensor_parallel": ("lightning_ciuic.parallel.tensor", "apply_tensor_parallel"),
+    "parallel_context": ("lightning_ciuic.strategies.context", "parallel_context"),
     "register_compression_hook": ("lightning_ciuic.comm.hooks", "register_compression_hook"),
     "warmup_cosine_lr": ("lightning_ciuic.callbacks.lr_schedule", "warmup_cosine_lr"),
 }

@@ -31,6 +31,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
+from lightning_ciuic.strategies.context import parallel_context
+
 
 class SlowRank(Callback):
     """Make ``ranks`` slower: a fixed delay per sample, or a slowdown factor of their own compute."""
@@ -75,7 +77,7 @@ class SlowGradientSync(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        sync = getattr(trainer.strategy, "grad_sync", None)
+        sync = getattr(parallel_context(trainer).data_parallel, "synchronizer", None)
         if sync is None:
             raise TypeError(f"SlowGradientSync needs HybridParallelStrategy's synchronizer, not {type(trainer.strategy).__name__}.")
         if trainer.global_rank in self.ranks:

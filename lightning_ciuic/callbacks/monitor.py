@@ -35,15 +35,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
 
 from lightning_ciuic.advice import RANK_FIELDS, RunProfile, advise
-from lightning_ciuic.comm.auto import measure_link, measure_sync_seconds
+from lightning_ciuic.compat import TorchDispatchMode
+from lightning_ciuic.comm.auto import measure_link, measure_sync_seconds, synchronize
 from lightning_ciuic.report import render_html, summary_table
+from lightning_ciuic.strategies.context import parallel_context
 from lightning_ciuic.telemetry import Telemetry, gather_per_rank
 
 _WARMUP_STEPS = 2  # first steps (allocation, first collectives) left out of the means
@@ -51,11 +51,14 @@ _TIMED = ("step", "compute", "data_wait", "dp_exposed", "dp_comm", "tp_comm")
 
 
 class CollectiveTimer(TorchDispatchMode):
-    """Times the functional collectives (launch and ``wait_tensor``) issued while active, by mesh axis."""
+    """Times the functional collectives (launch and ``wait_tensor``) issued while active, by mesh axis. On a GPU
+    it synchronizes the device around each of them (it runs on sampled steps only), so the times are the
+    device's, not the host's queueing."""
 
-    def __init__(self, axis_of_group: dict[str, str]) -> None:
+    def __init__(self, axis_of_group: dict[str, str], device: torch.device = torch.device("cpu")) -> None:
         super().__init__()
         self.axis_of_group = axis_of_group
+        self.device = torch.device(device)
         self.seconds: dict[str, float] = defaultdict(float)
         self.count: dict[str, int] = defaultdict(int)
         self._pending: dict[int, str] = {}
@@ -63,8 +66,10 @@ class CollectiveTimer(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if func.namespace != "_c10d_functional":
             return func(*args, **(kwargs or {}))
+        synchronize(self.device)
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
+        synchronize(self.device)
         elapsed = time.perf_counter() - start
         if func.__name__.startswith("wait_tensor"):
             axis = self._pending.pop(id(args[0]), None)
@@ -122,55 +127,52 @@ class CommunicationMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.windows, self._window, self._total, self._bubbles = [], _Window(), _Window(), []
         self._cursor = Telemetry.of(trainer).records_since(0)[1]
-        strategy = trainer.strategy
-        mesh = getattr(strategy, "_device_mesh", None)
-        dims = getattr(strategy, "parallel_dims", None)
-        dp = dims.dp if dims is not None else trainer.world_size
-        dp_group = mesh["dp"].get_group() if mesh is not None and dp > 1 else (dist.group.WORLD if dp > 1 else None)
-        self._axis_of_group = {
-            mesh.get_group(axis).group_name: axis
-            for axis in mesh.mesh_dim_names
-            if mesh.size(mesh.mesh_dim_names.index(axis)) > 1
-        } if mesh is not None else {}
-        sync = getattr(strategy, "grad_sync", None)
-        compression = getattr(strategy, "compression", None)
-        params = [p for p in pl_module.parameters() if p.requires_grad]
-        numel = sum(b.buffer.numel() for b in sync.buckets) if sync is not None else sum(p.numel() for p in params)
+        context = self._context = parallel_context(trainer)
+        dims, engine = context.dims, context.data_parallel
+        self._axis_of_group = context.axis_of_group()
+        if engine is not None:
+            numel, buckets = engine.payload()
+            compression = (engine.describe() or {}).get("mode", "none")
+        else:  # DDP and others: torch's bucketing (25 MB)
+            numel = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+            buckets, compression = max(1, math.ceil(numel * 4 / (25 * 2**20))), "none"
         self._meta = dict(
             world_size=trainer.world_size,
-            dp=dp,
-            tp=dims.tp if dims is not None else 1,
-            pp=dims.pp if dims is not None else 1,
-            compression=compression.mode if compression is not None else "none",
+            dp=dims.dp,
+            tp=dims.tp,
+            pp=dims.pp,
+            compression=compression,
             gradient_numel=int(numel),
-            buckets=len(sync.buckets) if sync is not None else max(1, math.ceil(numel * 4 / (25 * 2**20))),
+            buckets=buckets,
             dp_rank_of=[],
             latency_s=None,
             bandwidth_bytes_per_s=None,
             codec_s_per_value={},
             sync_s={},
-            num_microbatches=getattr(getattr(strategy, "pipeline", None), "num_microbatches", None),
+            num_microbatches=context.pipeline.num_microbatches if context.pipeline is not None else None,
         )
-        if self.measure_link and dp_group is not None:
-            latency, bandwidth = measure_link(dp_group)
+        if self.measure_link and context.dp_group is not None:
+            latency, bandwidth = measure_link(context.dp_group, device=context.device)
             self._meta.update(latency_s=latency, bandwidth_bytes_per_s=bandwidth)
-            self._meta["sync_s"] = measure_sync_seconds(dp_group, self._meta["gradient_numel"], self._meta["buckets"])
-        self._sync_seen = self._sync_counters(trainer)
-        self._dp_rank = int((strategy.distributed_sampler_kwargs or {}).get("rank", 0)) if dp > 1 else 0
+            self._meta["sync_s"] = measure_sync_seconds(
+                context.dp_group, self._meta["gradient_numel"], self._meta["buckets"], device=context.device
+            )
+        self._sync_seen = self._sync_counters()
+        self._dp_rank = context.dp_rank
 
-    @staticmethod
-    def _sync_counters(trainer: Trainer) -> tuple[float, float, float]:
-        sync = getattr(trainer.strategy, "grad_sync", None)
-        if sync is None:
+    def _sync_counters(self) -> tuple[float, float, float]:
+        engine = self._context.data_parallel
+        if engine is None:
             return (0.0, 0.0, 0.0)
-        return (sync.stats.comm_seconds, float(sync.stats.bytes_sent), float(sync.stats.bytes_reduced))
+        stats = engine.stats
+        return (stats.comm_seconds, float(stats.bytes_sent), float(stats.bytes_reduced))
 
     # -- per step ------------------------------------------------------------------------------------
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         Telemetry.of(trainer).begin(trainer.global_step, batch_idx, batch)
         if set(self._axis_of_group.values()) - {"dp"} and trainer.global_step % self.profile_every == 0 and self._timer is None:
-            self._timer = CollectiveTimer(self._axis_of_group)
+            self._timer = CollectiveTimer(self._axis_of_group, trainer.strategy.root_device)
             self._timer.__enter__()
             self._timer_active = True
 
@@ -193,12 +195,12 @@ class CommunicationMonitor(Callback):
         self._stop_timer()
         timer, self._timer = self._timer, None
         records, self._cursor = telemetry.records_since(self._cursor)
-        counters, last = self._sync_counters(trainer), self._sync_seen
+        counters, last = self._sync_counters(), self._sync_seen
         self._sync_seen = counters
         if not records:
             return
         record = records[-1]
-        if getattr(trainer.strategy, "grad_sync", None) is not None:
+        if self._context.data_parallel is not None:
             comm, sent, payload = (now - before for now, before in zip(counters, last))
         else:  # DDP and others: only the exposed wait is visible; bytes from the ring all-reduce formula
             synced = record.optimizer_step and self._meta["dp"] > 1
@@ -220,9 +222,8 @@ class CommunicationMonitor(Callback):
         elif record.step >= _WARMUP_STEPS:
             self._window.add(values)
             self._total.add(values)
-            pipeline = getattr(trainer.strategy, "pipeline", None)
-            if pipeline is not None:
-                self._bubbles.append(pipeline.bubble)
+            if self._context.pipeline is not None:
+                self._bubbles.append(self._context.pipeline.bubble)
         step = trainer.global_step
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if step % every == 0 and self._window.last:

@@ -84,6 +84,8 @@ from lightning_ciuic.checkpoint.snapshot import (
 )
 from lightning_ciuic.callbacks.trainer_state import apply_lightning_checkpoint, apply_training_state, capture_training_state
 from lightning_ciuic.parallel.resume import positioned
+from lightning_ciuic import compat
+from lightning_ciuic.strategies.context import parallel_context
 
 RecoveryStrategy = Literal["latest", "min_loss"]
 SnapshotStoreKind = Literal["memory", "shm", "peer"]
@@ -193,8 +195,7 @@ class SnapshotRecovery(Callback):
             rank_zero_warn("SnapshotRecovery: the training loader has no batch sampler; a resume restarts its epoch.")
             return loader
         loader = positioned(loader)
-        loop = trainer.fit_loop
-        loader.position = lambda: (loop.epoch_progress.current.processed, loop.epoch_loop.batch_progress.current.processed)
+        loader.position = lambda: compat.epoch_position(trainer)
         return loader
 
     @override
@@ -278,8 +279,8 @@ class SnapshotRecovery(Callback):
 
     @staticmethod
     def _layout(trainer: Trainer) -> tuple[int, int]:
-        dims = getattr(trainer.strategy, "parallel_dims", None)
-        return (dims.pp, dims.tp) if dims is not None else (1, 1)
+        dims = parallel_context(trainer).dims
+        return dims.pp, dims.tp
 
     def _restore_from_checkpoint(self, trainer: Trainer) -> Optional[str]:
         from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
@@ -299,9 +300,7 @@ class SnapshotRecovery(Callback):
         loader = trainer.train_dataloader
         shift = getattr(loader, "resume_shift", 0)
         if shift:
-            current = trainer.fit_loop.epoch_loop.batch_progress.current
-            for counter in ("ready", "started", "processed", "completed"):
-                setattr(current, counter, getattr(current, counter) + shift)
+            compat.shift_batch_counters(trainer, shift)
             loader.resume_shift = 0
 
     def snapshot_now(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -30,17 +30,19 @@ from lightning_ciuic.checkpoint.training_state import (
     rng_state,
     set_rng_state,
 )
+from lightning_ciuic import compat
+from lightning_ciuic.strategies.context import parallel_context
 
 
 def capture_training_state(trainer: Trainer, pl_module: LightningModule, skip: Optional[Callback] = None) -> dict[str, Any]:
-    compression = getattr(trainer.strategy, "compression", None)
+    engine = parallel_context(trainer).data_parallel
     return {
         "module": capture_module(pl_module, copy=False),
         "optimizers": [capture_optimizer(o, copy=False) for o in trainer.optimizers],
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "loops": trainer.fit_loop.state_dict(),
         "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb is not skip},
-        "compression": compression.state_dict() if compression is not None else None,
+        "compression": engine.state_dict() if engine is not None else None,  # residuals: per rank
         "rng": rng_state(),
     }
 
@@ -58,12 +60,12 @@ def apply_training_state(
         restore_optimizer(optimizer, captured)
     for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["lr_schedulers"]):
         config.scheduler.load_state_dict(scheduler_state)
-    compression = getattr(trainer.strategy, "compression", None)
-    if compression is not None and state["compression"] is not None and rank_state:
-        compression.load_state_dict(state["compression"])
+    engine = parallel_context(trainer).data_parallel
+    if engine is not None and state["compression"] is not None and rank_state:
+        engine.load_state_dict(state["compression"])
     set_rng_state(state["rng"])
     if rewind_only:
-        _rewind_step_counters(trainer, state["loops"])
+        compat.rewind_step_counters(trainer, state["loops"])
         return
     trainer.fit_loop.load_state_dict(state["loops"])
     _load_callback_states(trainer, state["callbacks"], skip)
@@ -80,15 +82,6 @@ def apply_lightning_checkpoint(trainer: Trainer, checkpoint: dict[str, Any]) -> 
     if "loops" in checkpoint:
         trainer.fit_loop.load_state_dict(checkpoint["loops"]["fit_loop"])
     _load_callback_states(trainer, checkpoint.get("callbacks", {}), skip=None)
-
-
-def _rewind_step_counters(trainer: Trainer, loops: dict[str, Any]) -> None:
-    epoch_loop = trainer.fit_loop.epoch_loop
-    automatic = loops["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"]
-    epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.load_state_dict(automatic)
-    manual = loops["epoch_loop.manual_optimization.optim_step_progress"]["total"]
-    epoch_loop.manual_optimization.optim_step_progress.total.load_state_dict(manual)
-    epoch_loop._batches_that_stepped = loops["epoch_loop.state_dict"]["_batches_that_stepped"]
 
 
 def _load_callback_states(trainer: Trainer, states: dict[str, Any], skip: Optional[Callback]) -> None:

@@ -27,13 +27,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from lightning_ciuic.checkpoint.incremental import CheckpointCatalog, ChunkStore, Manifest
+from lightning_ciuic.compat import EmptyStateDictLoadPlanner, load_state_dict_into
 
 
 @dataclass(frozen=True)
@@ -228,5 +227,5 @@ def load_full(store: ChunkStore, name: str) -> dict[str, Any]:
     state: dict[str, Any] = {}
     # What torch's own dcp_to_torch_save does: the empty-state-dict planner rebuilds the saved structure. The public
     # dcp.load cannot: it copies back only the keys the given state dict already had (none), and warns.
-    _load_state_dict(state, storage_reader=ChunkedReader(store, name), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    load_state_dict_into(state, storage_reader=ChunkedReader(store, name), planner=EmptyStateDictLoadPlanner(), no_dist=True)
     return state

@@ -24,15 +24,17 @@ No Lightning imports.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
 
-from lightning_ciuic.comm.codecs import ErrorFeedback, TopK, dense_codec
+from lightning_ciuic.comm.codecs import ErrorFeedback, FullPrecision, TopK, dense_codec
 from lightning_ciuic.comm.collectives import (
     native_allreduce_,
     quantized_allreduce_,
@@ -83,8 +85,51 @@ def validate_compression(mode: str, compression_ratio: float, powersgd_rank: int
         raise ValueError(f"compression_warmup_steps must be an integer >= 0, got {warmup_steps!r}.")
 
 
+@dataclass(frozen=True)
+class CompressionConfig:
+    """How data-parallel gradients travel; validated on construction (every error names what was given and
+    what would work). The fields are ``HybridParallelStrategy``'s arguments of the same meaning:
+
+    * ``mode``: ``communication_compression`` (``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"nf4"``,
+      ``"topk"``, ``"powersgd"``, ``"auto"``);
+    * ``compression_ratio``: the fraction ``"topk"`` keeps; ``powersgd_rank``: PowerSGD's rank;
+    * ``error_feedback``: carry what a lossy mode dropped into the next step's gradient;
+    * ``warmup_steps``: ``compression_warmup_steps``, optimizer steps synchronized uncompressed first;
+    * ``algorithm``: ``allreduce_algorithm``, ``"auto"`` (the backend's) or our ``"ring"``/``"tree"``;
+    * ``auto_recheck_steps``: how often ``"auto"`` decides again.
+    """
+
+    mode: CompressionMode = "none"
+    compression_ratio: float = 0.01
+    powersgd_rank: int = 4
+    error_feedback: bool = True
+    warmup_steps: int = 0
+    algorithm: AllReduceAlgorithm = "auto"
+    auto_recheck_steps: int = 500
+
+    def __post_init__(self) -> None:
+        validate_compression(self.mode, self.compression_ratio, self.powersgd_rank, self.warmup_steps, self.algorithm)
+        if isinstance(self.auto_recheck_steps, bool) or not isinstance(self.auto_recheck_steps, int) or self.auto_recheck_steps < 1:
+            raise ValueError(f"auto_recheck_steps must be an integer >= 1, got {self.auto_recheck_steps!r}.")
+
+    @property
+    def exact_mean(self) -> bool:
+        """Whether buckets take the backend's exact mean with nothing in between (no reducer needed)."""
+        return self.mode == "none" and self.algorithm == "auto"
+
+
+Collective = Callable[[str, torch.Tensor, list[torch.Size], dist.ProcessGroup], tuple[torch.Tensor, int]]
+
+
 class GradientCompression:
     """Reducer for :class:`~lightning_ciuic.comm.grad_sync.GradientSynchronizer` (see module docstring)."""
+
+    @classmethod
+    def from_config(cls, config: CompressionConfig) -> "GradientCompression":
+        return cls(
+            config.mode, config.compression_ratio, config.powersgd_rank, config.error_feedback, config.warmup_steps,
+            config.algorithm,
+        )
 
     def __init__(
         self,
@@ -104,6 +149,7 @@ class GradientCompression:
         self.topk = TopK(compression_ratio)
         self.powersgd = PowerSGD(powersgd_rank)
         self.step = 0
+        self._collectives: dict[tuple[str, str], Collective] = {}  # chosen once per (mode, algorithm)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ciuic-grad-sync")
 
     def set_mode(self, mode: str, algorithm: str = "native") -> None:
@@ -124,28 +170,42 @@ class GradientCompression:
 
     def submit(self, key: str, buffer: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup) -> Future:
         """Queue the reduction of one bucket on the worker thread; the future's result is the bytes sent."""
-        return self._executor.submit(self.reduce_, key, buffer, shapes, group, self.active_mode, self.algorithm)
+        mode = self.active_mode
+        return self._executor.submit(self.reduce_, key, buffer, shapes, group, mode, self._collective(mode, self.algorithm))
+
+    def _collective(self, mode: str, algorithm: str) -> Collective:
+        """The collective and codec of ``(mode, algorithm)``, chosen once and kept."""
+        chosen = self._collectives.get((mode, algorithm))
+        if chosen is not None:
+            return chosen
+        if mode == "powersgd":
+            def chosen(key, work, shapes, group):  # averages ``work`` in place: what was sent is the result
+                return work, self.powersgd.allreduce_(key, work, shapes, group)
+        elif mode == "topk":
+            chosen = lambda key, work, shapes, group: topk_allreduce_(work, group, self.topk)  # noqa: E731
+        elif mode in ("int8", "nf4"):
+            codec = dense_codec(mode)
+            chosen = lambda key, work, shapes, group: quantized_allreduce_(work, group, codec)  # noqa: E731
+        elif algorithm in ("ring", "tree"):
+            collective = ring_allreduce_ if algorithm == "ring" else tree_allreduce_
+            if mode == "none":  # uncompressed: the bucket's own dtype on the wire (float64 stays exact)
+                chosen = lambda key, work, shapes, group: collective(work, group, FullPrecision(work.dtype))  # noqa: E731
+            else:
+                codec = dense_codec(mode)
+                chosen = lambda key, work, shapes, group: collective(work, group, codec)  # noqa: E731
+        else:
+            chosen = lambda key, work, shapes, group: native_allreduce_(work, group, _HALF.get(mode))  # noqa: E731
+        self._collectives[(mode, algorithm)] = chosen
+        return chosen
 
     def reduce_(
-        self, key: str, buffer: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup, mode: str, algorithm: str
+        self, key: str, buffer: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup, mode: str, collective: Collective
     ) -> int:
-        """Average ``buffer`` in place with ``mode``; returns bytes sent. Runs on the worker thread."""
+        """Average ``buffer`` in place with ``collective`` (``mode``'s); returns bytes sent. Runs on the worker thread."""
         feedback = self.error_feedback if mode != "none" else None
         compensated = feedback.compensate(key, buffer) if feedback else buffer
         work = compensated.clone() if feedback else buffer  # the collectives overwrite their input
-        if mode == "powersgd":
-            sent = self.powersgd.allreduce_(key, work, shapes, group)
-            transmitted = work
-        elif mode == "topk":
-            transmitted, sent = topk_allreduce_(work, group, self.topk)
-        elif mode in ("int8", "nf4"):
-            transmitted, sent = quantized_allreduce_(work, group, dense_codec(mode))
-        elif algorithm == "ring":
-            transmitted, sent = ring_allreduce_(work, group, dense_codec(mode))
-        elif algorithm == "tree":
-            transmitted, sent = tree_allreduce_(work, group, dense_codec(mode))
-        else:
-            transmitted, sent = native_allreduce_(work, group, _HALF.get(mode, torch.float32))
+        transmitted, sent = collective(key, work, shapes, group)
         if feedback is not None:
             feedback.update(key, compensated, transmitted)
             buffer.copy_(work)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_ciuic.checkpoint.sharded import load_sharded, save_sharded
+from lightning_ciuic.compat import unwrap_optimizer
 from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO
 
 if TYPE_CHECKING:
@@ -43,10 +44,11 @@ def _chunked_io(strategy: HybridParallelStrategy, path: Any) -> ChunkedCheckpoin
 def save_checkpoint(strategy: HybridParallelStrategy, checkpoint: dict[str, Any], filepath: Any) -> None:
     model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
     rank_state = None
-    compression = strategy.compression
-    if compression is not None:  # error-feedback residuals differ per rank: one key per rank
-        rank_state = compression.state_dict()
-        checkpoint["gradient_compression"] = {"mode": compression.mode, "algorithm": compression.algorithm}
+    engine = strategy.data_parallel
+    description = engine.describe() if engine is not None else None
+    if description is not None:  # the engine's state (error-feedback residuals) differs per rank: one key per rank
+        rank_state = engine.state_dict()
+        checkpoint["gradient_compression"] = description
     key = rank_key(strategy)
     io = _chunked_io(strategy, filepath)
     if io is not None:
@@ -72,7 +74,7 @@ def load_checkpoint(strategy: HybridParallelStrategy, checkpoint_path: Any) -> d
     path = strategy.broadcast(str(checkpoint_path))
     model = strategy.model
     assert model is not None
-    optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+    optimizers = [unwrap_optimizer(o) for o in strategy.optimizers]
     key = rank_key(strategy)
     io = _chunked_io(strategy, path)
     if io is not None:
@@ -81,13 +83,14 @@ def load_checkpoint(strategy: HybridParallelStrategy, checkpoint_path: Any) -> d
         )
     else:
         meta, rank_state = load_sharded(model, optimizers, key, checkpoint_id=Path(path))
-    compression_config = meta.pop("gradient_compression", None)
-    compression = strategy.compression
-    if compression is not None and rank_state is not None:
-        compression.load_state_dict(rank_state)
-        compression.set_mode(**compression_config)
-    elif compression is not None:
-        rank_zero_info("checkpoint has no gradient-compression state for this rank: residuals start at zero.")
+    description = meta.pop("gradient_compression", None)
+    engine = strategy.data_parallel
+    if engine is not None and engine.describe() is not None:
+        if rank_state is not None and description is not None:
+            engine.load_state_dict(rank_state)
+            engine.restore(description)
+        else:
+            rank_zero_info("checkpoint has no gradient-compression state for this rank: residuals start at zero.")
     return meta
 
 

@@ -6,11 +6,14 @@ Contract:
   ``process_group_backend`` says otherwise), builds the mesh from :class:`ParallelDims` and hands it to
   the LightningModule as ``self.device_mesh`` before ``configure_model()`` runs, where the module applies
   its tensor-parallel plan to ``self.device_mesh["tp"]``.
-* Data parallel is our own :class:`GradientSynchronizer` over the ``dp`` axis (not torch DDP): bucketed,
-  overlapped with backward, skipped on accumulation micro-steps, bounded by ``sync_timeout``; with
-  ``communication_compression`` its buckets go through :class:`GradientCompression` (error feedback,
-  ring/tree, ``"auto"`` decided from measured bandwidth). ``comm/bytes_sent`` and ``comm/sync_time``
-  (the previous synchronization) are logged every training step.
+* Data parallel over the ``dp`` axis goes through one :class:`~lightning_ciuic.comm.data_parallel.DataParallel`
+  engine (``self.data_parallel``), driven at four points: set-up, the start of each step, ``no_sync`` for
+  accumulation, after backward. Today's engine is :class:`~lightning_ciuic.comm.data_parallel.Replicated`: our
+  own bucketed synchronizer (not torch DDP), overlapped with backward, skipped on accumulation micro-steps,
+  bounded by ``sync_timeout``, compressed as a :class:`~lightning_ciuic.comm.compression.CompressionConfig`
+  built from the ``communication_compression`` arguments says (error feedback, ring/tree, ``"auto"`` decided
+  from measured step times). ``comm/bytes_sent`` and ``comm/sync_time`` (the previous synchronization) are
+  logged every training step.
 * Pipeline parallel (``pipeline_parallel_size > 1``): after ``configure_model()`` the module (a
   :class:`~lightning_ciuic.strategies.pipelining.PipelineModule`) is cut into stages over the ``pp`` axis,
   this rank's kept in place; its steps run through the pipeline schedule (``self.pipelined_loss(batch)``),
@@ -42,21 +45,17 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from lightning_ciuic import compat
 from lightning_ciuic.comm.auto import AutoCompression
-from lightning_ciuic.comm.compression import (
-    AllReduceAlgorithm,
-    CompressionMode,
-    GradientCompression,
-    validate_compression,
-)
-from lightning_ciuic.comm.grad_sync import GradientSynchronizer, check_bucket_size, mean_all_reduce
+from lightning_ciuic.comm.compression import AllReduceAlgorithm, CompressionConfig, CompressionMode, GradientCompression
+from lightning_ciuic.comm.data_parallel import DataParallel, Replicated
+from lightning_ciuic.comm.grad_sync import GradientSynchronizer, check_bucket_size
 from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.grad_norm import clip_grad_norm_
@@ -170,8 +169,9 @@ class HybridParallelStrategy(ParallelStrategy):
         if isinstance(communication_compression, GradientQuantizer):
             error_feedback = communication_compression.error_feedback
             communication_compression = communication_compression.mode
-        validate_compression(
-            communication_compression, compression_ratio, powersgd_rank, compression_warmup_steps, allreduce_algorithm
+        self.compression_config = CompressionConfig(
+            communication_compression, compression_ratio, powersgd_rank, error_feedback, compression_warmup_steps,
+            allreduce_algorithm, auto_recheck_steps,
         )
         if communication_compression != "none" and process_group_backend in ("mpi", "ucc"):
             raise ValueError(
@@ -179,21 +179,8 @@ class HybridParallelStrategy(ParallelStrategy):
                 f" point-to-point sends, supported here on 'gloo' and 'nccl'; got process_group_backend="
                 f"{process_group_backend!r}. Use 'gloo'/'nccl' or communication_compression='none'."
             )
-        if auto_recheck_steps < 1:
-            raise ValueError(f"auto_recheck_steps must be >= 1, got {auto_recheck_steps}.")
-        self._compression_config = dict(
-            mode=communication_compression,
-            compression_ratio=compression_ratio,
-            powersgd_rank=powersgd_rank,
-            error_feedback=error_feedback,
-            warmup_steps=compression_warmup_steps,
-            algorithm=allreduce_algorithm,
-        )
-        self._auto_recheck_steps = auto_recheck_steps
-        self.compression: Optional[GradientCompression] = None
-        self.auto: Optional[AutoCompression] = None
+        self.data_parallel: Optional[DataParallel] = None  # the engine, once the processes and the model exist
         self._logged = (0, 0.0)
-        self._auto_step = -1
         self._sync_timeout = _positive_seconds("sync_timeout", sync_timeout)
         self._timeout = _positive_seconds("timeout", timeout)
         self._requested = dict(
@@ -208,7 +195,19 @@ class HybridParallelStrategy(ParallelStrategy):
         self.num_nodes = 1
         self.parallel_dims: Optional[ParallelDims] = None
         self._device_mesh: Optional[DeviceMesh] = None
-        self.grad_sync: Optional[GradientSynchronizer] = None
+
+    # -- the data-parallel engine's parts, for callbacks that read them ------------------------------
+    @property
+    def grad_sync(self) -> Optional[GradientSynchronizer]:
+        return getattr(self.data_parallel, "synchronizer", None)
+
+    @property
+    def compression(self) -> Optional[GradientCompression]:
+        return getattr(self.data_parallel, "compression", None)
+
+    @property
+    def auto(self) -> Optional[AutoCompression]:
+        return getattr(self.data_parallel, "auto", None)
 
     # -- processes and the mesh --------------------------------------------------------------------
     @property
@@ -266,7 +265,8 @@ class HybridParallelStrategy(ParallelStrategy):
         if self.cluster_environment.creates_processes_externally:
             return
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            script_launcher = compat.launchers()[0]
+            self._launcher = script_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = FullWeightsMultiProcessingLauncher(self, start_method=self._start_method)
 
@@ -312,7 +312,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._setup_pipeline()
-        self._setup_grad_sync()
+        self._setup_data_parallel()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -333,38 +333,23 @@ class HybridParallelStrategy(ParallelStrategy):
                 )
             checkpoint_blocks(module)
 
-    def _setup_grad_sync(self) -> None:
-        self._close_grad_sync()
-        self._logged, self._auto_step = (0, 0.0), -1
+    def _setup_data_parallel(self) -> None:
+        self._close_data_parallel()
+        self._logged = (0, 0.0)
         assert self.parallel_dims is not None and self.model is not None
         if not self.parallel_dims.dp_enabled:
             return
-        config = self._compression_config
-        if config["mode"] != "none" or config["algorithm"] != "auto":
-            self.compression = GradientCompression(**config)
-            if config["mode"] == "auto":
-                self.auto = AutoCompression(self.compression, self._auto_recheck_steps)
-        self.grad_sync = GradientSynchronizer(
-            self.model.parameters(),
-            group=self.device_mesh["dp"].get_group(),
-            bucket_size_mb=self.bucket_size_mb,
-            timeout=self._sync_timeout.total_seconds(),
-            axis_name="dp",
-            reducer=self.compression or mean_all_reduce,
-        )
-        # Like DDP: every replica starts from the weights of the first rank of its dp group.
-        self.grad_sync.broadcast_parameters([*self.model.parameters(), *self.model.buffers()])
+        self.data_parallel = Replicated(self.compression_config, self.bucket_size_mb, self._sync_timeout.total_seconds())
+        self.data_parallel.setup(self.model, self.device_mesh["dp"].get_group())
 
-    def _close_grad_sync(self) -> None:
-        if self.grad_sync is not None:
-            self.grad_sync.remove()
-        if self.compression is not None:
-            self.compression.close()
-        self.grad_sync = self.compression = self.auto = None
+    def _close_data_parallel(self) -> None:
+        if self.data_parallel is not None:
+            self.data_parallel.close()
+        self.data_parallel = None
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.grad_sync is not None:
+        if self.data_parallel is not None:
             self._before_training_step(self.lightning_module.trainer.global_step)
         if self.pipeline is None:
             return super().training_step(*args, **kwargs)
@@ -379,7 +364,7 @@ class HybridParallelStrategy(ParallelStrategy):
         params = self.pipeline.parameters()
         automatic = module.automatic_optimization
         trainer = module.trainer
-        if automatic and trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
+        if automatic and compat.batch_index(trainer) % trainer.accumulate_grad_batches == 0:
             for p in params:
                 p.grad = None
         with self.block_backward_sync():
@@ -392,17 +377,11 @@ class HybridParallelStrategy(ParallelStrategy):
         return output
 
     def _before_training_step(self, global_step: int) -> None:
-        """Per step: compression warm-up, "auto" re-checks, and logging of the previous synchronization."""
-        assert self.grad_sync is not None
-        if self.compression is not None:
-            self.compression.set_step(global_step)
-        if self.auto is not None and global_step != self._auto_step:  # once per optimizer step
-            self._auto_step = global_step
-            numel = sum(bucket.buffer.numel() for bucket in self.grad_sync.buckets)
-            decision = self.auto.on_step(self.grad_sync.group, global_step, numel, len(self.grad_sync.buckets))
-            if decision is not None:
-                rank_zero_info(decision.reason)
-        stats, (logged_bytes, logged_seconds) = self.grad_sync.stats, self._logged
+        """Per step: the engine's step start (compression warm-up, "auto"), and logging of the previous sync."""
+        assert self.data_parallel is not None
+        for message in self.data_parallel.before_step(global_step):
+            rank_zero_info(message)
+        stats, (logged_bytes, logged_seconds) = self.data_parallel.stats, self._logged
         if stats.bytes_sent != logged_bytes or stats.wait_seconds != logged_seconds:
             module = self.lightning_module
             module.log("comm/bytes_sent", float(stats.bytes_sent - logged_bytes), on_step=True, on_epoch=False)
@@ -411,7 +390,7 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
-        self._reset_optimizers_and_schedulers()
+        compat.reset_optimizers_and_schedulers(self)
         super().setup_optimizers(trainer)
 
     @override
@@ -423,10 +402,10 @@ class HybridParallelStrategy(ParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        if self.grad_sync is None:
+        if self.data_parallel is None:
             yield
             return
-        with self.grad_sync.no_sync():
+        with self.data_parallel.no_sync():
             yield
 
     @override
@@ -447,12 +426,9 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self.grad_sync is None:
-            return
-        if self.pipeline is not None:
-            self.grad_sync.sync_accumulated()  # the schedule's backward passes ran with sync off
-        else:
-            self.grad_sync.finish()
+        if self.data_parallel is not None:
+            # the pipeline schedule's backward passes ran with sync off: their gradients are accumulated
+            self.data_parallel.after_backward(accumulated=self.pipeline is not None)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -480,7 +456,11 @@ class HybridParallelStrategy(ParallelStrategy):
     # -- collectives -------------------------------------------------------------------------------
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":  # NCCL needs the device this rank uses (else it guesses, and may hang)
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
             dist.barrier()
 
     @override
@@ -519,7 +499,7 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         assert self.model is not None
-        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer))
+        return get_optimizer_state_dict(self.model, compat.unwrap_optimizer(optimizer))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -547,7 +527,7 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._close_grad_sync()
+        self._close_data_parallel()
         self.pipeline = None
         super().teardown()
 

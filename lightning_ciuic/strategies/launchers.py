@@ -16,14 +16,17 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 from lightning.pytorch import Trainer
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
-from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from typing_extensions import override
 
+from lightning_ciuic import compat
 
-class FullWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
+
+_, MultiProcessingLauncher, WorkerOutput = compat.launchers()
+
+
+class FullWeightsMultiProcessingLauncher(MultiProcessingLauncher):
     """Lightning's spawn/fork launcher, except that the weights handed back to the main process are full
     tensors (tensor-parallel DTensors are gathered on every rank first: the main process has no mesh), and
     finished workers destroy their process groups together before exiting."""
@@ -36,7 +39,7 @@ class FullWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
             dist.destroy_process_group()
 
     @override
-    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Optional[_WorkerOutput]:
+    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Optional[WorkerOutput]:
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None)
         state_dict = get_model_state_dict(trainer.lightning_module, options=StateDictOptions(full_state_dict=True))
@@ -51,5 +54,5 @@ class FullWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
         if trainer.state.fn == TrainerFn.FITTING:
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
-        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+        return WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
 

@@ -52,7 +52,7 @@ def test_seed_names_stay_importable():
         ),
         ({"communication_compression": "auto", "allreduce_algorithm": "tree"}, r"'auto' runs its own collective \(it may choose int8"),
         ({"compression_warmup_steps": -5}, "compression_warmup_steps must be an integer >= 0, got -5"),
-        ({"communication_compression": "auto", "auto_recheck_steps": 0}, "auto_recheck_steps must be >= 1, got 0"),
+        ({"communication_compression": "auto", "auto_recheck_steps": 0}, "auto_recheck_steps must be an integer >= 1, got 0"),
         (
             {"communication_compression": "int8", "process_group_backend": "mpi"},
             r"communication_compression='int8' needs all_to_all.*got process_group_backend='mpi'",

@@ -1,0 +1,163 @@
+"""Data-parallel engines: the one interface through which a strategy keeps data-parallel replicas in step.
+
+Contract of a :class:`DataParallel` engine, driven by the strategy at four points:
+
+* ``setup(module, group)``: after the module is on its device, before the optimizer exists. The engine makes
+  every replica start from the weights of the group's first rank and installs what it needs (gradient hooks,
+  buckets, reducers).
+* ``before_step(global_step) -> list[str]``: at the start of every training batch (the engine acts once per
+  optimizer step); returns messages worth logging once (a decision of ``"auto"``).
+* ``no_sync()``: backward passes inside it accumulate locally (gradient accumulation, pipeline micro-batches);
+  ``after_backward(accumulated)`` then makes this rank's gradients the replicas' average: overlapped with
+  backward when hooks saw the gradients, all at once when they were ``accumulated`` outside the hooks.
+* ``state_dict()`` / ``load_state_dict(state)``: this rank's engine state for checkpoints and snapshots (flat
+  name -> tensor), and ``describe()`` / ``restore(description)``: the small, rank-independent part (the active
+  mode) saved once.
+* ``stats``: :class:`~lightning_ciuic.comm.grad_sync.SyncStats` counters; ``payload()``: (gradient values
+  averaged per optimizer step, collectives launched for them); ``close()`` detaches everything.
+
+:class:`Replicated` is today's engine: every replica holds the whole model; bucketed, overlapped averaging
+(:class:`~lightning_ciuic.comm.grad_sync.GradientSynchronizer`), compressed and error-corrected as a
+:class:`~lightning_ciuic.comm.compression.CompressionConfig` says, ``"auto"`` deciding the mode from measured
+step times. Sharded data parallelism (FSDP2) and low-communication training (DiLoCo) are further engines.
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_ciuic.comm.auto import AutoCompression
+from lightning_ciuic.comm.compression import CompressionConfig, GradientCompression
+from lightning_ciuic.comm.grad_sync import GradientSynchronizer, SyncStats, mean_all_reduce
+
+
+class DataParallel(ABC):
+    """How replicas of a model over a data-parallel group stay in step (see the module docstring)."""
+
+    group: Optional[dist.ProcessGroup] = None
+
+    @abstractmethod
+    def setup(self, module: torch.nn.Module, group: dist.ProcessGroup) -> None: ...
+
+    @abstractmethod
+    def before_step(self, global_step: int) -> list[str]: ...
+
+    @abstractmethod
+    def no_sync(self) -> Any: ...
+
+    @abstractmethod
+    def after_backward(self, accumulated: bool = False) -> None: ...
+
+    @property
+    @abstractmethod
+    def stats(self) -> SyncStats: ...
+
+    @abstractmethod
+    def payload(self) -> tuple[int, int]: ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+    def describe(self) -> Optional[dict[str, Any]]:
+        return None
+
+    def restore(self, description: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Replicated(DataParallel):
+    """Whole replicas; gradients averaged in buckets during backward, compressed as ``compression`` says."""
+
+    def __init__(self, compression: CompressionConfig = CompressionConfig(), bucket_size_mb: float = 25.0, timeout: float = 300.0) -> None:
+        self.config, self.bucket_size_mb, self.timeout = compression, bucket_size_mb, timeout
+        self.synchronizer: Optional[GradientSynchronizer] = None
+        self.compression: Optional[GradientCompression] = None
+        self.auto: Optional[AutoCompression] = None
+        self._auto_step = -1
+
+    def setup(self, module: torch.nn.Module, group: dist.ProcessGroup) -> None:
+        self.close()
+        self.group, self._auto_step = group, -1
+        if not self.config.exact_mean:
+            self.compression = GradientCompression.from_config(self.config)
+        self.synchronizer = GradientSynchronizer(
+            module.parameters(), group=group, bucket_size_mb=self.bucket_size_mb, timeout=self.timeout,
+            axis_name="dp", reducer=self.compression or mean_all_reduce,
+        )
+        if self.config.mode == "auto":
+            assert self.compression is not None
+            device = self.synchronizer.buckets[0].buffer.device if self.synchronizer.buckets else torch.device("cpu")
+            self.auto = AutoCompression(self.compression, self.config.auto_recheck_steps, device=device)
+        # Like DDP: every replica starts from the weights of the first rank of its group.
+        self.synchronizer.broadcast_parameters([*module.parameters(), *module.buffers()])
+
+    def before_step(self, global_step: int) -> list[str]:
+        """Compression warm-up, and ``"auto"``'s trial and decisions (once per optimizer step)."""
+        if self.compression is not None:
+            self.compression.set_step(global_step)
+        if self.auto is None or global_step == self._auto_step:
+            return []
+        self._auto_step = global_step
+        assert self.synchronizer is not None
+        decision = self.auto.on_step(self.synchronizer.group, global_step, *self.payload())
+        return [decision.reason] if decision is not None else []
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        assert self.synchronizer is not None
+        with self.synchronizer.no_sync():
+            yield
+
+    def after_backward(self, accumulated: bool = False) -> None:
+        assert self.synchronizer is not None
+        if accumulated:
+            self.synchronizer.sync_accumulated()
+        else:
+            self.synchronizer.finish()
+
+    @property
+    def stats(self) -> SyncStats:
+        assert self.synchronizer is not None
+        return self.synchronizer.stats
+
+    def payload(self) -> tuple[int, int]:
+        assert self.synchronizer is not None
+        buckets = self.synchronizer.buckets
+        return sum(bucket.buffer.numel() for bucket in buckets), len(buckets)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.compression.state_dict() if self.compression is not None else {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.compression is not None:
+            self.compression.load_state_dict(state)
+
+    def describe(self) -> Optional[dict[str, Any]]:
+        if self.compression is None:
+            return None
+        return {"mode": self.compression.mode, "algorithm": self.compression.algorithm}
+
+    def restore(self, description: dict[str, Any]) -> None:
+        if self.compression is not None:
+            self.compression.set_mode(**description)
+
+    def close(self) -> None:
+        if self.synchronizer is not None:
+            self.synchronizer.remove()
+        if self.compression is not None:
+            self.compression.close()
+        self.synchronizer = self.compression = self.auto = None

@@ -1,0 +1,125 @@
+"""Every private part of Lightning and torch the pack touches, in one room.
+
+Contract: the rest of the package reaches Lightning's and torch's private classes, attributes and hooks only
+through the names below, so an upgrade that moves one breaks this file and its test (``tests/unit/test_compat.py``,
+one check per touch point), loudly, instead of a training run somewhere else. Importing this module warns once
+when the installed Lightning or torch is outside the range the suite ran on (:data:`TESTED`).
+
+Touch points:
+
+* Lightning: the launchers ``_SubprocessScriptLauncher`` / ``_MultiProcessingLauncher`` and its
+  ``_WorkerOutput`` (our strategy starts processes as ``DDPStrategy`` does); ``Strategy._reset_optimizers_and_schedulers``; the optimizer a
+  ``LightningOptimizer`` wraps (``_optimizer``); the fit loop's progress counters (epoch and batch position,
+  optimizer-step totals, ``_batches_that_stepped``) that snapshots rewind; ``ModelCheckpoint._find_last_checkpoints``
+  (what ``ckpt_path="last"`` resolves), which ``AsyncCheckpointer`` overrides.
+* torch: ``PipelineStage._to_tensor`` (shape inference on zeros), ``torch.utils._python_dispatch.TorchDispatchMode``
+  (timing tensor-parallel collectives), DCP's ``_load_state_dict`` with ``_EmptyStateDictLoadPlanner`` (loading a
+  checkpoint whole in one process, as torch's own ``dcp_to_torch_save`` does).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import warnings
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as load_state_dict_into
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# The ranges the suite ran on: (lowest, first untested) major.minor
+TESTED = {"torch": ((2, 13), (2, 15)), "lightning": ((2, 6), (2, 7))}
+
+__all__ = [
+    "EmptyStateDictLoadPlanner",
+    "TESTED",
+    "TorchDispatchMode",
+    "batch_index",
+    "check_versions",
+    "epoch_position",
+    "launchers",
+    "load_state_dict_into",
+    "reset_optimizers_and_schedulers",
+    "rewind_step_counters",
+    "shift_batch_counters",
+    "unwrap_optimizer",
+]
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def check_versions(versions: dict[str, str]) -> list[str]:
+    """One message per package whose version is outside :data:`TESTED` (empty when all are inside)."""
+    messages = []
+    for package, version in versions.items():
+        low, high = TESTED[package]
+        if not low <= _major_minor(version) < high:
+            messages.append(
+                f"lightning_ciuic was tested with {package} {low[0]}.{low[1]} up to before {high[0]}.{high[1]}, found"
+                f" {version}: it touches private parts of {package} (lightning_ciuic/compat.py lists them)."
+            )
+    return messages
+
+
+def _warn_untested() -> None:
+    versions = {"torch": torch.__version__}
+    try:  # the installed version, without importing Lightning (the framework-free floors import this module)
+        versions["lightning"] = importlib.metadata.version("lightning")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for message in check_versions(versions):
+        warnings.warn(message, stacklevel=2)
+
+
+_warn_untested()
+
+
+# -- Lightning --------------------------------------------------------------------------------------
+def launchers() -> tuple[type, type, type]:
+    """Lightning's subprocess-script launcher, its multiprocessing launcher (whose ``_wrapping_function`` and
+    ``_collect_rank_zero_results`` ours overrides) and the ``_WorkerOutput`` the latter returns."""
+    from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+    from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+
+    return _SubprocessScriptLauncher, _MultiProcessingLauncher, _WorkerOutput
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a ``LightningOptimizer`` (or the optimizer itself)."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def reset_optimizers_and_schedulers(strategy: Any) -> None:
+    strategy._reset_optimizers_and_schedulers()
+
+
+def batch_index(trainer: Any) -> int:
+    """The index of the running batch within its epoch."""
+    return trainer.fit_loop.epoch_loop.batch_idx
+
+
+def epoch_position(trainer: Any) -> tuple[int, int]:
+    """(epochs processed, batches processed in this epoch) of the fit loop."""
+    loop = trainer.fit_loop
+    return loop.epoch_progress.current.processed, loop.epoch_loop.batch_progress.current.processed
+
+
+def shift_batch_counters(trainer: Any, shift: int) -> None:
+    """Move every counter of the epoch loop's batch progress by ``shift`` batches."""
+    current = trainer.fit_loop.epoch_loop.batch_progress.current
+    for counter in ("ready", "started", "processed", "completed"):
+        setattr(current, counter, getattr(current, counter) + shift)
+
+
+def rewind_step_counters(trainer: Any, loops: dict[str, Any]) -> None:
+    """Set the optimizer-step totals and the logging step from a saved ``fit_loop.state_dict()``."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    automatic = loops["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"]
+    epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.load_state_dict(automatic)
+    manual = loops["epoch_loop.manual_optimization.optim_step_progress"]["total"]
+    epoch_loop.manual_optimization.optim_step_progress.total.load_state_dict(manual)
+    epoch_loop._batches_that_stepped = loops["epoch_loop.state_dict"]["_batches_that_stepped"]

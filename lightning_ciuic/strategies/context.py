@@ -1,0 +1,68 @@
+"""ParallelContext: the one object callbacks ask about the parallel layout of a running Trainer.
+
+Contract: ``parallel_context(trainer)`` returns a frozen :class:`ParallelContext` with the degrees
+(:class:`~lightning_ciuic.parallel.dims.ParallelDims`), the device mesh (``None`` outside
+``HybridParallelStrategy``), the data-parallel process group (``None`` where ``dp == 1``; the default group
+under ``DDPStrategy``), the data-parallel engine (``None`` where the strategy has none of ours), the pipeline
+runner (``None`` without pipeline parallelism) and the device of this rank. Under ``HybridParallelStrategy`` it
+is the strategy's own description; under any other strategy (``DDPStrategy``, one device) every rank is a
+data-parallel replica of the whole model. Callbacks read these fields instead of probing strategy attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_ciuic.comm.data_parallel import DataParallel
+from lightning_ciuic.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:
+    from lightning_ciuic.parallel.pipeline import PipelineRunner
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    dims: ParallelDims
+    mesh: Optional[DeviceMesh]
+    dp_group: Optional[dist.ProcessGroup]
+    data_parallel: Optional[DataParallel]
+    pipeline: Optional["PipelineRunner"]
+    device: torch.device
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel replicas."""
+        return dist.get_rank(self.dp_group) if self.dp_group is not None else 0
+
+    def axis_of_group(self) -> dict[str, str]:
+        """Process-group name -> mesh axis, for the axes with more than one rank."""
+        mesh = self.mesh
+        if mesh is None or mesh.mesh_dim_names is None:
+            return {}
+        return {mesh.get_group(axis).group_name: axis for i, axis in enumerate(mesh.mesh_dim_names) if mesh.size(i) > 1}
+
+
+def parallel_context(trainer: Trainer) -> ParallelContext:
+    """The running Trainer's :class:`ParallelContext` (see the module docstring)."""
+    from lightning_ciuic.strategies.hybrid import HybridParallelStrategy
+
+    strategy = trainer.strategy
+    if isinstance(strategy, HybridParallelStrategy) and strategy.parallel_dims is not None:
+        dims = strategy.parallel_dims
+        mesh = strategy.device_mesh
+        return ParallelContext(
+            dims=dims, mesh=mesh, dp_group=mesh["dp"].get_group() if dims.dp > 1 else None,
+            data_parallel=strategy.data_parallel, pipeline=strategy.pipeline, device=strategy.root_device,
+        )
+    world = trainer.world_size
+    group = dist.group.WORLD if world > 1 and dist.is_initialized() else None
+    return ParallelContext(
+        dims=ParallelDims(pp=1, dp=world, tp=1, world_size=world), mesh=None, dp_group=group, data_parallel=None,
+        pipeline=None, device=strategy.root_device,
+    )

@@ -1,0 +1,57 @@
+"""One check per private part of Lightning and torch the pack touches (lightning_ciuic/compat.py): an upgrade
+that moves one fails here, by name, rather than in a training run."""
+
+import inspect
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import Strategy
+from torch.distributed.checkpoint.planner import LoadPlanner
+from torch.distributed.pipelining import PipelineStage
+
+from lightning_ciuic import compat
+
+
+def test_versions_outside_the_tested_range_are_named():
+    assert compat.check_versions({"torch": "2.13.0+cpu", "lightning": "2.6.6"}) == []
+    (message,) = compat.check_versions({"torch": "2.13.0", "lightning": "2.9.0"})
+    assert "tested with lightning 2.6 up to before 2.7, found 2.9.0" in message
+
+
+def test_lightning_launchers_and_the_methods_ours_overrides():
+    script, multiprocessing, worker_output = compat.launchers()
+    assert inspect.isclass(script) and inspect.isclass(multiprocessing)
+    for method in ("_wrapping_function", "_collect_rank_zero_results", "get_extra_results"):
+        assert callable(getattr(multiprocessing, method)), method
+    assert worker_output._fields == ("best_model_path", "weights_path", "trainer_state", "trainer_results", "extra")
+
+
+def test_optimizer_unwrapping_and_the_strategy_reset():
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert compat.unwrap_optimizer(LightningOptimizer(optimizer)) is optimizer
+    assert compat.unwrap_optimizer(optimizer) is optimizer
+    assert callable(Strategy._reset_optimizers_and_schedulers)
+
+
+def test_fit_loop_counters_are_where_snapshots_look():
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert compat.batch_index(trainer) == -1 and compat.epoch_position(trainer) == (0, 0)  # before the first batch
+    compat.shift_batch_counters(trainer, 3)
+    assert compat.epoch_position(trainer) == (0, 3)
+    loops = trainer.fit_loop.state_dict()
+    loops["epoch_loop.state_dict"]["_batches_that_stepped"] = 7
+    compat.rewind_step_counters(trainer, loops)
+    assert trainer.fit_loop.epoch_loop._batches_that_stepped == 7
+
+
+def test_overridden_private_hooks_still_exist():
+    assert "trainer" in inspect.signature(ModelCheckpoint._find_last_checkpoints).parameters  # AsyncCheckpointer
+    assert callable(PipelineStage._to_tensor)  # parallel/pipeline.py: shape inference on zeros
+
+
+def test_torch_private_helpers():
+    assert issubclass(compat.EmptyStateDictLoadPlanner, LoadPlanner)
+    assert "no_dist" in inspect.signature(compat.load_state_dict_into).parameters
+    assert inspect.isclass(compat.TorchDispatchMode)
