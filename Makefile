@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo demo-pipeline test setup clean bench
+.PHONY: demo demo-pipeline test test-gpu setup clean bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,13 @@ demo-pipeline: setup
 
 test: setup
 	$(PY) -m pytest tests
+
+# The GPU smoke suite (tests/gpu; it skips without CUDA, and its multi-rank cases below two GPUs). It installs
+# nothing: run it with a Python whose torch has CUDA and the project installed (`pip install -e ".[test]"`),
+# e.g. `make test-gpu GPU_PYTHON=python3`.
+GPU_PYTHON ?= $(PY)
+test-gpu:
+	$(GPU_PYTHON) -m pytest tests/gpu -rs
 
 # Every benchmark; each rewrites its section of docs/benchmarks.md (compression.py needs root for netns + tc).
 bench: setup

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from datetime import timedelta
@@ -10,6 +11,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from lightning.pytorch import Callback
 from torch.utils.data import DataLoader, Dataset
 
 TINY_MODEL = dict(
@@ -41,6 +43,37 @@ def run_workers(fn: Callable[..., None], world_size: int, *args: Any) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined by a gloo group.
     An exception in any worker fails the calling test with that worker's traceback."""
     mp.start_processes(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size, start_method="spawn")
+
+
+class ReplicaReport(Callback):
+    """Rank 0 writes to ``path`` as JSON: the per-step losses, whether every data-parallel replica holds the same
+    parameters as rank 0's (``replicas_identical``; compared over the dp group, local shards under tp/pp), and what
+    :meth:`extra` adds."""
+
+    def __init__(self, path) -> None:
+        self.path, self.losses = str(path), []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+    def extra(self, trainer) -> dict:
+        return {}
+
+    def on_train_end(self, trainer, pl_module):
+        from torch.distributed.tensor import DTensor
+
+        from lightning_ciuic import parallel_context
+
+        group = parallel_context(trainer).dp_group
+        flat = torch.cat([(p.to_local() if isinstance(p, DTensor) else p).detach().reshape(-1) for p in pl_module.parameters()])
+        copies = [flat]
+        if group is not None:
+            copies = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(copies, flat, group=group)
+        if trainer.is_global_zero:
+            report = {"losses": self.losses, "replicas_identical": all(torch.equal(c, flat) for c in copies)}
+            with open(self.path, "w") as f:
+                json.dump({**report, **self.extra(trainer)}, f)
 
 
 class TokenWindows(Dataset):

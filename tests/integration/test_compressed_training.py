@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from lightning.pytorch import Callback, Trainer, seed_everything
@@ -16,38 +15,23 @@ from lightning.pytorch.loggers import CSVLogger
 from examples.deepseek import DeepSeekMini
 from lightning_ciuic import HybridParallelStrategy
 from lightning_ciuic.comm.auto import CANDIDATES, SETTLE_STEPS, TRIAL_STEPS
-from tests.helpers import PRECISION, TINY_MODEL, assert_state_close, assert_state_equal, loader, reference_training
+from tests.helpers import PRECISION, TINY_MODEL, ReplicaReport, assert_state_close, assert_state_equal, loader, reference_training
 
 STEPS = 8
 AUTO_STEPS = SETTLE_STEPS + len(CANDIDATES) * TRIAL_STEPS + 2  # settle, try every candidate, decide
 
 
-class Report(Callback):
-    """Rank 0 writes the per-step losses, whether all replicas hold identical parameters, and what the
-    synchronizer counted."""
+class Report(ReplicaReport):
+    """The replica report plus what the synchronizer counted."""
 
-    def __init__(self, path):
-        self.path, self.losses = str(path), []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-
-    def on_train_end(self, trainer, pl_module):
-        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
-        copies = [torch.empty_like(flat) for _ in range(trainer.world_size)]
-        dist.all_gather(copies, flat)
+    def extra(self, trainer):
         strategy = trainer.strategy
-        if trainer.is_global_zero:
-            report = {
-                "losses": self.losses,
-                "replicas_identical": all(torch.equal(c, flat) for c in copies),
-                "bytes_sent": strategy.grad_sync.stats.bytes_sent,
-                "gradient_bytes": strategy.grad_sync.stats.bytes_reduced,
-                "active_mode": strategy.compression.active_mode if strategy.compression else "none",
-                "auto": [d.reason for d in strategy.auto.history] if strategy.auto else [],
-            }
-            with open(self.path, "w") as f:
-                json.dump(report, f)
+        return {
+            "bytes_sent": strategy.grad_sync.stats.bytes_sent,
+            "gradient_bytes": strategy.grad_sync.stats.bytes_reduced,
+            "active_mode": strategy.compression.active_mode if strategy.compression else "none",
+            "auto": [d.reason for d in strategy.auto.history] if strategy.auto else [],
+        }
 
 
 def _tiny():

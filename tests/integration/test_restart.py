@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import assert_state_close, free_port
+from tests.helpers import assert_state_equal, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "tests" / "integration" / "restart_job.py"
@@ -63,7 +63,7 @@ def test_killed_worker_restarts_from_snapshot_and_ends_like_an_uninterrupted_run
     reports = _report(tmp_path)
     assert [r["attempt"] for r in reports] == [1, 1]
     assert [r["restored_from"] for r in reports] == [source, source]
-    assert_state_close(torch.load(tmp_path / "final.pt"), uninterrupted, rtol=0, atol=0)
+    assert_state_equal(torch.load(tmp_path / "final.pt"), uninterrupted)
     assert _wait_gone(Path(reports[0]["run_directory"])), "shared memory left behind after the run"
 
 
@@ -75,7 +75,7 @@ def test_without_snapshots_the_restart_resumes_from_the_last_async_checkpoint(tm
     assert result.returncode == 0, result.stderr[-3000:]
     reports = _report(tmp_path)
     assert all(r["restored_from"] == f"checkpoint {checkpoints}/latest" for r in reports), reports
-    assert_state_close(torch.load(tmp_path / "final.pt"), uninterrupted, rtol=0, atol=0)
+    assert_state_equal(torch.load(tmp_path / "final.pt"), uninterrupted)
 
 
 def test_shared_memory_is_released_when_the_run_fails_for_good(tmp_path):
