@@ -165,31 +165,44 @@ def summarize(result: dict) -> tuple[float, float | None]:
     return step, per_step
 
 
-def speed_section(rate: str, steps: int, workdir: Path, batch_size: int) -> str:
-    rows, results, failures = [], {}, {}
+def speed_section(rate: str, steps: int, workdir: Path, batch_size: int, rounds: int) -> str:
+    """Every variant once per round, ``rounds`` alternating rounds; ratios to DDPStrategy paired within a round,
+    the median over rounds in bold and each round's in brackets."""
+    results: dict[str, list[dict]] = {v: [] for v in DDP_VARIANTS + OURS}
+    failures: dict[str, str] = {}
     with SimulatedCluster(nodes=2, rate=rate) as cluster:
-        for variant in DDP_VARIANTS + OURS:
-            try:
-                extra = AUTO_TRIAL if variant == "auto" else 0
-                results[variant] = run(variant, "large", steps + extra, workdir, cluster, batch_size)
-                print(batch_size, variant, summarize(results[variant]), flush=True)
-            except RuntimeError as err:  # reported in the table, not hidden
-                failures[variant] = str(err)
-    ddp_step, _ = summarize(results["DDPStrategy"])
-    params = results["DDPStrategy"]["params"]
+        for _ in range(rounds):
+            for variant in DDP_VARIANTS + OURS:
+                if variant in failures:
+                    continue
+                try:
+                    extra = AUTO_TRIAL if variant == "auto" else 0
+                    results[variant].append(run(variant, "large", steps + extra, workdir, cluster, batch_size))
+                    print(batch_size, variant, summarize(results[variant][-1]), flush=True)
+                except RuntimeError as err:  # reported in the table, not hidden
+                    failures[variant] = str(err)
+    ddp_steps = [summarize(r)[0] for r in results["DDPStrategy"]]
+    params = results["DDPStrategy"][0]["params"]
     fp32_bytes = 4 * params  # a ring all-reduce of float32 sends 2 (w-1)/w = 1x the gradient per rank at w=2
+    rows = []
     for variant in DDP_VARIANTS + OURS:
         if variant in failures:
-            rows.append(f"| {variant} | failed | | {failures[variant]} |")
+            rows.append(f"| {variant} | failed | | | {failures[variant]} |")
             continue
-        step, sent = summarize(results[variant])
+        measured = [summarize(r) for r in results[variant]]
+        ratios = [step / ddp for (step, _), ddp in zip(measured, ddp_steps)]
+        sent = measured[-1][1]
         share = "" if sent is None else f"{sent / 1e6:.2f} MB ({sent / fp32_bytes:.1%})"
-        rows.append(f"| {variant} | {step * 1e3:.0f} | **{step / ddp_step:.2f}** | {share} |")
-    auto_reason = results["auto"]["auto"][0] if results.get("auto", {}).get("auto") else ""
+        rows.append(
+            f"| {variant} | {statistics.median(s for s, _ in measured) * 1e3:.0f} | **{statistics.median(ratios):.2f}**"
+            f" ({', '.join(f'{r:.2f}' for r in ratios)}) | {share} |"
+        )
+    auto_runs = results.get("auto") or [{}]
+    auto_reason = auto_runs[-1].get("auto", [""])[0] if auto_runs[-1].get("auto") else ""
     return (
-        f"### Speed on a simulated {rate} link ({params / 1e6:.2f}M-parameter model, batch {batch_size} x 64 bytes per rank)\n\n"
-        f"| variant | ms/step | step time / DDPStrategy | bytes sent per step per rank (share of fp32) |\n"
-        f"|---|---|---|---|\n" + "\n".join(rows) + f"\n\n`auto` said: {auto_reason}"
+        f"### Speed on a simulated {rate} link ({params / 1e6:.2f}M-parameter model, batch {batch_size} x 64 bytes per rank, {rounds} rounds)\n\n"
+        f"| variant | ms/step (median) | step time / DDPStrategy: median (rounds) | bytes sent per step per rank (share of fp32) |\n"
+        f"|---|---|---|---|\n" + "\n".join(rows) + f"\n\n`auto` said (last round): {auto_reason}"
     )
 
 
@@ -204,6 +217,7 @@ def main() -> None:
     parser.add_argument("--speed-runs", nargs="+", default=["1gbit:16", "1gbit:4", "200mbit:4"],
                         help="RATE:BATCH pairs for the simulated-cluster speed tables")
     parser.add_argument("--loopback-rounds", type=int, default=3, help="alternating none/auto pairs on loopback")
+    parser.add_argument("--speed-rounds", type=int, default=2, help="alternating rounds of every variant per speed run")
     parser.add_argument("--parts", nargs="+", choices=["speed", "loss"], default=["speed", "loss"])
     parser.add_argument("--sgd-lr", type=float, default=0.1, help="LR of the loss comparison under SGD with momentum 0.9")
     parser.add_argument("--sgd", action="store_true", help="worker: train with SGD (momentum 0.9, --sgd-lr) instead of AdamW")
@@ -229,7 +243,7 @@ def speed_part(args: argparse.Namespace, workdir: Path) -> None:
         sections.append(f"### Speed on a simulated cluster\n\nSkipped: {reason}.")
     for pair in [] if reason else args.speed_runs:
         rate, batch_size = pair.split(":")
-        sections.append(speed_section(rate, args.steps, workdir, int(batch_size)))
+        sections.append(speed_section(rate, args.steps, workdir, int(batch_size), args.speed_rounds))
 
     rounds = []  # alternating pairs: one pair's ratio moves by several percent on this machine
     for _ in range(args.loopback_rounds):
@@ -252,7 +266,7 @@ def speed_part(args: argparse.Namespace, workdir: Path) -> None:
         f"""
 ## Compressed gradient synchronization on a simulated 2-node cluster
 
-Command: `.venv/bin/python benchmarks/compression.py --parts speed --steps {args.steps} --speed-runs {' '.join(args.speed_runs)} --loopback-rounds {args.loopback_rounds}`
+Command: `.venv/bin/python benchmarks/compression.py --parts speed --steps {args.steps} --speed-runs {' '.join(args.speed_runs)} --speed-rounds {args.speed_rounds} --loopback-rounds {args.loopback_rounds}`
 (2 processes, one per network namespace, 1 intra-op thread each, gloo, `num_nodes=2`; both "nodes" share this
 machine's 2 cores, so codec time competes with compute as it would not on two real nodes; median step time after {WARMUP} warm-up steps, for `auto` after its {AUTO_TRIAL}-step trial of the candidates; machine: {machine()}). Targets at 1 Gbit/s: int8 step time
 <= 0.45x DDPStrategy, bytes <= 27% of fp32 (nf4 <= 15%, top-k 1% <= 3%); auto <= 1.05x uncompressed on loopback.
