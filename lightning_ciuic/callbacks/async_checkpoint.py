@@ -21,7 +21,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_ciuic.comm.vote import StepVote
 from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO, Compression
+from lightning_ciuic.strategies.context import batch_end_vote, step_vote
+
+_VOTE = "AsyncCheckpointer"  # its slot in the per-step vote
 
 
 class AsyncCheckpointer(ModelCheckpoint):
@@ -65,6 +69,7 @@ class AsyncCheckpointer(ModelCheckpoint):
         self.saves, self.postponed, self.stalls = 0, 0, []
         self._last_save_time = 0.0
         self._last_saved_step = -1
+        self._vote: Optional[StepVote] = None
 
     @property
     @override
@@ -81,6 +86,14 @@ class AsyncCheckpointer(ModelCheckpoint):
             if removed:
                 rank_zero_info(f"AsyncCheckpointer: removed {removed} chunks of saves that never committed.")
         trainer.strategy.barrier("async-checkpointer-setup")
+        self._vote = step_vote(trainer)
+        self._vote.register(_VOTE, 2, self._local_flags)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._vote is not None:
+            self._vote.release(_VOTE)
+            self._vote = None
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -92,15 +105,17 @@ class AsyncCheckpointer(ModelCheckpoint):
         if step == self._last_saved_step:
             return
         by_steps = self.every_n is not None and step % self.every_n == 0
-        by_time = self.save_interval > 0 and time.monotonic() - self._last_save_time >= self.save_interval
         if by_steps or self.save_interval > 0:  # decided together: every rank must take part in a save
-            due = trainer.strategy.reduce_boolean_decision(by_steps or by_time, all=False)
-            if due:
-                ready = trainer.strategy.reduce_boolean_decision(not self.io.busy, all=True)
-                if ready:
+            by_time, busy = batch_end_vote(trainer, _VOTE, pl_module, outputs, batch_idx)
+            if by_steps or by_time > 0:
+                if busy == 0:
                     self._save(trainer)
                 else:
                     self.postponed += 1
+
+    def _local_flags(self, trainer: Trainer, pl_module: LightningModule, outputs: Any) -> tuple[bool, bool]:
+        """This rank's vote: (its clock says a save is due, its previous save is still being written)."""
+        return self.save_interval > 0 and time.monotonic() - self._last_save_time >= self.save_interval, self.io.busy
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

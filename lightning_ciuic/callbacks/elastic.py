@@ -35,19 +35,19 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
-import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_ciuic.comm.groups import close_group
+from lightning_ciuic.comm.vote import StepVote
+from lightning_ciuic.strategies.context import batch_end_vote, step_vote
 from lightning_ciuic.callbacks.recovery import SnapshotRecovery
 from lightning_ciuic.parallel.scaling import NodeWindow, ScaleDecision, decide
 from lightning_ciuic.telemetry import Telemetry, gather_per_rank
 
 ScalingStrategy = Literal["performance_aware"]
 _STRATEGIES = ("performance_aware",)
+_VOTE = "ElasticResourceManager"  # its slot in the per-step vote
 
 
 class NodePreempted(RuntimeError):
@@ -102,7 +102,7 @@ class ElasticResourceManager(Callback):
         self._cursor = 0
         self._nodes = 1
         self._failed = False
-        self._group: Optional[dist.ProcessGroup] = None
+        self._vote: Optional[StepVote] = None
 
     @property
     def nodes(self) -> int:
@@ -127,8 +127,8 @@ class ElasticResourceManager(Callback):
         self._nodes = max(1, trainer.num_nodes)
         if not self.min_nodes <= self.nodes <= self.max_nodes:
             rank_zero_warn(f"ElasticResourceManager: running on {self.nodes} nodes, outside min_nodes..max_nodes = {self.min_nodes}..{self.max_nodes}.")
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            self._group = dist.new_group(backend="gloo")
+        self._vote = step_vote(trainer)
+        self._vote.register(_VOTE, 2, self._local_flags)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -164,6 +164,11 @@ class ElasticResourceManager(Callback):
             _scale_learning_rate(trainer, 1.0 / self.lr_scale)
             self.lr_scale = 1.0
 
+    def _local_flags(self, trainer: Trainer, pl_module: LightningModule, outputs: Any) -> tuple[bool, bool]:
+        """This rank's vote: (SIGTERM received, rank 0's decision interval has passed)."""
+        due = trainer.is_global_zero and time.monotonic() - self._last_decision >= self.monitoring_interval
+        return self._preempted, due
+
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._preempted = True
 
@@ -172,11 +177,7 @@ class ElasticResourceManager(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         telemetry = Telemetry.of(trainer)
         telemetry.end()
-        due = trainer.is_global_zero and time.monotonic() - self._last_decision >= self.monitoring_interval
-        flags = torch.tensor([float(self._preempted), float(due)])
-        if self._group is not None:
-            dist.all_reduce(flags, group=self._group)
-        preempted, due = bool(flags[0] > 0), bool(flags[1] > 0)
+        preempted, due = (flag > 0 for flag in batch_end_vote(trainer, _VOTE, pl_module, outputs, batch_idx))
         if preempted:
             self._leave(trainer, pl_module)
         if due:
@@ -253,8 +254,9 @@ class ElasticResourceManager(Callback):
         if self._previous_handler is not None:
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None
-        close_group(self._group, together=not self._failed)
-        self._group = None
+        if self._vote is not None:
+            self._vote.release(_VOTE, peer_may_be_gone=self._failed)
+            self._vote = None
         Telemetry.release(trainer)
 
     @override

@@ -64,7 +64,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_ciuic.comm.groups import close_group
+from lightning_ciuic.comm.vote import StepVote
 from lightning_ciuic.callbacks.train_loader import add_train_loader_transform, remove_train_loader_transform
 from lightning_ciuic.checkpoint.snapshot import (
     COMPRESSIONS,
@@ -85,13 +85,14 @@ from lightning_ciuic.checkpoint.snapshot import (
 from lightning_ciuic.callbacks.trainer_state import apply_lightning_checkpoint, apply_training_state, capture_training_state
 from lightning_ciuic.parallel.resume import positioned
 from lightning_ciuic import compat
-from lightning_ciuic.strategies.context import parallel_context
+from lightning_ciuic.strategies.context import batch_end_vote, parallel_context, step_vote
 
 RecoveryStrategy = Literal["latest", "min_loss"]
 SnapshotStoreKind = Literal["memory", "shm", "peer"]
 _STRATEGIES = ("latest", "min_loss")
 _STORES = ("memory", "shm", "peer")
 _MIN_SPIKE_HISTORY = 10
+_VOTE = "SnapshotRecovery"  # its slot in the per-step vote
 
 
 @dataclass
@@ -158,7 +159,7 @@ class SnapshotRecovery(Callback):
         self.store: Optional[MemoryStore] = None
         self.replicas: Optional[MemoryStore] = None
         self.run_directory: Optional[Path] = None
-        self._group: Optional[dist.ProcessGroup] = None
+        self._vote: Optional[StepVote] = None
         self._losses: deque[float] = deque(maxlen=spike_window)
         self._last_step = -1
         self._rollbacks_since_snapshot = 0
@@ -170,8 +171,8 @@ class SnapshotRecovery(Callback):
         if stage != "fit":
             return
         add_train_loader_transform(trainer, self._positioned)
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            self._group = dist.new_group(backend="gloo")
+        self._vote = step_vote(trainer)
+        self._vote.register(_VOTE, 4, self._local_health)
         if self.store_kind == "memory":
             self.store = MemoryStore()
             return
@@ -213,8 +214,9 @@ class SnapshotRecovery(Callback):
         if stage != "fit":
             return
         remove_train_loader_transform(trainer, self._positioned)
-        close_group(self._group, together=not self._failed)
-        self._group = None
+        if self._vote is not None:
+            self._vote.release(_VOTE, peer_may_be_gone=self._failed)
+            self._vote = None
 
     def _release(self) -> None:
         for store in (self.store, self.replicas):
@@ -314,7 +316,7 @@ class SnapshotRecovery(Callback):
         if step == self._last_step:  # an accumulation micro-batch: no optimizer step was taken
             return
         self._last_step = step
-        reason, loss = self._health(trainer, pl_module, outputs)
+        reason, loss = self._health(trainer, pl_module, outputs, batch_idx)
         if reason is not None:
             self._rollback(trainer, pl_module, reason, batch_idx)
             return
@@ -323,15 +325,16 @@ class SnapshotRecovery(Callback):
         if step % self.snapshot_freq == 0:
             self._snapshot(trainer, pl_module, step, loss)
 
-    def _health(self, trainer: Trainer, pl_module: LightningModule, outputs: Any) -> tuple[Optional[str], Optional[float]]:
+    def _local_health(self, trainer: Trainer, pl_module: LightningModule, outputs: Any) -> tuple[float, ...]:
+        """This rank's vote: (loss non-finite, gradient non-finite, loss, reports a loss)."""
         loss = _loss_of(outputs)
         grads_finite = True
         if self.check_gradients:
             grads_finite = _finite([p.grad for p in pl_module.parameters() if p.grad is not None])
-        local = torch.tensor([loss is not None and not math.isfinite(loss), not grads_finite, loss or 0.0, loss is not None], dtype=torch.float64)
-        if self._group is not None:
-            dist.all_reduce(local, group=self._group)
-        bad_loss, bad_grad, loss_sum, reporting = local.tolist()
+        return (loss is not None and not math.isfinite(loss), not grads_finite, loss or 0.0, loss is not None)
+
+    def _health(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch_idx: int) -> tuple[Optional[str], Optional[float]]:
+        bad_loss, bad_grad, loss_sum, reporting = batch_end_vote(trainer, _VOTE, pl_module, outputs, batch_idx)
         if bad_loss:
             return "non-finite loss", None
         if bad_grad:
@@ -418,18 +421,17 @@ class SnapshotRecovery(Callback):
         raise RuntimeError(f"SnapshotRecovery: step {step} is bad ({reason}) and no snapshot can be loaded on every rank.")
 
     # -- agreement between ranks ----------------------------------------------------------------------
+    @property
+    def _group(self) -> Optional[dist.ProcessGroup]:
+        return self._vote.group if self._vote is not None else None
+
     def _gather(self, value: Any) -> list[Any]:
-        if self._group is None:
-            return [value]
-        gathered: list[Any] = [None] * dist.get_world_size(self._group)
-        dist.all_gather_object(gathered, value, group=self._group)
-        return gathered
+        assert self._vote is not None
+        return self._vote.gather(value)
 
     def _all_ok(self, ok: bool) -> bool:
-        flag = torch.tensor([0.0 if ok else 1.0])
-        if self._group is not None:
-            dist.all_reduce(flag, group=self._group)
-        return not flag.item()
+        assert self._vote is not None
+        return self._vote.all_ok(ok)
 
     def _decode_agreed(self, blob: bytes, name: str) -> Optional[dict[str, Any]]:
         """Decode this rank's snapshot; ``None`` everywhere unless every rank's decodes."""

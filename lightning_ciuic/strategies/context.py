@@ -7,12 +7,17 @@ under ``DDPStrategy``), the data-parallel engine (``None`` where the strategy ha
 runner (``None`` without pipeline parallelism) and the device of this rank. Under ``HybridParallelStrategy`` it
 is the strategy's own description; under any other strategy (``DDPStrategy``, one device) every rank is a
 data-parallel replica of the whole model. Callbacks read these fields instead of probing strategy attributes.
+
+``step_vote(trainer)`` is the Trainer's one :class:`~lightning_ciuic.comm.vote.StepVote`: callbacks that must agree
+every step (recovery's health check, elastic's preemption flags, the async checkpointer's "save now?") register
+their values into it and the ranks exchange one message per step for all of them.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,6 +25,7 @@ from lightning.pytorch import Trainer
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ciuic.comm.data_parallel import DataParallel
+from lightning_ciuic.comm.vote import StepVote
 from lightning_ciuic.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
@@ -66,3 +72,24 @@ def parallel_context(trainer: Trainer) -> ParallelContext:
         dims=ParallelDims(pp=1, dp=world, tp=1, world_size=world), mesh=None, dp_group=group, data_parallel=None,
         pipeline=None, device=strategy.root_device,
     )
+
+
+_votes: "weakref.WeakKeyDictionary[Trainer, StepVote]" = weakref.WeakKeyDictionary()
+
+
+def step_vote(trainer: Trainer) -> StepVote:
+    """The Trainer's one per-step vote (created on first use; its control group on the first registration)."""
+    vote = _votes.get(trainer)
+    if vote is None:
+        vote = _votes[trainer] = StepVote()
+    return vote
+
+
+def batch_end_vote(trainer: Trainer, name: str, pl_module: Any, outputs: Any, batch_idx: int) -> tuple[float, ...]:
+    """``name``'s values summed over the ranks at this ``on_train_batch_end``.
+
+    Providers are called as ``provider(trainer, pl_module, outputs)``. The batch is identified by
+    ``(epoch, batch_idx)``, which a rollback of the step counter does not change, so every callback asking in the
+    same hook reads the same exchange.
+    """
+    return step_vote(trainer).result(name, (trainer.current_epoch, batch_idx), trainer, pl_module, outputs)

@@ -9,10 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from examples.deepseek import DeepSeekMini
 from lightning_ciuic import HybridParallelStrategy
+from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
+from lightning_ciuic.callbacks.elastic import ElasticResourceManager
 from lightning_ciuic.callbacks.recovery import SnapshotRecovery
+from lightning_ciuic.strategies.context import step_vote
 from lightning_ciuic.faults import FailAt
 from tests.helpers import PRECISION, TINY_MODEL, assert_state_close, loader, reference_training
 
@@ -29,7 +33,7 @@ def _fit(callbacks: list[Callback], strategy: object, devices: int = DP) -> tupl
     module = _tiny()
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=STEPS, logger=False, callbacks=callbacks,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
     )
     trainer.fit(module, loader(NUM_SAMPLES, PER_RANK_BATCH))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -54,6 +58,27 @@ def test_nan_gradient_rolls_back_and_skips_the_batches_since_the_snapshot(layout
     # Snapshots at steps 3 and 6; step 8 (global batch 7) is poisoned on rank 1 -> back to step 6: the batches of
     # steps 7 and 8 are skipped, and steps 7..10 train on batches 8..11.
     assert metrics["recovery/rollbacks"] == 1
+    assert_state_close(actual, _expected([0, 1, 2, 3, 4, 5, 8, 9, 10, 11]), STEPS)
+
+
+class VoteRounds(Callback):
+    """Reports how many exchanges the Trainer's per-step vote made (``vote/rounds`` in callback_metrics)."""
+
+    def on_train_end(self, trainer, pl_module):
+        trainer.callback_metrics["vote/rounds"] = torch.tensor(float(step_vote(trainer).rounds))
+
+
+def test_recovery_elastic_and_checkpointer_agree_in_one_exchange_per_batch(tmp_path):
+    callbacks = [
+        SnapshotRecovery(snapshot_freq=3, store="memory", check_gradients=True),
+        ElasticResourceManager(min_nodes=1, monitoring_interval=3600),
+        AsyncCheckpointer(str(tmp_path / "checkpoints"), save_interval=None, every_n_train_steps=2),
+        FailAt(8, "nan", ranks=(1,)),
+        VoteRounds(),
+    ]
+    actual, metrics = _fit(callbacks, _ciuic())
+    # 12 batches (8, a rollback to step 6, then 4), each agreed by the three callbacks in one exchange.
+    assert metrics["recovery/rollbacks"] == 1 and metrics["vote/rounds"] == 12
     assert_state_close(actual, _expected([0, 1, 2, 3, 4, 5, 8, 9, 10, 11]), STEPS)
 
 
