@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import platform
-import socket
 import statistics
 import time
 from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback
+
+from lightning_ciuic.testing.ports import free_port  # noqa: F401  (the benchmarks import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -49,12 +50,6 @@ class StepTimer(Callback):
         if trainer.is_global_zero:
             loss = trainer.callback_metrics.get("train/loss")
             Path(self.path).write_text(json.dumps({"times": self.times, "loss": None if loss is None else float(loss)}))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def median_after_warmup(times: list[float], warmup: int) -> float:

@@ -119,7 +119,7 @@ def worker(args: argparse.Namespace) -> None:
     callbacks = [Probe()]
     if args.monitor_dir:  # benchmarks/monitor.py: the communication monitor, optionally with a straggler
         from lightning_ciuic import CommunicationMonitor
-        from lightning_ciuic.faults import SlowRank
+        from lightning_ciuic.testing import SlowRank
 
         callbacks.append(CommunicationMonitor(dirpath=args.monitor_dir))
         if args.straggler:

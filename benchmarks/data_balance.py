@@ -39,7 +39,7 @@ from benchmarks.common import MODELS, describe, machine, write_section  # noqa: 
 from examples.data import ByteCorpusDataModule  # noqa: E402
 from examples.deepseek import DeepSeekMini  # noqa: E402
 from lightning_ciuic import DynamicDataBalancer, HybridParallelStrategy  # noqa: E402
-from lightning_ciuic.faults import SlowRank  # noqa: E402
+from lightning_ciuic.testing import SlowRank  # noqa: E402
 
 VARIANTS = {
     "straggler": (True, None),

@@ -7,7 +7,7 @@ must return to two nodes. An uninterrupted run (one agent, two ranks) on the sam
 
 Measured: time from the kill to the first training step on one node, steps lost, time from the rejoin to the first
 step on two nodes, steps lost there, and the final held-out loss against the reference. ``tests/integration/
-test_elastic.py`` runs the same scenario (``run_scenario``) and asserts the targets. Writes the ``elastic``
+test_elastic.py`` runs the same scenario (``examples/elastic_scenario.py``) and asserts the targets. Writes the ``elastic``
 section of docs/benchmarks.md.
 
     .venv/bin/python benchmarks/elastic.py [--steps 60] [--step-seconds 0.2] [--rounds 2]
@@ -16,146 +16,16 @@ section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import free_port, machine, write_section  # noqa: E402
 
-JOB = ROOT / "examples" / "elastic.py"
-RDZV_CONF = "join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
-
-
-def agent(out: Path, port: int, steps: int, step_seconds: float, nnodes: str = "1:2", nproc: int = 1) -> subprocess.Popen:
-    """Start one torchrun agent (a node) running the elastic example; its output goes to ``out/agent-*.log``."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=ciuic-elastic",
-        "--max-restarts=3", "--monitor-interval=0.5", f"--rdzv-conf={RDZV_CONF}",
-        str(JOB), str(out), "--steps", str(steps), "--step-seconds", str(step_seconds),
-    ]
-    # TorchElastic's shared rendezvous store breaks a rejoining node (pytorch#135712): see docs/elastic.md.
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    log = open(out / f"agent-{time.time_ns()}.log", "w")
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _is_reaper(pid: int) -> bool:
-    try:
-        return b"lightning-ciuic-snapshot-reaper" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
-def lose_node(process: subprocess.Popen) -> None:
-    """SIGKILL an agent and every process under it (TorchElastic's workers run in sessions of their own). The
-    snapshot reapers are spared: on one machine they stand for the lost node's memory going with it (they delete the
-    node's snapshots once its agent is gone)."""
-    for pid in [process.pid, *(p for p in _descendants(process.pid) if not _is_reaper(p))]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    process.wait()
-
-
-def progress(out: Path) -> list[dict]:
-    path = out / "progress.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def logs(out: Path) -> str:
-    return "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("agent-*.log")))
-
-
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.2)
-
-
-def run_scenario(workdir: Path, steps: int = 60, step_seconds: float = 0.2, kill_at: int = 15, alone_steps: int = 10) -> dict:
-    """Reference run, then the lose-and-rejoin run; returns the measurements (see the module docstring)."""
-    reference_dir, out = workdir / "reference", workdir / "elastic"
-    reference_dir.mkdir(parents=True)
-    out.mkdir(parents=True)
-    reference = agent(reference_dir, free_port(), steps, step_seconds, nnodes="1", nproc=2)
-    if reference.wait(timeout=600) != 0:
-        raise RuntimeError(f"reference run failed:\n{logs(reference_dir)}")
-
-    shm_before = set(Path("/dev/shm").glob("lightning_ciuic-ciuic-elastic-*"))
-    port = free_port()
-    first = agent(out, port, steps, step_seconds)
-    time.sleep(1.0)  # the first agent hosts the rendezvous store: it is the one that stays
-    second = agent(out, port, steps, step_seconds)
-    try:
-        wait_for(lambda: any(r["world"] == 2 and r["step"] >= kill_at for r in progress(out)), 300, f"two nodes at step {kill_at}")
-        lose_node(second)
-        killed_at = time.time()
-        before_kill = max(r["step"] for r in progress(out) if r["time"] < killed_at)
-        wait_for(lambda: any(r["world"] == 1 and r["time"] > killed_at for r in progress(out)), 120, "one node going on")
-        alone = [r for r in progress(out) if r["world"] == 1 and r["time"] > killed_at]
-        resumed = min(r["step"] for r in alone)
-        wait_for(lambda: max(r["step"] for r in progress(out)) >= resumed + alone_steps, 120, "steps on one node")
-        rejoined_at = time.time()
-        second = agent(out, port, steps, step_seconds)
-        wait_for(lambda: any(r["world"] == 2 and r["time"] > rejoined_at for r in progress(out)), 180, "two nodes again")
-        before_rejoin = max(r["step"] for r in progress(out) if r["world"] == 1)
-        back = [r for r in progress(out) if r["world"] == 2 and r["time"] > rejoined_at]
-        if first.wait(timeout=600) != 0 or second.wait(timeout=120) != 0:
-            raise RuntimeError(f"elastic run failed:\n{logs(out)}")
-    finally:
-        for process in (first, second):
-            if process.poll() is None:
-                lose_node(process)
-    leftover: list[Path] = []
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # every agent has exited: their reapers release the shared memory
-        leftover = sorted(set(Path("/dev/shm").glob("lightning_ciuic-ciuic-elastic-*")) - shm_before)
-        if not leftover:
-            break
-        time.sleep(0.2)
-    final = json.loads((out / "final.json").read_text())
-    expected = json.loads((reference_dir / "final.json").read_text())
-    return {
-        "to_one_node_s": min(r["time"] for r in alone) - killed_at,
-        "lost_on_kill": before_kill - resumed + 1,
-        "accumulate_alone": sorted({r["accumulate"] for r in alone}),
-        "to_two_nodes_s": min(r["time"] for r in back) - rejoined_at,
-        "lost_on_rejoin": before_rejoin - min(r["step"] for r in back) + 1,
-        "final": final,
-        "reference": expected,
-        "loss_difference": abs(final["loss"] - expected["loss"]) / expected["loss"],
-        "decisions": [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()],
-        "shared_memory_left": [str(p) for p in leftover],
-    }
+from benchmarks.common import machine, write_section  # noqa: E402
+from examples.elastic_scenario import run_scenario  # noqa: E402
 
 
 def main() -> None:

@@ -50,7 +50,7 @@ from examples.data import ByteCorpusDataModule  # noqa: E402
 from examples.deepseek import DeepSeekMini  # noqa: E402
 from lightning_ciuic import HybridParallelStrategy  # noqa: E402
 from lightning_ciuic.callbacks.recovery import SnapshotRecovery, _finite  # noqa: E402  (_finite: check_gradients' pass)
-from lightning_ciuic.faults import FailAt  # noqa: E402
+from lightning_ciuic.testing import FailAt  # noqa: E402
 
 _IMPORTED = time.time()
 CORPUS = ROOT / "examples" / "data" / "kjv_pentateuch.txt"
@@ -227,7 +227,6 @@ def main() -> None:
     restart_start = mean(ckpt, "to_training")
     ratio_start = mean(snap, "to_training") / restart_start
     in_process_restore = {m: statistics.fmean(r["restore"] for r in rows) for m, rows in rollbacks.items()}
-    restart_s = mean(ckpt, "to_first_step")
     step_none = statistics.fmean(costs["none"])
     health = statistics.fmean(costs["health"]) / step_none - 1
     health_rounds = ", ".join(f"{h / n - 1:+.1%}" for h, n in zip(costs["health"], costs["none"]))

@@ -30,7 +30,7 @@ import lightning_ciuic  # noqa: F401  (registers the strategy names and classes)
 
 def advise_command(run_dir: str) -> int:
     from lightning_ciuic.advice import RunProfile, advise
-    from lightning_ciuic.report import summary_table
+    from lightning_ciuic.advice.report import summary_table
 
     root = Path(run_dir)
     found = [root] if root.is_file() else sorted(root.rglob("monitor.json"), key=lambda p: p.stat().st_mtime)

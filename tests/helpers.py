@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -14,17 +13,13 @@ import torch.multiprocessing as mp
 from lightning.pytorch import Callback
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_ciuic.testing.ports import free_port
+
 TINY_MODEL = dict(
     dim=32, n_layers=2, n_heads=2, kv_lora_rank=8, n_routed_experts=3, n_shared_experts=1,
     n_activated_experts=2, moe_inter_dim=16, dense_inter_dim=32, max_seq_len=16, lr=1e-2, weight_decay=0.0,
 )
 SEQ_LEN = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, fn: Callable[..., None], world_size: int, port: int, args: tuple) -> None:

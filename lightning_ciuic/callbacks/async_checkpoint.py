@@ -24,6 +24,7 @@ from typing_extensions import override
 from lightning_ciuic.comm.vote import StepVote
 from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO, Compression
 from lightning_ciuic.strategies.context import batch_end_vote, step_vote
+from lightning_ciuic.validation import check_int
 
 _VOTE = "AsyncCheckpointer"  # its slot in the per-step vote
 
@@ -56,10 +57,8 @@ class AsyncCheckpointer(ModelCheckpoint):
     ) -> None:
         if save_interval is not None and save_interval < 0:
             raise ValueError(f"save_interval must be >= 0 seconds (0 or None: off), got {save_interval!r}.")
-        if every_n_train_steps is not None and (isinstance(every_n_train_steps, bool) or every_n_train_steps < 1):
-            raise ValueError(f"every_n_train_steps must be >= 1 or None, got {every_n_train_steps!r}.")
-        if isinstance(max_keep, bool) or not isinstance(max_keep, int) or max_keep < 1:
-            raise ValueError(f"max_keep must be an integer >= 1 (checkpoints kept), got {max_keep!r}.")
+        check_int("every_n_train_steps", every_n_train_steps, allowed=(None,))
+        check_int("max_keep", max_keep, note="checkpoints kept")
         super().__init__(dirpath=None, save_top_k=0, save_last=False)
         self.io = ChunkedCheckpointIO(dirpath, max_keep, compression, compression_level, incremental, storage_options)
         self.url = str(dirpath)

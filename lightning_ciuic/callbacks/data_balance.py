@@ -4,7 +4,7 @@ Contract:
 
 * Data: the training DataLoader that Lightning prepares (its ``DistributedSampler`` over the data-parallel
   ranks: the ``dp`` axis of ``HybridParallelStrategy``, every rank of ``DDPStrategy``) is replaced by one
-  over :class:`~lightning_ciuic.parallel.balance.BalancedBatchSampler`: the same seed, epoch order and global
+  over :class:`~lightning_ciuic.data.balance.BalancedBatchSampler`: the same seed, epoch order and global
   batches (``batch_size x dp``), so with an even split training sees exactly what it would without the
   balancer. Needs a map-style dataset and a DataLoader built with ``batch_size`` (not its own batch sampler).
 * Measurement (from :mod:`lightning_ciuic.telemetry`): each rank's compute time (forward + backward up to the
@@ -40,14 +40,15 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 from typing_extensions import override
 
 from lightning_ciuic.callbacks.train_loader import add_train_loader_transform, remove_train_loader_transform
-from lightning_ciuic.parallel.balance import BalancedBatchSampler, imbalance, rebalanced_split
-from lightning_ciuic.parallel.resume import PositionedDataLoader, with_batch_sampler
+from lightning_ciuic.data.balance import BalancedBatchSampler, imbalance, rebalanced_split
+from lightning_ciuic.data.resume import PositionedDataLoader, with_batch_sampler
 from lightning_ciuic.telemetry import StepRecord, Telemetry, gather_per_rank
+from lightning_ciuic.tensors import local_tensor
+from lightning_ciuic.validation import check_int
 
 RebalanceStrategy = Literal["throughput", "gradient_aware"]
 _MAX_SHIFT = 0.5  # gradient_aware: largest relative change of one share per rebalance
@@ -71,8 +72,7 @@ class DynamicDataBalancer(Callback):
         rebalance_strategy: RebalanceStrategy = "gradient_aware",
         min_share: float = 0.25,
     ) -> None:
-        if isinstance(monitoring_freq, bool) or not isinstance(monitoring_freq, int) or monitoring_freq < 1:
-            raise ValueError(f"monitoring_freq must be an integer >= 1 (optimizer steps), got {monitoring_freq!r}.")
+        check_int("monitoring_freq", monitoring_freq, note="optimizer steps")
         if not imbalance_threshold > 0:
             raise ValueError(
                 f"imbalance_threshold must be > 0 (a fraction of the mean step time, e.g. 0.15), got {imbalance_threshold!r}."
@@ -165,7 +165,7 @@ class DynamicDataBalancer(Callback):
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self.rebalance_strategy == "gradient_aware":  # this rank's (local shard) norm; ranks vote at the check
-            grads = [_local(p.grad) for p in pl_module.parameters() if p.grad is not None]
+            grads = [local_tensor(p.grad) for p in pl_module.parameters() if p.grad is not None]
             self._grad_norms.append(float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0)
 
     @override
@@ -237,10 +237,6 @@ class DynamicDataBalancer(Callback):
                 f"DynamicDataBalancer: checkpoint split {state['split']} does not fit {sampler.num_replicas} ranks x"
                 f" global batch {sampler.global_batch_size}; starting from an even split."
             )
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _window_stats(records: list[StepRecord]) -> list[float]:

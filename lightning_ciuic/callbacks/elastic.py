@@ -44,6 +44,7 @@ from lightning_ciuic.strategies.context import batch_end_vote, step_vote
 from lightning_ciuic.callbacks.recovery import SnapshotRecovery
 from lightning_ciuic.parallel.scaling import NodeWindow, ScaleDecision, decide
 from lightning_ciuic.telemetry import Telemetry, gather_per_rank
+from lightning_ciuic.validation import check_choice, check_int
 
 ScalingStrategy = Literal["performance_aware"]
 _STRATEGIES = ("performance_aware",)
@@ -79,18 +80,15 @@ class ElasticResourceManager(Callback):
         decisions_file: str = "elastic_decisions.jsonl",
     ) -> None:
         for name, value in (("min_nodes", min_nodes), ("max_nodes", max_nodes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+            check_int(name, value)
         if min_nodes > max_nodes:
             raise ValueError(f"min_nodes={min_nodes} > max_nodes={max_nodes}; use min_nodes <= max_nodes.")
         if not scaling_threshold > 0:
             raise ValueError(f"scaling_threshold must be > 0 (a relative throughput change, e.g. 0.15), got {scaling_threshold!r}.")
         if not monitoring_interval > 0:
             raise ValueError(f"monitoring_interval must be > 0 seconds, got {monitoring_interval!r}.")
-        if scaling_strategy not in _STRATEGIES:
-            raise ValueError(f"scaling_strategy={scaling_strategy!r} is not one of {', '.join(map(repr, _STRATEGIES))}.")
-        if global_batch_size is not None and global_batch_size < 1:
-            raise ValueError(f"global_batch_size must be >= 1 or None, got {global_batch_size!r}.")
+        check_choice("scaling_strategy", scaling_strategy, _STRATEGIES)
+        check_int("global_batch_size", global_batch_size, allowed=(None,))
         self.monitoring_interval, self.scaling_threshold = float(monitoring_interval), float(scaling_threshold)
         self.scaling_strategy, self.min_nodes, self.max_nodes = scaling_strategy, min_nodes, max_nodes
         self.global_batch_size, self.on_decision, self.decisions_file = global_batch_size, on_decision, decisions_file

@@ -30,6 +30,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim.lr_scheduler import LRScheduler
 from typing_extensions import override
 
+from lightning_ciuic.validation import check_int
+
 
 def warmup_cosine_lr(step: int, base_lr: float, warmup_steps: int, max_steps: int, min_lr: float) -> float:
     """The learning rate at optimizer step ``step`` (0-based); see the module docstring for the three phases."""
@@ -42,10 +44,8 @@ def warmup_cosine_lr(step: int, base_lr: float, warmup_steps: int, max_steps: in
 
 
 def _validate(warmup_steps: int, max_steps: int, min_lr: float) -> None:
-    if max_steps < 1:
-        raise ValueError(f"max_steps must be >= 1, got {max_steps}.")
-    if warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
+    check_int("max_steps", max_steps)
+    check_int("warmup_steps", warmup_steps, minimum=0)
     if warmup_steps >= max_steps:
         raise ValueError(
             f"warmup_steps={warmup_steps} is not shorter than training (max_steps={max_steps}); use warmup_steps"

@@ -42,9 +42,10 @@ from typing_extensions import override
 from lightning_ciuic.advice import RANK_FIELDS, RunProfile, advise
 from lightning_ciuic.compat import TorchDispatchMode
 from lightning_ciuic.comm.auto import measure_link, measure_sync_seconds, synchronize
-from lightning_ciuic.report import render_html, summary_table
+from lightning_ciuic.advice.report import render_html, summary_table
 from lightning_ciuic.strategies.context import parallel_context
 from lightning_ciuic.telemetry import Telemetry, gather_per_rank
+from lightning_ciuic.validation import check_int
 
 _WARMUP_STEPS = 2  # first steps (allocation, first collectives) left out of the means
 _TIMED = ("step", "compute", "data_wait", "dp_exposed", "dp_comm", "tp_comm")
@@ -102,10 +103,8 @@ class CommunicationMonitor(Callback):
         log_every_n_steps: Optional[int] = None,
     ) -> None:
         for name, value in (("gather_every", gather_every), ("profile_every", profile_every)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1 (optimizer steps), got {value!r}.")
-        if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps must be >= 1 or None (the Trainer's), got {log_every_n_steps!r}.")
+            check_int(name, value, note="optimizer steps")
+        check_int("log_every_n_steps", log_every_n_steps, allowed=(None,), note="None: the Trainer's")
         self.dirpath = dirpath
         self.gather_every, self.profile_every = gather_every, profile_every
         self.measure_link = measure_link

@@ -6,7 +6,7 @@ Contract:
   step) each rank captures its whole training state: its share of the model and of every optimizer's state, LR
   schedulers, gradient-compression residuals (``HybridParallelStrategy``), the fit loop's progress (step, epoch,
   position in the epoch), every other callback's state and the RNG states. The data position is exact: the
-  training DataLoader is rebuilt as a :class:`~lightning_ciuic.parallel.resume.PositionedDataLoader`, so a resume
+  training DataLoader is rebuilt as a :class:`~lightning_ciuic.data.resume.PositionedDataLoader`, so a resume
   continues the epoch with the next unseen batch. The snapshot is encoded (``state_compression``), sealed with a
   CRC, and kept in the ``store``; the newest ``max_snapshots`` are kept.
 
@@ -60,7 +60,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -68,24 +67,21 @@ from lightning_ciuic.comm.vote import StepVote
 from lightning_ciuic.callbacks.train_loader import add_train_loader_transform, remove_train_loader_transform
 from lightning_ciuic.checkpoint.snapshot import (
     COMPRESSIONS,
-    CorruptSnapshotError,
-    Holding,
     MemoryStore,
-    RestorePlan,
     ShmStore,
     StateCompression,
     claim_run_directory,
-    decode_snapshot,
     encode_snapshot,
     exchange,
-    plan_restores,
     recovery_order,
-    transfer,
 )
-from lightning_ciuic.callbacks.trainer_state import apply_lightning_checkpoint, apply_training_state, capture_training_state
-from lightning_ciuic.parallel.resume import positioned
+from lightning_ciuic.callbacks.snapshot_restore import decode_agreed, restore_from_checkpoint, restore_newest
+from lightning_ciuic.callbacks.trainer_state import apply_training_state, capture_training_state
+from lightning_ciuic.data.resume import positioned
 from lightning_ciuic import compat
 from lightning_ciuic.strategies.context import batch_end_vote, parallel_context, step_vote
+from lightning_ciuic.tensors import local_tensor
+from lightning_ciuic.validation import check_choice, check_int
 
 RecoveryStrategy = Literal["latest", "min_loss"]
 SnapshotStoreKind = Literal["memory", "shm", "peer"]
@@ -140,11 +136,10 @@ class SnapshotRecovery(Callback):
         run_id: Optional[str] = None,
     ) -> None:
         for name, value in (("snapshot_freq", snapshot_freq), ("max_snapshots", max_snapshots), ("spike_window", spike_window), ("max_rollbacks", max_rollbacks)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        _check_choice("state_compression", state_compression, COMPRESSIONS)
-        _check_choice("recovery_strategy", recovery_strategy, _STRATEGIES)
-        _check_choice("store", store, _STORES)
+            check_int(name, value)
+        check_choice("state_compression", state_compression, COMPRESSIONS)
+        check_choice("recovery_strategy", recovery_strategy, _STRATEGIES)
+        check_choice("store", store, _STORES)
         if loss_spike_factor is not None and not loss_spike_factor > 1:
             raise ValueError(f"loss_spike_factor must be > 1 (or None to turn the spike rule off), got {loss_spike_factor!r}.")
         self.snapshot_freq, self.state_compression, self.max_snapshots = snapshot_freq, state_compression, max_snapshots
@@ -237,63 +232,21 @@ class SnapshotRecovery(Callback):
                 )
             return
         started = time.perf_counter()
-        restored = self._restore_newest(trainer, pl_module)
+        assert self.store is not None and self._vote is not None
+        stores = {"own": self.store, "replica": self.replicas}
+        restored = restore_newest(trainer, pl_module, stores, self._vote, self._layout(trainer), skip=self)
         if restored is None:
-            restored = self._restore_from_checkpoint(trainer)
+            restored = restore_from_checkpoint(trainer)
+        else:
+            self._last_step = trainer.global_step
         if restored is not None:
             self.restored_from = restored
             rank_zero_info(f"SnapshotRecovery: resumed from {restored} in {time.perf_counter() - started:.2f} s.")
-
-    def _restore_newest(self, trainer: Trainer, pl_module: LightningModule) -> Optional[str]:
-        assert self.store is not None
-        rank, pp, tp = trainer.global_rank, *self._layout(trainer)
-        stores = {"own": self.store, "replica": self.replicas}
-        mine = [
-            Holding(rank, where, step, h["world_size"], h["rank"], h.get("pp", 1), h.get("tp", 1), h.get("loss"))
-            for where, store in stores.items() if store is not None
-            for step, h in store.headers().items()
-        ]
-        holdings = [holding for table in self._gather(mine) for holding in table]
-        for plan in plan_restores(holdings, trainer.world_size, pp, tp):
-            moves = [(source.holder, owner) for owner, source in enumerate(plan.sources) if source.holder != owner]
-
-            def blob_for(owner: int, plan: RestorePlan = plan) -> bytes:
-                source = plan.sources[owner]
-                store = stores[source.where]
-                assert store is not None
-                return store.get(source.step)
-
-            received = transfer(moves, rank, blob_for, self._group)
-            mine_source = plan.sources[rank]
-            blob = received[rank] if rank in received else stores[mine_source.where].get(plan.step)  # type: ignore[union-attr]
-            state = self._decode_agreed(blob, f"snapshot of rank {mine_source.rank} at step {plan.step}")
-            if state is None:
-                continue
-            apply_training_state(trainer, pl_module, state, rewind_only=False, rank_state=not plan.resharded, skip=self)
-            self._last_step = trainer.global_step
-            origin = "a peer's copy" if any(s.where == "replica" for s in plan.sources) else "this node's memory"
-            if moves and origin != "a peer's copy":
-                origin = "another rank's memory"
-            taken_by = f"{plan.world_size} rank" + ("s" if plan.world_size > 1 else "")
-            layout = "" if plan.world_size == trainer.world_size else f", taken by {taken_by}"
-            return f"the step-{plan.step} snapshot ({self.store.kind}, {origin}{layout})"
-        return None
 
     @staticmethod
     def _layout(trainer: Trainer) -> tuple[int, int]:
         dims = parallel_context(trainer).dims
         return dims.pp, dims.tp
-
-    def _restore_from_checkpoint(self, trainer: Trainer) -> Optional[str]:
-        from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
-
-        for callback in trainer.callbacks:
-            if isinstance(callback, AsyncCheckpointer):
-                last = callback.latest_checkpoint()
-                if last is not None:
-                    apply_lightning_checkpoint(trainer, trainer.strategy.load_checkpoint(last))
-                    return f"checkpoint {last}"
-        return None
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -404,7 +357,7 @@ class SnapshotRecovery(Callback):
         }
         agreed = set.intersection(*(set(table) for table in self._gather(set(headers))))
         for candidate in recovery_order({s: headers[s].get("loss") for s in agreed}, self.recovery_strategy):
-            state = self._decode_agreed(self.store.get(candidate), f"snapshot of rank {trainer.global_rank} at step {candidate}")
+            state = decode_agreed(self._vote, self.store.get(candidate), f"snapshot of rank {trainer.global_rank} at step {candidate}")
             if state is None:
                 continue
             apply_training_state(trainer, pl_module, state, rewind_only=True, skip=self)
@@ -432,15 +385,6 @@ class SnapshotRecovery(Callback):
     def _all_ok(self, ok: bool) -> bool:
         assert self._vote is not None
         return self._vote.all_ok(ok)
-
-    def _decode_agreed(self, blob: bytes, name: str) -> Optional[dict[str, Any]]:
-        """Decode this rank's snapshot; ``None`` everywhere unless every rank's decodes."""
-        state = None
-        try:
-            state, _ = decode_snapshot(blob, name)
-        except CorruptSnapshotError as error:  # reported by the rank that found it, which may not be rank 0
-            warnings.warn(f"SnapshotRecovery (rank {dist.get_rank() if self._group else 0}): {error} Trying the next candidate.")
-        return state if self._all_ok(state is not None) else None
 
     # -- checkpoints of the callback itself -----------------------------------------------------------
     @override
@@ -470,13 +414,8 @@ def loss_spike(loss: float, history: Sequence[float], factor: Optional[float]) -
 
 def _finite(tensors: list[torch.Tensor]) -> bool:
     """Whether every value of this rank's tensors (local shards) is finite: one pass, through their norm."""
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    local = [local_tensor(t) for t in tensors]
     return not local or bool(torch.isfinite(torch.nn.utils.get_total_norm([t.detach() for t in local])))
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not one of {', '.join(repr(c) for c in choices)}.")
 
 
 def _loss_of(outputs: Any) -> Optional[float]:

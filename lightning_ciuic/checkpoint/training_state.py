@@ -25,13 +25,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+from lightning_ciuic.tensors import local_tensor
 
 
 def _taken(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
-    return _local(tensor).detach().to("cpu", copy=copy)
+    return local_tensor(tensor).detach().to("cpu", copy=copy)
 
 
 def capture_module(module: torch.nn.Module, copy: bool = True) -> dict[str, torch.Tensor]:
@@ -45,7 +43,7 @@ def restore_module(module: torch.nn.Module, captured: Mapping[str, torch.Tensor]
         missing, unexpected = sorted(live.keys() - captured.keys()), sorted(captured.keys() - live.keys())
         raise ValueError(f"snapshot does not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}.")
     for name, tensor in live.items():
-        _local(tensor).copy_(captured[name])
+        local_tensor(tensor).copy_(captured[name])
 
 
 def capture_optimizer(optimizer: torch.optim.Optimizer, copy: bool = True) -> dict[str, Any]:
@@ -79,8 +77,8 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, captured: Mapping[str, A
             del live[key]
         for key, value in saved_state.items():
             current = live.get(key)
-            if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor) and _local(current).shape == value.shape:
-                _local(current).copy_(value)
+            if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor) and local_tensor(current).shape == value.shape:
+                local_tensor(current).copy_(value)
             elif isinstance(value, torch.Tensor):
                 live[key] = _state_tensor(param, value, scalars_on_device)
             else:
@@ -88,7 +86,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, captured: Mapping[str, A
 
 
 def _state_tensor(param: torch.Tensor, value: torch.Tensor, scalars_on_device: bool) -> torch.Tensor:
-    local_param = _local(param)
+    local_param = local_tensor(param)
     if value.dim() == 0 and not scalars_on_device:  # step counters live on the CPU unless capturable/fused
         return value.clone()
     value = value.to(local_param.device, copy=True)

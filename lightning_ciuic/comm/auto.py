@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from lightning_ciuic.comm.codecs import dense_codec
 from lightning_ciuic.comm.compression import GradientCompression
+from lightning_ciuic.validation import check_int
 
 CANDIDATES = ("none", "fp16", "int8", "nf4")
 TRIAL_STEPS = 6  # per candidate; the first is dropped (warm-up of a mode switch)
@@ -175,12 +176,9 @@ class AutoCompression:
         settle_steps: int = SETTLE_STEPS,
         device: torch.device = torch.device("cpu"),
     ) -> None:
-        if recheck_steps < 1:
-            raise ValueError(f"auto recheck interval must be >= 1 optimizer step, got {recheck_steps}.")
-        if trial_steps < 2:
-            raise ValueError(f"trial_steps must be >= 2 (the first step of a trial is dropped), got {trial_steps}.")
-        if settle_steps < 0:
-            raise ValueError(f"settle_steps must be >= 0, got {settle_steps}.")
+        check_int("auto_recheck_steps", recheck_steps, note="optimizer steps")
+        check_int("trial_steps", trial_steps, minimum=2, note="the first step of a trial is dropped")
+        check_int("settle_steps", settle_steps, minimum=0)
         self.compression = compression
         self.device = torch.device(device)  # the gradients' device: measurements and votes use tensors there
         self.recheck_steps = recheck_steps

@@ -27,6 +27,8 @@ from typing import Literal
 
 import torch
 
+from lightning_ciuic.validation import check_int
+
 DenseCodecName = Literal["none", "fp16", "bf16", "int8", "nf4"]
 
 NF4_LEVELS = torch.tensor(
@@ -117,8 +119,7 @@ class BlockInt8(Codec):
     name = "int8"
 
     def __init__(self, block: int = 256) -> None:
-        if block < 1:
-            raise ValueError(f"block must be >= 1, got {block}.")
+        check_int("block", block)
         self.block = block
 
     def nbytes(self, numel: int) -> int:

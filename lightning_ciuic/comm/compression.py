@@ -44,6 +44,7 @@ from lightning_ciuic.comm.collectives import (
 )
 from lightning_ciuic.comm.grad_sync import PendingReduction, mean_all_reduce
 from lightning_ciuic.comm.powersgd import PowerSGD
+from lightning_ciuic.validation import check_int
 
 CompressionMode = Literal["none", "fp16", "bf16", "int8", "nf4", "topk", "powersgd", "auto"]
 AllReduceAlgorithm = Literal["auto", "ring", "tree"]
@@ -81,8 +82,7 @@ def validate_compression(mode: str, compression_ratio: float, powersgd_rank: int
         )
     TopK(compression_ratio)
     PowerSGD(powersgd_rank)
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"compression_warmup_steps must be an integer >= 0, got {warmup_steps!r}.")
+    check_int("compression_warmup_steps", warmup_steps, minimum=0)
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,7 @@ class CompressionConfig:
 
     def __post_init__(self) -> None:
         validate_compression(self.mode, self.compression_ratio, self.powersgd_rank, self.warmup_steps, self.algorithm)
-        if isinstance(self.auto_recheck_steps, bool) or not isinstance(self.auto_recheck_steps, int) or self.auto_recheck_steps < 1:
-            raise ValueError(f"auto_recheck_steps must be an integer >= 1, got {self.auto_recheck_steps!r}.")
+        check_int("auto_recheck_steps", self.auto_recheck_steps)
 
     @property
     def exact_mean(self) -> bool:

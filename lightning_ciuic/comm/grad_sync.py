@@ -35,9 +35,9 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from lightning_ciuic.comm.timing import DeviceClock
+from lightning_ciuic.tensors import local_tensor
 
 
 class GradientSyncTimeoutError(RuntimeError):
@@ -104,10 +104,6 @@ class SyncStats:
         self.comm_seconds += seconds
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 @dataclass
 class _Bucket:
     index: int
@@ -126,7 +122,7 @@ class _Bucket:
 
     def slice(self, slot: int) -> torch.Tensor:
         start = self.offsets[slot]
-        return self.buffer[start : start + _local(self.params[slot]).numel()]
+        return self.buffer[start : start + local_tensor(self.params[slot]).numel()]
 
 
 def check_bucket_size(bucket_size_mb: float) -> None:
@@ -141,7 +137,7 @@ def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[_
     groups: dict[tuple[torch.device, torch.dtype], list[list[torch.nn.Parameter]]] = {}
     filled: dict[tuple[torch.device, torch.dtype], int] = {}  # bytes in each group's last chunk
     for p in reversed(params):
-        local = _local(p)
+        local = local_tensor(p)
         key, size = (local.device, local.dtype), local.numel() * local.element_size()
         chunks = groups.setdefault(key, [[]])
         cap = min(bucket_bytes, FIRST_BUCKET_BYTES) if len(chunks) == 1 else bucket_bytes
@@ -156,7 +152,7 @@ def _make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[_
             offsets, total = [], 0
             for p in chunk:
                 offsets.append(total)
-                total += _local(p).numel()
+                total += local_tensor(p).numel()
             buckets.append(_Bucket(len(buckets), chunk, offsets, torch.zeros(total, dtype=dtype, device=device)))
     return buckets
 
@@ -215,7 +211,7 @@ class GradientSynchronizer:
             return
         src = dist.get_global_rank(self.group, 0)
         for tensor in tensors:
-            dist.broadcast(_local(tensor).data, src=src, group=self.group)
+            dist.broadcast(local_tensor(tensor).data, src=src, group=self.group)
 
     # -- the step ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -223,7 +219,7 @@ class GradientSynchronizer:
         if not self._enabled:
             return
         bucket, slot = self._slots[id(param)]
-        bucket.slice(slot).copy_(_local(param.grad).reshape(-1))
+        bucket.slice(slot).copy_(local_tensor(param.grad).reshape(-1))
         bucket.ready[slot] = True
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].complete:
             self._launch(self.buckets[self._next_bucket])
@@ -232,7 +228,7 @@ class GradientSynchronizer:
         for slot, ready in enumerate(bucket.ready):
             if not ready:  # no gradient on this rank: contribute zeros
                 bucket.slice(slot).zero_()
-        shapes = [_local(p).shape for p in bucket.params]
+        shapes = [local_tensor(p).shape for p in bucket.params]
         if bucket.index == 0:
             self._first_launch = self.clock.mark()
         bucket.pending = self.reducer(f"bucket{bucket.index}", bucket.buffer, shapes, self.group)
@@ -264,7 +260,7 @@ class GradientSynchronizer:
             for slot, p in enumerate(bucket.params):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                local = _local(p.grad)
+                local = local_tensor(p.grad)
                 local.copy_(bucket.slice(slot).view_as(local))
             bucket.ready = [False] * len(bucket.params)
             bucket.pending = None

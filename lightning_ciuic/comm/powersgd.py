@@ -19,6 +19,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from lightning_ciuic.validation import check_int
+
 
 def _orthonormalize(p: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(p).Q
@@ -28,8 +30,7 @@ class PowerSGD:
     name = "powersgd"
 
     def __init__(self, rank: int = 4) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"powersgd_rank must be an integer >= 1, got {rank!r} (4 is a common choice).")
+        check_int("powersgd_rank", rank, note="4 is a common choice")
         self.rank = rank
         self.q_memory: dict[str, list[torch.Tensor]] = {}
 

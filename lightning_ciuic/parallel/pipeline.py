@@ -41,6 +41,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.utils.checkpoint import checkpoint
 
+from lightning_ciuic.validation import check_int
+
 PipelineScheduleName = Literal[
     "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"
 ]
@@ -68,8 +70,7 @@ def resolve_stages_per_rank(schedule: str, stages_per_rank: Optional[int]) -> in
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline_schedule={schedule!r} is not one of {sorted(SCHEDULES)}.")
     placement = SCHEDULES[schedule].placement
-    if stages_per_rank is not None and (isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int)):
-        raise ValueError(f"stages_per_rank must be a positive integer or None, got {stages_per_rank!r}.")
+    check_int("stages_per_rank", stages_per_rank, allowed=(None,))
     if placement == "single":
         if stages_per_rank not in (None, 1):
             raise ValueError(
@@ -330,8 +331,7 @@ class PipelineRunner:
         group: dist.ProcessGroup,
         device: torch.device,
     ) -> None:
-        if num_microbatches < 1:
-            raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}.")
+        check_int("num_microbatches", num_microbatches)
         self.stage_modules, self.stage_ids, self.num_stages = list(stage_modules), list(stage_ids), num_stages
         self._parameters = [p for module in self.stage_modules for p in module.parameters()]
         self.schedule_name, self.num_microbatches = schedule, num_microbatches

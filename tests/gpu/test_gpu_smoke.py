@@ -19,7 +19,7 @@ from examples.deepseek import DeepSeekMini
 from lightning_ciuic import AsyncCheckpointer, HybridParallelStrategy, SnapshotRecovery
 from lightning_ciuic.comm.codecs import ErrorFeedback, TopK, dense_codec
 from lightning_ciuic.comm.timing import DeviceClock
-from lightning_ciuic.faults import FailAt
+from lightning_ciuic.testing import FailAt
 from lightning_ciuic.parallel.grad_norm import total_grad_norm
 from tests.helpers import TINY_MODEL, ReplicaReport, loader
 

@@ -18,7 +18,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from examples.deepseek import DeepSeekMini
 from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
 from lightning_ciuic.callbacks.recovery import SnapshotRecovery
-from lightning_ciuic.faults import FailAt
+from lightning_ciuic.testing import FailAt
 from tests.helpers import TINY_MODEL, loader
 
 

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from examples.deepseek import DeepSeekMini
 from lightning_ciuic import DynamicDataBalancer, HybridParallelStrategy
-from lightning_ciuic.faults import SlowRank
+from lightning_ciuic.testing import SlowRank
 from tests.helpers import PRECISION, TINY_MODEL, assert_state_close, loader, reference_training
 
 STEPS, PER_RANK_BATCH = 8, 4

@@ -4,7 +4,7 @@ again and the run returns to two nodes, ending at the loss of an uninterrupted r
 
 from __future__ import annotations
 
-from benchmarks.elastic import run_scenario
+from examples.elastic_scenario import run_scenario
 
 
 def test_losing_a_node_continues_on_one_and_a_rejoining_node_brings_the_run_back_to_two(tmp_path):

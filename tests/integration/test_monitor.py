@@ -10,7 +10,7 @@ from lightning.pytorch import Trainer, seed_everything
 from examples.deepseek import DeepSeekMini
 from lightning_ciuic import CommunicationMonitor, HybridParallelStrategy
 from lightning_ciuic.cli import main as cli_main
-from lightning_ciuic.faults import SlowGradientSync, SlowRank
+from lightning_ciuic.testing import SlowGradientSync, SlowRank
 from tests.helpers import TINY_MODEL, loader
 
 BATCH = 4

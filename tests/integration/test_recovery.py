@@ -17,7 +17,7 @@ from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
 from lightning_ciuic.callbacks.elastic import ElasticResourceManager
 from lightning_ciuic.callbacks.recovery import SnapshotRecovery
 from lightning_ciuic.strategies.context import step_vote
-from lightning_ciuic.faults import FailAt
+from lightning_ciuic.testing import FailAt
 from tests.helpers import PRECISION, TINY_MODEL, assert_state_close, loader, reference_training
 
 STEPS, PER_RANK_BATCH, DP = 10, 2, 2

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightning_ciuic import DynamicDataBalancer
-from lightning_ciuic.parallel.balance import BalancedBatchSampler, imbalance, proportional_split, rebalanced_split
+from lightning_ciuic.data.balance import BalancedBatchSampler, imbalance, proportional_split, rebalanced_split
 
 
 def test_proportional_split_sums_and_floors():

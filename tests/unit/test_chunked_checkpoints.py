@@ -128,7 +128,7 @@ def test_a_failed_background_save_is_raised_at_the_next_save(tmp_path, monkeypat
         (dict(dirpath="nosuchscheme://bucket/x"), ValueError, "cannot open checkpoint storage 'nosuchscheme://bucket/x'"),
         (dict(dirpath="memory://x", max_keep=0), ValueError, "max_keep must be an integer >= 1"),
         (dict(dirpath="memory://x", save_interval=-1), ValueError, "save_interval must be >= 0 seconds"),
-        (dict(dirpath="memory://x", every_n_train_steps=0), ValueError, "every_n_train_steps must be >= 1 or None"),
+        (dict(dirpath="memory://x", every_n_train_steps=0), ValueError, "every_n_train_steps must be an integer >= 1 or None, got 0"),
         (dict(dirpath="memory://x", compression="lz4"), ValueError, "compression='lz4'; use 'zstd' or 'none'"),
     ],
 )

@@ -80,7 +80,7 @@ def test_error_feedback_makes_the_running_sum_track_the_true_sum(codec):
     [
         (lambda: TopK(0.0), r"compression_ratio must be in \(0, 1\], got 0.0"),
         (lambda: TopK(1.5), r"compression_ratio must be in \(0, 1\], got 1.5"),
-        (lambda: PowerSGD(0), "powersgd_rank must be an integer >= 1, got 0"),
+        (lambda: PowerSGD(0), "powersgd_rank must be an integer >= 1 \\(4 is a common choice\\), got 0"),
         (lambda: dense_codec("int4"), "no dense codec named 'int4'"),
         (lambda: HalfPrecision(torch.float32), "HalfPrecision takes torch.float16 or torch.bfloat16"),
     ],

@@ -1,4 +1,4 @@
-"""The framework-free floors (parallel/, comm/, checkpoint/, advice) import with Lightning blocked, and the
+"""The framework-free floors (parallel/, comm/, checkpoint/, data/ and the advisor) import with Lightning blocked, and the
 package root loads its public names lazily while registering the strategy names where Lightning is installed."""
 
 import subprocess
@@ -9,13 +9,15 @@ import pytest
 
 import lightning_ciuic
 
-FLOORS = ("parallel", "comm", "checkpoint")
+FLOORS = ("parallel", "comm", "checkpoint", "data", "advice")
+SHARED = ("lightning_ciuic.validation", "lightning_ciuic.tensors")
 PACKAGE = Path(lightning_ciuic.__file__).parent
 
 
 def floor_modules() -> list[str]:
-    modules = [f"lightning_ciuic.{floor}.{path.stem}" for floor in FLOORS for path in sorted((PACKAGE / floor).glob("*.py"))]
-    return [m for m in modules if not m.endswith("__init__")] + ["lightning_ciuic.advice"]
+    paths = [path for floor in FLOORS for path in sorted((PACKAGE / floor).rglob("*.py"))]
+    names = [".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts) for path in paths]
+    return [name.removesuffix(".__init__") for name in names] + list(SHARED)
 
 
 def test_every_floor_module_imports_with_lightning_blocked():

@@ -66,8 +66,8 @@ def test_per_group_floors():
     [
         ({"warmup_steps": 10, "max_steps": 10}, r"warmup_steps=10 is not shorter than training \(max_steps=10\).*e\.g\. 0"),
         ({"warmup_steps": 50, "max_steps": 20}, r"warmup_steps=50 is not shorter than training"),
-        ({"warmup_steps": -1, "max_steps": 20}, "warmup_steps must be >= 0, got -1"),
-        ({"warmup_steps": 0, "max_steps": 0}, "max_steps must be >= 1, got 0"),
+        ({"warmup_steps": -1, "max_steps": 20}, "warmup_steps must be an integer >= 0, got -1"),
+        ({"warmup_steps": 0, "max_steps": 0}, "max_steps must be an integer >= 1, got 0"),
         ({"warmup_steps": 0, "max_steps": 5, "min_lr": -1.0}, "min_lr must be >= 0"),
         ({"warmup_steps": 0, "max_steps": 5, "min_lr": [0.0, 0.0]}, "min_lr has 2 values but the optimizer has 1"),
     ],

@@ -66,7 +66,7 @@ def test_prediction_is_anchored_to_the_measured_step_time():
         ({"scaling_threshold": -0.1}, "scaling_threshold must be > 0"),
         ({"monitoring_interval": 0}, "monitoring_interval must be > 0 seconds"),
         ({"scaling_strategy": "greedy"}, "scaling_strategy='greedy' is not one of 'performance_aware'"),
-        ({"global_batch_size": 0}, "global_batch_size must be >= 1 or None"),
+        ({"global_batch_size": 0}, "global_batch_size must be an integer >= 1 or None, got 0"),
     ],
 )
 def test_elastic_manager_refuses_bad_arguments(kwargs, message):

@@ -33,8 +33,8 @@ from lightning_ciuic.checkpoint.training_state import (
     rng_state,
     set_rng_state,
 )
-from lightning_ciuic.faults import FailAt
-from lightning_ciuic.parallel.resume import PositionedDataLoader, positioned
+from lightning_ciuic.testing import FailAt
+from lightning_ciuic.data.resume import PositionedDataLoader, positioned
 
 
 @pytest.mark.parametrize("compression", ["zstd", "none"])
@@ -215,7 +215,7 @@ def test_seed_name_and_fault_arguments():
     assert QuantumRecovery is SnapshotRecovery
     with pytest.raises(ValueError, match="fault='explode' is not one of"):
         FailAt(3, "explode")
-    with pytest.raises(ValueError, match="step must be >= 1"):
+    with pytest.raises(ValueError, match="step must be an integer >= 1 \\(the first optimizer step is 1\\), got 0"):
         FailAt(0, "nan")
 
 

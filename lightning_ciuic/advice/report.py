@@ -13,7 +13,8 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_ciuic.advice import Advice, RunProfile
+from lightning_ciuic.advice.profile import RunProfile
+from lightning_ciuic.advice.rules import Advice
 
 _PARTS = (("compute", "#4e79a7"), ("dp_exposed", "#e15759"), ("data_wait", "#f28e2b"), ("other", "#bab0ac"))
 

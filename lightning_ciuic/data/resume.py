@@ -6,7 +6,7 @@ Contract:
   ``resume(epoch, batches_done)``, the next pass over epoch ``epoch`` starts after its first ``batches_done``
   batches (once). Its ``sampler`` is the wrapped one's, so ``set_epoch`` reaches a ``DistributedSampler``.
 * :class:`PositionedDataLoader` is a DataLoader over a batch sampler with ``resume`` (the one above, or
-  :class:`~lightning_ciuic.parallel.balance.BalancedBatchSampler`). Its ``state_dict`` is the position its owner
+  :class:`~lightning_ciuic.data.balance.BalancedBatchSampler`). Its ``state_dict`` is the position its owner
   reports through ``position`` (epoch, batches done); ``load_state_dict`` resumes there. Lightning treats such
   a loader as stateful: every checkpoint's loop state carries the position and a resume (``ckpt_path`` or a
   snapshot) continues the epoch with the next unseen batch instead of starting it over. The position is kept with

@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
 from lightning_ciuic.strategies.context import parallel_context
+from lightning_ciuic.validation import check_choice, check_int
 
 
 class SlowRank(Callback):
@@ -105,10 +106,8 @@ class FailAt(Callback):
         hang_seconds: float = 3600.0,
         lose_snapshots: bool = False,
     ) -> None:
-        if fault not in _FAULTS:
-            raise ValueError(f"fault={fault!r} is not one of {', '.join(map(repr, _FAULTS))}.")
-        if step < 1:
-            raise ValueError(f"step must be >= 1 (the first optimizer step is 1), got {step}.")
+        check_choice("fault", fault, _FAULTS)
+        check_int("step", step, note="the first optimizer step is 1")
         self.step, self.fault, self.ranks, self.attempt = step, fault, set(ranks), attempt
         self.hang_seconds, self.lose_snapshots = hang_seconds, lose_snapshots
         self.fired = False

@@ -1,4 +1,4 @@
-"""The advisor: turns a run's measurements into concrete changes, each with a predicted speed-up.
+"""The advisor's rules: turns a run's measurements into concrete changes, each with a predicted speed-up.
 
 Contract: :func:`advise` takes a :class:`RunProfile` (what :class:`~lightning_ciuic.callbacks.monitor.CommunicationMonitor`
 measured, also stored as ``monitor.json`` so ``lightning-ciuic advise RUN_DIR`` gives the same advice offline)
@@ -23,44 +23,11 @@ No Lightning imports.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
 
+from lightning_ciuic.advice.profile import RunProfile
 from lightning_ciuic.comm.auto import CANDIDATES, predicted_sync_seconds
-
-RANK_FIELDS = ("step", "compute", "data_wait", "dp_exposed", "dp_comm", "dp_bytes", "dp_payload", "tp_comm", "memory_mb")
-
-
-@dataclass
-class RunProfile:
-    """Per-rank mean seconds (and bytes) per training step over a run, with what predictions need.
-    ``step`` is the whole period of a step on that rank: data wait + the training batch."""
-
-    world_size: int
-    dp: int
-    tp: int = 1
-    pp: int = 1
-    compression: str = "none"
-    gradient_numel: int = 0
-    buckets: int = 1
-    latency_s: Optional[float] = None
-    bandwidth_bytes_per_s: Optional[float] = None
-    codec_s_per_value: dict[str, float] = field(default_factory=dict)
-    sync_s: dict[str, float] = field(default_factory=dict)  # measured per mode on an idle machine (preferred)
-    ranks: list[dict[str, float]] = field(default_factory=list)  # one dict of RANK_FIELDS per global rank
-    dp_rank_of: list[int] = field(default_factory=list)  # global rank -> dp rank
-    bubble: Optional[float] = None
-    num_microbatches: Optional[int] = None
-
-    def mean(self, key: str) -> float:
-        return statistics.fmean(r[key] for r in self.ranks) if self.ranks else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "RunProfile":
-        return cls(**data)
 
 
 @dataclass(frozen=True)

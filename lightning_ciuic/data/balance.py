@@ -129,7 +129,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
 
     @property
     def window(self) -> int:
-        """Samples one batch index covers over all ranks (see :mod:`lightning_ciuic.parallel.resume`)."""
+        """Samples one batch index covers over all ranks (see :mod:`lightning_ciuic.data.resume`)."""
         return self.global_batch_size
 
     def resume(self, epoch: int, batches_done: int) -> None:

@@ -1,0 +1,85 @@
+"""Which snapshot to restore: the order of a rollback's candidates and the plans of a restart.
+
+Contract: :func:`recovery_order` sorts a rank's kept snapshot steps by the recovery strategy; :func:`plan_restores`
+lists, newest first, every snapshot step the current run can restore from the :class:`Holding` s every rank
+reported (its own layout, or another data-parallel size from a replica's state). No Lightning imports.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Optional
+
+
+def recovery_order(losses: dict[int, Optional[float]], strategy: str) -> list[int]:
+    """Steps to try, best first: ``"latest"``: newest first; ``"min_loss"``: lowest recorded loss first (a
+    snapshot without a finite loss last), newest first among equal losses."""
+    if strategy == "latest":
+        return sorted(losses, reverse=True)
+
+    def rank(step: int) -> tuple[float, int]:
+        loss = losses[step]
+        return (loss if loss is not None and math.isfinite(loss) else math.inf, -step)
+
+    return sorted(losses, key=rank)
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A snapshot a process holds: where (its own store or its peer replicas), and whose state it is."""
+
+    holder: int  # the process (global rank now) that has it
+    where: str  # "own" or "replica"
+    step: int
+    world_size: int  # of the run that took it
+    rank: int  # the rank whose state it is, in that run
+    pp: int = 1
+    tp: int = 1
+    loss: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """Where each rank of the current run gets its state from, for one snapshot step."""
+
+    step: int
+    world_size: int  # of the run that took the snapshot
+    sources: tuple[Holding, ...]  # indexed by the current rank
+
+    @property
+    def resharded(self) -> bool:
+        """The state comes from another layout or another rank (a data-parallel replica): rank-local state such
+        as compression residuals does not apply."""
+        return any(source.rank != rank or source.world_size != len(self.sources) for rank, source in enumerate(self.sources))
+
+
+def plan_restores(holdings: Iterable[Holding], world_size: int, pp: int = 1, tp: int = 1) -> list[RestorePlan]:
+    """Every snapshot step the current run (``world_size`` ranks, ``pp`` x dp x ``tp``) can restore, newest first.
+
+    A rank restores its own state from the same layout, or, when only the data-parallel size changed (``pp == 1``
+    and ``tp`` kept), the state of any rank with its tensor-parallel coordinate: data-parallel replicas hold the
+    same model and optimizer state. A holding on the rank itself is preferred to one another process must send.
+    """
+    by_step: dict[tuple[int, int], list[Holding]] = {}
+    for holding in holdings:
+        by_step.setdefault((holding.step, holding.world_size), []).append(holding)
+    plans = []
+    for (step, world), found in by_step.items():
+        same_layout = world == world_size and all(h.pp == pp and h.tp == tp for h in found)
+        reshardable = pp == 1 and all(h.pp == 1 and h.tp == tp for h in found)
+        sources = []
+        for rank in range(world_size):
+            if same_layout:
+                fits = [h for h in found if h.rank == rank]
+            elif reshardable:
+                fits = [h for h in found if h.rank % tp == rank % tp]
+            else:
+                fits = []
+            if not fits:
+                break
+            sources.append(min(fits, key=lambda h: (h.holder != rank, h.where != "own", h.holder, h.rank)))
+        else:
+            plans.append(RestorePlan(step, world, tuple(sources)))
+    return sorted(plans, key=lambda plan: (plan.step, plan.world_size == world_size), reverse=True)
