@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo demo-pipeline test test-gpu setup clean bench
+.PHONY: demo demo-pipeline demo-sharded test test-gpu setup clean bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: setup
 # The main job with pipeline parallelism (pp=2 x tp=2): same model, only the strategy's arguments differ.
 demo-pipeline: setup
 	$(VENV)/bin/lightning-ciuic fit --config examples/configs/pipeline.yaml
+
+# The main job with sharded data parallelism (FSDP2 dp_shard=2 x tp=2): same model, only the strategy's arguments differ.
+demo-sharded: setup
+	$(VENV)/bin/lightning-ciuic fit --config examples/configs/sharded.yaml
 
 test: setup
 	$(PY) -m pytest tests

@@ -14,7 +14,8 @@ Touch points:
   (what ``ckpt_path="last"`` resolves), which ``AsyncCheckpointer`` overrides.
 * torch: ``PipelineStage._to_tensor`` (shape inference on zeros), ``torch.utils._python_dispatch.TorchDispatchMode``
   (timing tensor-parallel collectives), DCP's ``_load_state_dict`` with ``_EmptyStateDictLoadPlanner`` (loading a
-  checkpoint whole in one process, as torch's own ``dcp_to_torch_save`` does).
+  checkpoint whole in one process, as torch's own ``dcp_to_torch_save`` does), ``DeviceMesh._flatten`` (two mesh
+  axes named as one, as torchtitan names ``dp_replicate x dp_shard`` "dp").
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "batch_index",
     "check_versions",
     "epoch_position",
+    "flatten_mesh",
     "launchers",
     "load_state_dict_into",
     "reset_optimizers_and_schedulers",
@@ -123,3 +125,8 @@ def rewind_step_counters(trainer: Any, loops: dict[str, Any]) -> None:
     manual = loops["epoch_loop.manual_optimization.optim_step_progress"]["total"]
     epoch_loop.manual_optimization.optim_step_progress.total.load_state_dict(manual)
     epoch_loop._batches_that_stepped = loops["epoch_loop.state_dict"]["_batches_that_stepped"]
+
+
+def flatten_mesh(mesh: Any, axes: tuple[str, ...], name: str) -> Any:
+    """Name ``axes`` of ``mesh`` together as one axis ``name`` (``mesh[name]`` works afterwards); returns it."""
+    return mesh[axes]._flatten(name)

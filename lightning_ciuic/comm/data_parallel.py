@@ -2,9 +2,10 @@
 
 Contract of a :class:`DataParallel` engine, driven by the strategy at four points:
 
-* ``setup(module, group)``: after the module is on its device, before the optimizer exists. The engine makes
-  every replica start from the weights of the group's first rank and installs what it needs (gradient hooks,
-  buckets, reducers).
+* ``setup(module, mesh)``: after the module is on its device, before the optimizer exists; ``mesh`` is the
+  data-parallel part of the device mesh (:meth:`~lightning_ciuic.parallel.dims.ParallelDims.data_parallel_mesh`).
+  The engine makes every replica start from the weights of the first data-parallel rank and installs what it
+  needs (gradient hooks, buckets, reducers; or, sharded, FSDP2's units).
 * ``before_step(global_step) -> list[str]``: at the start of every training batch (the engine acts once per
   optimizer step); returns messages worth logging once (a decision of ``"auto"``).
 * ``no_sync()``: backward passes inside it accumulate locally (gradient accumulation, pipeline micro-batches);
@@ -19,7 +20,8 @@ Contract of a :class:`DataParallel` engine, driven by the strategy at four point
 :class:`Replicated` is today's engine: every replica holds the whole model; bucketed, overlapped averaging
 (:class:`~lightning_ciuic.comm.grad_sync.GradientSynchronizer`), compressed and error-corrected as a
 :class:`~lightning_ciuic.comm.compression.CompressionConfig` says, ``"auto"`` deciding the mode from measured
-step times. Sharded data parallelism (FSDP2) and low-communication training (DiLoCo) are further engines.
+step times. :class:`~lightning_ciuic.comm.sharded.Sharded` shards the model (FSDP2 over ``dp_shard``, HSDP);
+low-communication training (DiLoCo) is the next engine.
 
 No Lightning imports.
 """
@@ -33,6 +35,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ciuic.comm.auto import AutoCompression
 from lightning_ciuic.comm.compression import CompressionConfig, GradientCompression
@@ -45,7 +48,7 @@ class DataParallel(ABC):
     group: Optional[dist.ProcessGroup] = None
 
     @abstractmethod
-    def setup(self, module: torch.nn.Module, group: dist.ProcessGroup) -> None: ...
+    def setup(self, module: torch.nn.Module, mesh: DeviceMesh) -> None: ...
 
     @abstractmethod
     def before_step(self, global_step: int) -> list[str]: ...
@@ -89,9 +92,10 @@ class Replicated(DataParallel):
         self.auto: Optional[AutoCompression] = None
         self._auto_step = -1
 
-    def setup(self, module: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    def setup(self, module: torch.nn.Module, mesh: DeviceMesh) -> None:
         self.close()
-        self.group, self._auto_step = group, -1
+        group = self.group = mesh.get_group()
+        self._auto_step = -1
         if not self.config.exact_mean:
             self.compression = GradientCompression.from_config(self.config)
         self.synchronizer = GradientSynchronizer(

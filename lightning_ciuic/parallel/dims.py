@@ -2,10 +2,13 @@
 
 Contract: ``ParallelDims(pp, dp, tp, world_size)`` validates that every degree is a positive integer
 (``dp`` may be ``"auto"``: whatever is left of the world once ``pp`` and ``tp`` are taken) and that
-``pp * dp * tp == world_size``; errors name every factor and say what would work. ``build_mesh`` returns a
-3-D ``DeviceMesh`` with the named axes ``("pp", "dp", "tp")``, ``tp`` innermost so tensor-parallel
-peers are neighbouring ranks (the same node on a real cluster). Everything else asks this object
-``pp_enabled``, ``dp_enabled``, ``tp_enabled`` instead of comparing sizes itself.
+``pp * dp * tp == world_size``; errors name every factor and say what would work. ``dp_shard`` (default 1) of
+the ``dp`` replicas shard the model between them (FSDP); ``dp_replicate = dp / dp_shard`` groups of them hold
+replicas of the shards (HSDP); ``dp_shard`` must divide ``dp``. ``build_mesh`` returns a ``DeviceMesh`` with
+``tp`` innermost so tensor-parallel peers are neighbouring ranks (the same node on a real cluster): the axes
+``("pp", "dp", "tp")``, or, with ``dp_shard > 1``, ``("pp", "dp_replicate", "dp_shard", "tp")`` plus ``"dp"``,
+the two data-parallel axes flattened (what samplers and replica-wide collectives use). Everything else asks this
+object ``pp_enabled``, ``dp_enabled``, ``tp_enabled``, ``sharded`` instead of comparing sizes itself.
 
 No Lightning imports: usable with plain ``torch.distributed``.
 """
@@ -17,7 +20,11 @@ from typing import Literal, Union
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_ciuic import compat
+from lightning_ciuic.validation import check_int
+
 MESH_AXES = ("pp", "dp", "tp")
+SHARDED_MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def _divisors(n: int) -> list[int]:
@@ -26,12 +33,14 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of pipeline (``pp``), data (``dp``) and tensor (``tp``) parallelism over ``world_size`` ranks."""
+    """Degrees of pipeline (``pp``), data (``dp``, of which ``dp_shard`` shard the model) and tensor (``tp``)
+    parallelism over ``world_size`` ranks."""
 
     pp: int
     dp: int
     tp: int
     world_size: int
+    dp_shard: int = 1
 
     @classmethod
     def resolve(
@@ -40,11 +49,11 @@ class ParallelDims:
         pipeline_parallel_size: int = 1,
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
         tensor_parallel_size: int = 1,
+        data_parallel_shard_size: int = 1,
     ) -> "ParallelDims":
         """Validate the degrees and fill in ``data_parallel_size="auto"``."""
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive integer, got {world_size!r}.")
-        cls.check_degrees(pipeline_parallel_size, data_parallel_size, tensor_parallel_size)
+        check_int("world_size", world_size)
+        cls.check_degrees(pipeline_parallel_size, data_parallel_size, tensor_parallel_size, data_parallel_shard_size)
         pp, tp = pipeline_parallel_size, tensor_parallel_size
         model_parallel = pp * tp
         if data_parallel_size == "auto":
@@ -67,26 +76,30 @@ class ParallelDims:
                 f"pipeline_parallel_size * data_parallel_size * tensor_parallel_size = {pp} * {dp} * {tp}"
                 f" = {pp * dp * tp}, but the world size is {world_size}; the product must equal it: {fix}."
             )
-        return cls(pp=pp, dp=dp, tp=tp, world_size=world_size)
+        if dp % data_parallel_shard_size != 0:
+            raise ValueError(
+                f"data_parallel_shard_size={data_parallel_shard_size} must divide the data-parallel size {dp}"
+                f" (pp={pp}, tp={tp}, world size {world_size}); use one of {_divisors(dp)}"
+                f" ({dp} is plain FSDP, a smaller divisor is HSDP: replicas of sharded groups)."
+            )
+        return cls(pp=pp, dp=dp, tp=tp, world_size=world_size, dp_shard=data_parallel_shard_size)
 
     @staticmethod
     def check_degrees(
         pipeline_parallel_size: int = 1,
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
         tensor_parallel_size: int = 1,
+        data_parallel_shard_size: int = 1,
     ) -> None:
         """Raise ``ValueError`` unless each degree is a positive integer (``dp`` may also be ``"auto"``)."""
         degrees = {
             "pipeline_parallel_size": pipeline_parallel_size,
             "data_parallel_size": data_parallel_size,
             "tensor_parallel_size": tensor_parallel_size,
+            "data_parallel_shard_size": data_parallel_shard_size,
         }
         for name, value in degrees.items():
-            if name == "data_parallel_size" and value == "auto":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                hint = " or 'auto'" if name == "data_parallel_size" else ""
-                raise ValueError(f"{name} must be a positive integer{hint}, got {value!r}.")
+            check_int(name, value, allowed=("auto",) if name == "data_parallel_size" else ())
 
     @property
     def pp_enabled(self) -> bool:
@@ -100,9 +113,30 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
+    @property
+    def sharded(self) -> bool:
+        """Whether data-parallel ranks shard the model (FSDP / HSDP)."""
+        return self.dp_shard > 1
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dp // self.dp_shard
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the ``(pp, dp, tp)`` mesh over the initialized default process group (collective call)."""
-        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_AXES)
+        """Create the mesh over the initialized default process group (collective call); see the module docstring."""
+        if not self.sharded:
+            return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_AXES)
+        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=SHARDED_MESH_AXES)
+        compat.flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp")
+        return mesh
+
+    def data_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh a data-parallel engine works on: ``"dp"`` (replicated), ``"dp_shard"`` (FSDP) or
+        ``("dp_replicate", "dp_shard")`` (HSDP: FSDP2 shards on the last axis and replicates on the first)."""
+        if not self.sharded:
+            return mesh["dp"]
+        return mesh["dp_shard"] if self.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
 
     def __str__(self) -> str:
-        return f"pp={self.pp} x dp={self.dp} x tp={self.tp} (world size {self.world_size})"
+        dp = f"dp={self.dp}" if not self.sharded else f"dp={self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard})"
+        return f"pp={self.pp} x {dp} x tp={self.tp} (world size {self.world_size})"

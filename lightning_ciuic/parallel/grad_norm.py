@@ -7,10 +7,11 @@ on every rank.
 
 Why not ``torch.nn.utils.clip_grad_norm_``: with tensor parallelism some gradients are DTensors (sharded
 over the ``tp`` axis) and some plain tensors (replicated); torch refuses to mix them in one call. Here a
-DTensor sharded on any mesh axis contributes the sum of its shards (one all-reduce over its mesh), a
-replicated DTensor or a plain tensor contributes once. With pipeline parallelism each rank holds other
-parameters: ``pipeline_group`` adds up the stages' contributions. Gradients are assumed already synchronized
-over the data-parallel axis (they are equal on every ``dp`` rank). Supports finite ``norm_type`` and ``inf``.
+DTensor sharded on mesh axes contributes the sum of its shards (one all-reduce per sharded axis: FSDP x TP
+gradients are sharded on two), a replicated DTensor or a plain tensor contributes once. With pipeline parallelism
+each rank holds other parameters: ``pipeline_group`` adds up the stages' contributions. Gradients are assumed
+already synchronized over the data-parallel axis (equal on every ``dp`` rank, or reduce-scattered over it by
+FSDP). Supports finite ``norm_type`` and ``inf``.
 
 No Lightning imports.
 """
@@ -22,7 +23,9 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
+
+from lightning_ciuic.tensors import local_tensor
 
 
 def _local_norm_power(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
@@ -52,30 +55,27 @@ def total_grad_norm(
         stacked = torch.stack([v.to(device) for v in values])
         return stacked.max() if is_inf else stacked.sum()
 
-    replicated: list[torch.Tensor] = []
-    sharded_by_group: dict[dist.ProcessGroup, list[torch.Tensor]] = {}
+    # By the groups of the mesh axes a gradient is sharded over (none: replicated or a plain tensor). Reducing
+    # over each axis's group in turn sums (or maxes) over all shards: FSDP x TP gradients are sharded on two axes.
+    by_groups: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
     dtype = None
     for p in parameters:
         grad = p.grad
         if grad is None:
             continue
         dtype = grad.dtype if dtype is None else torch.promote_types(dtype, grad.dtype)
+        groups: tuple[dist.ProcessGroup, ...] = ()
         if isinstance(grad, DTensor):
-            shard_dims = [i for i, pl in enumerate(grad.placements) if isinstance(pl, Shard)]
-            if len(shard_dims) > 1:  # sharded over several mesh axes: rare, take the exact slow path
-                replicated.append(_local_norm_power(grad.full_tensor(), norm_type))
-            elif shard_dims:
-                group = grad.device_mesh.get_group(shard_dims[0])
-                sharded_by_group.setdefault(group, []).append(_local_norm_power(grad.to_local(), norm_type))
-            else:
-                replicated.append(_local_norm_power(grad.to_local(), norm_type))
-        else:
-            replicated.append(_local_norm_power(grad, norm_type))
+            # Every axis that is not Replicate holds a part: Shard, and FSDP2's _StridedShard (FSDP x TP on one
+            # dim), which is not a Shard subclass and says is_shard() == False in torch 2.13.
+            groups = tuple(grad.device_mesh.get_group(i) for i, pl in enumerate(grad.placements) if not pl.is_replicate())
+        by_groups.setdefault(groups, []).append(_local_norm_power(local_tensor(grad), norm_type))
     op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
-    parts = [combine(replicated)]
-    for group, values in sharded_by_group.items():
+    parts = []
+    for groups, values in by_groups.items():
         value = combine(values)
-        dist.all_reduce(value, op=op, group=group)
+        for group in groups:
+            dist.all_reduce(value, op=op, group=group)
         parts.append(value)
     total = combine(parts)
     if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
@@ -103,6 +103,5 @@ def clip_grad_norm_(
     coef = float(max_norm) / (float(total) + 1e-6)  # the one host sync of clipping
     if coef < 1.0:
         for p in parameters:
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            grad.mul_(coef)
+            local_tensor(p.grad).mul_(coef)
     return total

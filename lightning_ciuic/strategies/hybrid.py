@@ -30,6 +30,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Generator, Mapping
@@ -55,6 +56,7 @@ from lightning_ciuic import compat
 from lightning_ciuic.comm.auto import AutoCompression
 from lightning_ciuic.comm.compression import AllReduceAlgorithm, CompressionConfig, CompressionMode, GradientCompression
 from lightning_ciuic.comm.data_parallel import DataParallel, Replicated
+from lightning_ciuic.comm.sharded import Sharded, ShardingConfig
 from lightning_ciuic.comm.grad_sync import GradientSynchronizer, check_bucket_size
 from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.parallel.dims import ParallelDims
@@ -113,6 +115,15 @@ class HybridParallelStrategy(ParallelStrategy):
         compression_warmup_steps: optimizer steps synchronized uncompressed before compression starts.
         allreduce_algorithm: ``"auto"`` (the backend's all-reduce), ``"ring"`` or ``"tree"`` (ours, for
             ``none``/``fp16``/``bf16``).
+        data_parallel_shard_size: data-parallel ranks that shard parameters, gradients and optimizer state
+            between them (FSDP2); ``1`` (default) keeps whole replicas, ``data_parallel_size`` is plain FSDP,
+            a divisor in between is HSDP. ``communication_compression`` may then be ``"fp16"``/``"bf16"`` (the
+            gradient reduce-scatter's dtype).
+        fsdp_units: module names (as in ``named_modules()``) or classes sharded as one unit each (default:
+            every block of the model's outermost ``nn.ModuleList`` s), then the root.
+        reshard_after_forward: free gathered parameters after each unit's forward and gather them again for
+            its backward (ZeRO-3, the least memory); ``False`` keeps them until backward (ZeRO-2's traffic).
+        fsdp_cpu_offload: keep shards, gradients and optimizer state in host memory.
     """
 
     strategy_name = "ciuic"
@@ -139,6 +150,10 @@ class HybridParallelStrategy(ParallelStrategy):
         compression_warmup_steps: int = 0,
         allreduce_algorithm: AllReduceAlgorithm = "auto",
         auto_recheck_steps: int = 500,
+        data_parallel_shard_size: int = 1,
+        fsdp_units: Optional[list[Union[str, type]]] = None,
+        reshard_after_forward: bool = True,
+        fsdp_cpu_offload: bool = False,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -187,8 +202,14 @@ class HybridParallelStrategy(ParallelStrategy):
             pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
+            data_parallel_shard_size=data_parallel_shard_size,
         )
         ParallelDims.check_degrees(**self._requested)
+        self.sharding_config = ShardingConfig(
+            tuple(fsdp_units) if fsdp_units is not None else None, bool(reshard_after_forward), cpu_offload=bool(fsdp_cpu_offload)
+        )
+        if data_parallel_shard_size != 1:
+            _check_sharded_combination(self.compression_config, pipeline_parallel_size)
         self.bucket_size_mb = float(bucket_size_mb)
         self._process_group_backend = process_group_backend
         self._start_method = start_method
@@ -337,10 +358,22 @@ class HybridParallelStrategy(ParallelStrategy):
         self._close_data_parallel()
         self._logged = (0, 0.0)
         assert self.parallel_dims is not None and self.model is not None
-        if not self.parallel_dims.dp_enabled:
+        dims = self.parallel_dims
+        if not dims.dp_enabled:
             return
-        self.data_parallel = Replicated(self.compression_config, self.bucket_size_mb, self._sync_timeout.total_seconds())
-        self.data_parallel.setup(self.model, self.device_mesh["dp"].get_group())
+        if dims.sharded:
+            self.data_parallel = Sharded(self._sharding_dtypes())
+        else:
+            self.data_parallel = Replicated(self.compression_config, self.bucket_size_mb, self._sync_timeout.total_seconds())
+        self.data_parallel.setup(self.model, dims.data_parallel_mesh(self.device_mesh))
+
+    def _sharding_dtypes(self) -> ShardingConfig:
+        """The sharding config with FSDP2's dtypes: parameters in the precision plugin's compute dtype
+        (``"bf16-mixed"``, ``"16-mixed"``), gradients reduced in float32 then, or in the compression's 16-bit dtype."""
+        compute = getattr(self.precision_plugin, "precision", None)
+        param_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(compute))
+        reduce_dtype = _REDUCE_DTYPES.get(self.compression_config.mode, torch.float32 if param_dtype is not None else None)
+        return dataclasses.replace(self.sharding_config, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
     def _close_data_parallel(self) -> None:
         if self.data_parallel is not None:
@@ -530,6 +563,29 @@ class HybridParallelStrategy(ParallelStrategy):
         self._close_data_parallel()
         self.pipeline = None
         super().teardown()
+
+
+_REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _check_sharded_combination(compression: CompressionConfig, pipeline_parallel_size: int) -> None:
+    """What sharded data parallelism supports today, checked at construction."""
+    if compression.mode not in ("none", *_REDUCE_DTYPES):
+        raise ValueError(
+            f"communication_compression={compression.mode!r} does not apply to sharded data parallelism"
+            f" (data_parallel_shard_size > 1), whose gradients are reduce-scattered by FSDP2: use 'none', 'fp16' or"
+            f" 'bf16' (the reduce-scatter's dtype), or data_parallel_shard_size=1 for {compression.mode!r}."
+        )
+    if compression.algorithm != "auto":
+        raise ValueError(
+            f"allreduce_algorithm={compression.algorithm!r} picks our ring/tree all-reduce, which sharded data"
+            " parallelism does not use (FSDP2 reduce-scatters): leave it 'auto' with data_parallel_shard_size > 1."
+        )
+    if pipeline_parallel_size != 1:
+        raise ValueError(
+            f"data_parallel_shard_size > 1 with pipeline_parallel_size={pipeline_parallel_size} is not supported yet:"
+            " shard a pipelined model's stages with data_parallel_shard_size=1 (replicated stages) for now."
+        )
 
 
 def _clip_grad_by_global_norm(

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_ciuic.validation import check_int
 from lightning_ciuic.parallel.pipeline import (
     BlockCall,
     OnAnotherStage,
@@ -46,7 +47,7 @@ from lightning_ciuic.parallel.pipeline import (
 )
 
 
-class PipelineModule(abc.ABC):
+class PipelineModule(metaclass=abc.ABCMeta):
     """Mixin for a LightningModule that :class:`HybridParallelStrategy` can cut into pipeline stages
     (a class that leaves out one of the abstract methods cannot be instantiated)."""
 
@@ -99,9 +100,7 @@ class PipelineConfig:
     split_points: Optional[tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
-        m = self.num_microbatches
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"num_microbatches must be a positive integer, got {self.num_microbatches!r}.")
+        check_int("num_microbatches", self.num_microbatches)
         resolve_stages_per_rank(self.schedule, self.stages_per_rank)
 
     @property

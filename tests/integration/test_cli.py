@@ -84,3 +84,12 @@ def test_shipped_pipeline_configs_parse():
         assert strategy._pipeline_config.schedule == "1f1b" and strategy._pipeline_config.num_microbatches == 4
         assert type(cli.model).__name__ == model_type
         assert len(cli.model.pipeline_blocks()) >= 4
+
+
+def test_shipped_sharded_config_parses():
+    """The sharded main job: FSDP2 over dp_shard=2 x tp=2 from YAML."""
+    strategy = _cli(["--config", str(ROOT / "examples" / "configs" / "sharded.yaml")]).trainer.strategy
+    assert strategy._requested == dict(
+        pipeline_parallel_size=1, data_parallel_size=2, tensor_parallel_size=2, data_parallel_shard_size=2
+    )
+    assert strategy.sharding_config.reshard_after_forward is True

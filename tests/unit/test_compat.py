@@ -4,6 +4,7 @@ that moves one fails here, by name, rather than in a training run."""
 import inspect
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -55,3 +56,15 @@ def test_torch_private_helpers():
     assert issubclass(compat.EmptyStateDictLoadPlanner, LoadPlanner)
     assert "no_dist" in inspect.signature(compat.load_state_dict_into).parameters
     assert inspect.isclass(compat.TorchDispatchMode)
+
+
+def test_mesh_axes_flatten_into_one_named_axis():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("a", "b", "c"))
+        flat = compat.flatten_mesh(mesh, ("a", "b"), "ab")
+        assert flat.mesh_dim_names == ("ab",) and mesh["ab"].size() == 1
+    finally:
+        dist.destroy_process_group()

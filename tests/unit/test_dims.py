@@ -33,10 +33,10 @@ def test_product_mismatch_when_pp_tp_do_not_divide():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
-        ({"pipeline_parallel_size": 1.5}, "pipeline_parallel_size must be a positive integer, got 1.5"),
-        ({"data_parallel_size": "many"}, "data_parallel_size must be a positive integer or 'auto', got 'many'"),
-        ({"tensor_parallel_size": True}, "tensor_parallel_size must be a positive integer, got True"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1, got 0"),
+        ({"pipeline_parallel_size": 1.5}, "pipeline_parallel_size must be an integer >= 1, got 1.5"),
+        ({"data_parallel_size": "many"}, "data_parallel_size must be an integer >= 1 or 'auto', got 'many'"),
+        ({"tensor_parallel_size": True}, "tensor_parallel_size must be an integer >= 1, got True"),
     ],
 )
 def test_bad_degrees(kwargs, message):
@@ -45,5 +45,5 @@ def test_bad_degrees(kwargs, message):
 
 
 def test_bad_world_size():
-    with pytest.raises(ValueError, match="world_size must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="world_size must be an integer >= 1, got 0"):
         ParallelDims.resolve(0)

@@ -25,7 +25,7 @@ def test_seed_names_stay_importable():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be a positive integer, got 0"),
+        ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be an integer >= 1, got 0"),
         ({"pipeline_schedule": "zigzag"}, r"pipeline_schedule='zigzag' is not one of \['1f1b', 'dualpipev', 'gpipe'"),
         (
             {"pipeline_schedule": "interleaved_1f1b"},
@@ -33,18 +33,18 @@ def test_seed_names_stay_importable():
         ),
         ({"pipeline_schedule": "1f1b", "stages_per_rank": 2}, r"'1f1b' runs one stage per rank, but stages_per_rank=2"),
         ({"pipeline_schedule": "zbv_zero_bubble", "stages_per_rank": 3}, r"places exactly 2 stages per rank in a V; got stages_per_rank=3"),
-        ({"num_microbatches": 0}, "num_microbatches must be a positive integer, got 0"),
+        ({"num_microbatches": 0}, "num_microbatches must be an integer >= 1, got 0"),
         ({"process_group_backend": "nccl2"}, r"process_group_backend='nccl2' is not a torch.distributed backend; use one of \('gloo', 'nccl'"),
         ({"start_method": "thread"}, "start_method='thread'; use 'popen', 'spawn' or 'fork'"),
         ({"bucket_size_mb": 0}, r"bucket_size_mb must be > 0, got 0 \(25.0 is a good default\)"),
         ({"sync_timeout": -1}, "sync_timeout must be a positive number of seconds, got -1"),
         ({"timeout": timedelta(0)}, "timeout must be a positive number of seconds"),
-        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
-        ({"data_parallel_size": 0}, "data_parallel_size must be a positive integer or 'auto', got 0"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1, got 0"),
+        ({"data_parallel_size": 0}, "data_parallel_size must be an integer >= 1 or 'auto', got 0"),
         ({"communication_compression": "int4"}, r"communication_compression='int4' is not a mode; use one of \('none', 'fp16'"),
         ({"communication_compression": "topk", "compression_ratio": 0}, r"compression_ratio must be in \(0, 1\], got 0"),
         ({"communication_compression": "topk", "compression_ratio": 1.01}, r"compression_ratio must be in \(0, 1\], got 1.01"),
-        ({"communication_compression": "powersgd", "powersgd_rank": 0}, "powersgd_rank must be an integer >= 1, got 0"),
+        ({"communication_compression": "powersgd", "powersgd_rank": 0}, "powersgd_rank must be an integer >= 1 \\(4 is a common choice\\), got 0"),
         ({"allreduce_algorithm": "butterfly"}, r"allreduce_algorithm='butterfly'; use one of \('auto', 'ring', 'tree'\)"),
         (
             {"communication_compression": "int8", "allreduce_algorithm": "ring"},
@@ -57,6 +57,20 @@ def test_seed_names_stay_importable():
             {"communication_compression": "int8", "process_group_backend": "mpi"},
             r"communication_compression='int8' needs all_to_all.*got process_group_backend='mpi'",
         ),
+        ({"data_parallel_shard_size": 0}, "data_parallel_shard_size must be an integer >= 1, got 0"),
+        (
+            {"data_parallel_shard_size": 2, "communication_compression": "topk"},
+            r"communication_compression='topk' does not apply to sharded data parallelism .* use 'none', 'fp16' or 'bf16'",
+        ),
+        (
+            {"data_parallel_shard_size": 2, "allreduce_algorithm": "ring"},
+            r"allreduce_algorithm='ring' picks our ring/tree all-reduce, which sharded data parallelism does not use",
+        ),
+        (
+            {"data_parallel_shard_size": 2, "pipeline_parallel_size": 2},
+            r"data_parallel_shard_size > 1 with pipeline_parallel_size=2 is not supported yet",
+        ),
+        ({"fsdp_units": []}, r"fsdp_units must be a non-empty list of module names .* got \[\]"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, message):
@@ -80,3 +94,9 @@ def test_dualpipev_with_too_few_microbatches_fails_before_processes_start():
     strategy = HybridParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="dualpipev", num_microbatches=2)
     with pytest.raises(ValueError, match=r"'dualpipev' needs at least as many micro-batches as stages: num_microbatches=2, stages = pipeline_parallel_size 2 x 2 = 4"):
         Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+
+
+def test_shard_size_that_does_not_divide_the_data_parallel_size_fails_before_processes_start():
+    strategy = HybridParallelStrategy(data_parallel_shard_size=3)
+    with pytest.raises(ValueError, match=r"data_parallel_shard_size=3 must divide the data-parallel size 4 .* use one of \[1, 2, 4\]"):
+        Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)

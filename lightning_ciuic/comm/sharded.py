@@ -1,0 +1,203 @@
+"""Sharded: data parallelism that shards the model (torch's FSDP2, ``fully_shard``) over ``dp_shard``, with
+replicas of the shards over ``dp_replicate`` (HSDP).
+
+Contract (a :class:`~lightning_ciuic.comm.data_parallel.DataParallel` engine):
+
+* ``setup(module, mesh)``: ``mesh`` is 1-D (``dp_shard``: FSDP) or 2-D (``dp_replicate, dp_shard``: HSDP). Every
+  rank first takes the weights of the mesh's first rank (as DDP does; parameters on the meta device are skipped:
+  they are materialised shard by shard afterwards, see :func:`materialize_sharded`). Then ``fully_shard`` groups
+  the parameters into units, bottom-up: :attr:`ShardingConfig.units` (module names as in ``named_modules()``, or
+  module classes) or, by default, every child of the module's outermost ``nn.ModuleList`` s (a transformer's
+  blocks), then the root. Parameters become DTensors sharded on dim 0 over ``dp_shard`` (tensor-parallel DTensors
+  gain the data-parallel axes: a 2-D mesh slice, as torchtitan does). A unit's parameters are all-gathered before
+  its forward and, with ``reshard_after_forward=True`` (ZeRO-3), freed after it and gathered again for its
+  backward; ``False`` keeps them until backward (ZeRO-2's memory and traffic). Its gradients are reduce-scattered,
+  averaged, during backward (and all-reduced over ``dp_replicate``). Build the optimizer after set-up: it holds
+  state for the shards only.
+* Mixed precision (FSDP2's ``MixedPrecisionPolicy``): ``param_dtype`` is what the all-gather and the compute use,
+  ``reduce_dtype`` what the gradient reduce-scatter uses (``fp16``/``bf16`` communication compression sets it);
+  ``cpu_offload`` keeps shards, gradients and optimizer state in host memory.
+* ``no_sync()``: FSDP2's ``set_requires_gradient_sync(False)``: gradients accumulate unreduced (and unsharded)
+  until the last micro-batch, whose backward reduce-scatters the sum.
+* ``after_backward()``: nothing to wait for: FSDP2 waits for its reduce-scatters at the end of backward.
+* ``stats``: collectives launched and bytes this rank sent, *computed* from the units' sizes for ring
+  collectives ((s-1)/s of a gathered or scattered tensor per rank, 2 (r-1)/r for the all-reduce over
+  ``dp_replicate``), not measured; FSDP2 runs its collectives inside forward and backward, so no wait time is
+  counted here.
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from lightning_ciuic import compat
+from lightning_ciuic.comm.data_parallel import DataParallel
+from lightning_ciuic.comm.grad_sync import SyncStats
+from lightning_ciuic.tensors import local_tensor
+
+UnitSpec = Union[str, type]
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """How :class:`Sharded` cuts and keeps the model (see the module docstring)."""
+
+    units: Optional[tuple[UnitSpec, ...]] = None
+    reshard_after_forward: bool = True
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.units is not None:
+            bad = [u for u in self.units if not isinstance(u, (str, type))]
+            if bad or not self.units:
+                raise ValueError(
+                    f"fsdp_units must be a non-empty list of module names (as in named_modules()) or module classes,"
+                    f" got {list(self.units)!r}."
+                )
+
+
+def default_units(module: nn.Module) -> list[nn.Module]:
+    """Every child of the outermost ``nn.ModuleList`` s inside ``module`` (a transformer's blocks)."""
+    units: list[nn.Module] = []
+
+    def visit(parent: nn.Module) -> None:
+        for child in parent.children():
+            if isinstance(child, nn.ModuleList):
+                units.extend(child)
+            else:
+                visit(child)
+
+    visit(module)
+    return units
+
+
+def select_units(module: nn.Module, units: Optional[Sequence[UnitSpec]]) -> list[nn.Module]:
+    """The modules ``fully_shard`` groups, outermost first never nested in another one already chosen (the root
+    excluded: it is always the last unit)."""
+    if units is None:
+        return default_units(module)
+    named = dict(module.named_modules())
+    chosen: list[nn.Module] = []
+    for spec in units:
+        if isinstance(spec, str):
+            if spec not in named or spec == "":
+                close = [name for name in named if name and name.split(".")[-1] == spec.split(".")[-1]][:5]
+                raise ValueError(
+                    f"fsdp_units names {spec!r}, which is not a sub-module of {type(module).__name__};"
+                    f" names look like {close or [n for n in named if n][:5]} (see model.named_modules())."
+                )
+            found = [named[spec]]
+        else:
+            found = [m for name, m in named.items() if name and isinstance(m, spec)]
+            if not found:
+                raise ValueError(f"fsdp_units names the class {spec.__name__}, but {type(module).__name__} has no such sub-module.")
+        chosen.extend(m for m in found if all(m is not c for c in chosen))
+    inside = {id(sub) for unit in chosen for sub in unit.modules() if sub is not unit}
+    return [unit for unit in chosen if id(unit) not in inside]
+
+
+def _numel(unit: nn.Module, skip: set[int]) -> int:
+    return sum(p.numel() for p in unit.parameters() if id(p) not in skip)
+
+
+class Sharded(DataParallel):
+    """Parameters, gradients and optimizer state sharded over ``dp_shard`` (FSDP2); see the module docstring."""
+
+    def __init__(self, config: ShardingConfig = ShardingConfig()) -> None:
+        self.config = config
+        self.mesh: Optional[DeviceMesh] = None
+        self.root: Optional[FSDPModule] = None
+        self.units: list[nn.Module] = []
+        self._stats = SyncStats()
+        self._sync = True
+        self._unit_numel: list[int] = []  # parameters of each unit, the root's own last (gathered sizes)
+
+    def setup(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        self.close()
+        self.mesh, self.group = mesh, mesh.get_group(mesh.ndim - 1)
+        _broadcast_from_first(module, mesh)
+        units = select_units(module, self.config.units)
+        mp_policy = MixedPrecisionPolicy(param_dtype=self.config.param_dtype, reduce_dtype=self.config.reduce_dtype)
+        offload = CPUOffloadPolicy() if self.config.cpu_offload else OffloadPolicy()
+        counted: set[int] = set()
+        self._unit_numel = []
+        for unit in units:
+            self._unit_numel.append(_numel(unit, counted))
+            counted.update(id(p) for p in unit.parameters())
+            fully_shard(unit, mesh=mesh, reshard_after_forward=self.config.reshard_after_forward, mp_policy=mp_policy, offload_policy=offload)
+        self._unit_numel.append(_numel(module, counted))
+        # The root's parameters are needed first in backward: never resharded after forward (FSDP2's default).
+        fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
+        self.root, self.units = module, units  # type: ignore[assignment]
+
+    def before_step(self, global_step: int) -> list[str]:
+        return []
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        assert self.root is not None
+        self.root.set_requires_gradient_sync(False)
+        self._sync = False
+        try:
+            yield
+        finally:
+            self.root.set_requires_gradient_sync(True)
+            self._sync = True
+
+    def after_backward(self, accumulated: bool = False) -> None:
+        self._count_traffic(synced=self._sync)
+
+    def _count_traffic(self, synced: bool) -> None:
+        assert self.mesh is not None
+        shard = self.mesh.size(self.mesh.ndim - 1)
+        replicate = self.mesh.size(0) if self.mesh.ndim == 2 else 1
+        param_bytes = (self.config.param_dtype or _param_dtype(self.root)).itemsize
+        reduce_bytes = (self.config.reduce_dtype or self.config.param_dtype or _param_dtype(self.root)).itemsize
+        gathers = [2 if self.config.reshard_after_forward else 1] * (len(self._unit_numel) - 1) + [1]
+        sent = sum(n * g for n, g in zip(self._unit_numel, gathers)) * param_bytes * (shard - 1) / shard
+        if synced:
+            numel = sum(self._unit_numel)
+            sent += numel * reduce_bytes * (shard - 1) / shard + 2 * (numel / shard) * reduce_bytes * (replicate - 1) / replicate
+            self._stats.collectives += len(self._unit_numel)
+            self._stats.bytes_reduced += numel * 4
+        self._stats.bytes_sent += int(sent)
+
+    @property
+    def stats(self) -> SyncStats:
+        return self._stats
+
+    def payload(self) -> tuple[int, int]:
+        return sum(self._unit_numel), len(self._unit_numel)
+
+    def close(self) -> None:
+        self.root, self.units, self.mesh = None, [], None
+
+
+def _param_dtype(module: Optional[nn.Module]) -> torch.dtype:
+    assert module is not None
+    return next((p.dtype for p in module.parameters()), torch.float32)
+
+
+@torch.no_grad()
+def _broadcast_from_first(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Every rank of the data-parallel mesh takes the first rank's parameters and buffers (not meta ones)."""
+    group = compat.flatten_mesh(mesh, mesh.mesh_dim_names, "dp").get_group() if mesh.ndim > 1 else mesh.get_group()
+    if dist.get_world_size(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0)
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.device.type != "meta":
+            dist.broadcast(local_tensor(tensor).data, src=src, group=group)

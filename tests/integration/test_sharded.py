@@ -1,0 +1,71 @@
+"""Sharded data parallelism (FSDP2 over dp_shard, HSDP with dp_replicate) trains to the same parameters as one
+process (float64, tolerance from the numerics: tests/helpers.rounding_atol)."""
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from torch.distributed.tensor import DTensor
+
+from examples.deepseek import DeepSeekMini
+from lightning_ciuic import HybridParallelStrategy
+from lightning_ciuic.tensors import local_tensor
+from tests.helpers import PRECISION, TINY_MODEL, assert_state_close, loader, reference_training
+
+STEPS, PER_RANK_BATCH = 4, 2
+
+
+def _tiny() -> DeepSeekMini:
+    seed_everything(7)
+    return DeepSeekMini(**TINY_MODEL).double()
+
+
+def _parts(tensor: torch.Tensor, axis: str) -> int:
+    """Into how many parts mesh axis ``axis`` cuts ``tensor`` (1: not cut, or not a DTensor on that axis)."""
+    names = tensor.device_mesh.mesh_dim_names if isinstance(tensor, DTensor) else None
+    if not names or axis not in names:
+        return 1
+    i = names.index(axis)
+    return 1 if tensor.placements[i].is_replicate() else tensor.device_mesh.size(i)
+
+
+class ShardSizes(Callback):
+    """Rank 0's parameter and AdamW-state values held locally, in ``callback_metrics``: what it holds, what it would
+    hold with tensor parallelism alone, and how many parameters the data-parallel shard axis leaves whole."""
+
+    def on_train_end(self, trainer, pl_module):
+        params = list(pl_module.parameters())
+        state = [t for s in trainer.optimizers[0].state.values() for t in s.values() if t.dim() > 0]
+        trainer.callback_metrics.update({
+            "sizes/local_params": torch.tensor(float(sum(local_tensor(p).numel() for p in params))),
+            "sizes/tp_local_params": torch.tensor(float(sum(p.numel() / _parts(p, "tp") for p in params))),
+            "sizes/whole_over_dp_shard": torch.tensor(float(sum(_parts(p, "dp_shard") == 1 for p in params))),
+            "sizes/local_state": torch.tensor(float(sum(local_tensor(t).numel() for t in state))),
+        })
+
+
+@pytest.mark.parametrize(
+    "dp, shard, tp, clip, reshard",
+    [(2, 2, 1, None, True), (2, 2, 2, 0.05, True), (4, 2, 1, 0.05, False)],
+    ids=["fsdp2", "fsdp2xtp2-clip", "hsdp2x2-clip-zero2"],
+)
+def test_sharded_layout_matches_single_process(dp, shard, tp, clip, reshard):
+    strategy = HybridParallelStrategy(
+        data_parallel_size=dp, data_parallel_shard_size=shard, tensor_parallel_size=tp, reshard_after_forward=reshard,
+        start_method="spawn",
+    )
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=dp * tp, max_steps=STEPS, logger=False, gradient_clip_val=clip,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
+        callbacks=[ShardSizes()],
+    )
+    module = _tiny()
+    trainer.fit(module, loader(STEPS * PER_RANK_BATCH * dp, PER_RANK_BATCH))
+    actual = {k: v.detach() for k, v in module.state_dict().items()}
+    assert_state_close(actual, reference_training(_tiny, STEPS, PER_RANK_BATCH * dp, clip=clip), STEPS)
+    sizes = {k.split("/")[1]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("sizes/")}
+    # Every parameter is cut over dp_shard: a rank holds 1/shard of what tensor parallelism alone leaves it (dim-0
+    # shards: a few rows of padding at most), and AdamW's two moments for that share only.
+    assert sizes["whole_over_dp_shard"] == 0, sizes
+    share = sizes["tp_local_params"] / shard
+    assert share <= sizes["local_params"] <= 1.1 * share, sizes
+    assert sizes["local_state"] == 2 * sizes["local_params"], sizes

@@ -1,0 +1,38 @@
+"""Which modules FSDP2 shards as units: the blocks of the outermost layer lists by default, or what fsdp_units names."""
+
+import pytest
+from torch import nn
+
+from lightning_ciuic.comm.sharded import select_units
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.ModuleList([nn.Linear(2, 2)])  # nested list: not a unit of its own by default
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(4, 2)
+        self.body = nn.Sequential(nn.ModuleList([Block(), Block()]))
+        self.head = nn.Linear(2, 4)
+
+
+def test_default_units_are_the_blocks_of_the_outermost_lists():
+    net = Net()
+    assert select_units(net, None) == list(net.body[0])
+
+
+def test_units_by_name_and_by_class_outermost_only():
+    net = Net()
+    assert select_units(net, ["head", "embed"]) == [net.head, net.embed]
+    assert select_units(net, [Block, nn.Linear]) == [*net.body[0], net.head]  # Linears inside a Block are inside a unit
+
+
+def test_unknown_units_name_what_exists():
+    with pytest.raises(ValueError, match=r"fsdp_units names 'heads', which is not a sub-module of Net; names look like \['embed'"):
+        select_units(Net(), ["heads"])
+    with pytest.raises(ValueError, match="fsdp_units names the class Conv1d, but Net has no such sub-module"):
+        select_units(Net(), [nn.Conv1d])
