@@ -60,6 +60,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
@@ -87,10 +90,18 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_norm = RMSNorm(cfg.kv_lora_rank)
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, cfg.n_heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.v_dim, cfg.dim, bias=False)
-        cos, sin = rotary_tables(cfg.qk_rope_head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self._rope = (cfg.qk_rope_head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rotary_tables(*self._rope)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.tp_mesh = None  # set when tensor parallelism is applied
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The rotary tables (the linear layers reset themselves): a model built on the meta device needs them."""
+        cos, sin = rotary_tables(*self._rope)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape

@@ -89,12 +89,12 @@ def loader(n: int, batch_size: int) -> DataLoader:
     return DataLoader(TokenWindows(n), batch_size=batch_size, shuffle=False)
 
 
-def lightning_epoch_order(n: int) -> list[int]:
+def lightning_epoch_order(n: int, epoch: int = 0) -> list[int]:
     """The order in which Lightning's injected ``DistributedSampler`` (it always shuffles training data) walks
-    an epoch of ``n`` samples, concatenated over ranks: rank ``r``'s ``i``-th batch of ``B`` samples is
+    epoch ``epoch`` of ``n`` samples, concatenated over ranks: rank ``r``'s ``i``-th batch of ``B`` samples is
     ``order[(i * B * dp) + r :: dp]`` restricted to that window, so global batch ``i`` is the contiguous window
     ``order[i * B * dp : (i + 1) * B * dp]``."""
-    g = torch.Generator().manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0)))  # seed + epoch 0
+    g = torch.Generator().manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0)) + epoch)  # the sampler's seed + epoch
     return torch.randperm(n, generator=g).tolist()
 
 
@@ -109,15 +109,16 @@ def reference_training(
     losses: list[float] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Single-process training: ``steps`` optimizer steps on the global batches a data-parallel run sees
-    (optionally with the learning rate ``lr_at(step)``). ``batches``: which global batches of the epoch of
-    ``num_samples`` samples feed the steps (default: the first ``steps``)."""
+    (optionally with the learning rate ``lr_at(step)``). ``batches``: which global batches of the first epoch of
+    ``num_samples`` samples feed the steps (default: the first ``steps``, on into the next epochs)."""
     module = module_factory()
     assert all(p.dtype == torch.float64 for p in module.parameters()), "the reference trains in float64"
     optimizer = module.configure_optimizers()
     dataset = TokenWindows(num_samples or steps * global_batch)
-    order = lightning_epoch_order(len(dataset))
+    per_epoch = len(dataset) // global_batch
     for step, index in enumerate(batches if batches is not None else range(steps)):
-        window = order[index * global_batch : (index + 1) * global_batch]
+        epoch, index = divmod(index, per_epoch)
+        window = lightning_epoch_order(len(dataset), epoch)[index * global_batch : (index + 1) * global_batch]
         batch = (dataset.data[window, :-1], dataset.data[window, 1:])
         if lr_at is not None:
             for group in optimizer.param_groups:

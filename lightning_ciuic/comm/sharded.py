@@ -4,8 +4,8 @@ replicas of the shards over ``dp_replicate`` (HSDP).
 Contract (a :class:`~lightning_ciuic.comm.data_parallel.DataParallel` engine):
 
 * ``setup(module, mesh)``: ``mesh`` is 1-D (``dp_shard``: FSDP) or 2-D (``dp_replicate, dp_shard``: HSDP). Every
-  rank first takes the weights of the mesh's first rank (as DDP does; parameters on the meta device are skipped:
-  they are materialised shard by shard afterwards, see :func:`materialize_sharded`). Then ``fully_shard`` groups
+  rank first takes the weights of the mesh's first rank (as DDP does). A module built on the meta device is
+  sharded first and then materialised shard by shard (:func:`materialize`): no rank ever holds it whole. Then ``fully_shard`` groups
   the parameters into units, bottom-up: :attr:`ShardingConfig.units` (module names as in ``named_modules()``, or
   module classes) or, by default, every child of the module's outermost ``nn.ModuleList`` s (a transformer's
   blocks), then the root. Parameters become DTensors sharded on dim 0 over ``dp_shard`` (tensor-parallel DTensors
@@ -142,6 +142,8 @@ class Sharded(DataParallel):
         # The root's parameters are needed first in backward: never resharded after forward (FSDP2's default).
         fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
         self.root, self.units = module, units  # type: ignore[assignment]
+        if has_meta_tensors(module):
+            materialize(module, _device_of(mesh))
 
     def before_step(self, global_step: int) -> list[str]:
         return []
@@ -186,9 +188,50 @@ class Sharded(DataParallel):
         self.root, self.units, self.mesh = None, [], None
 
 
+def _device_of(mesh: DeviceMesh) -> torch.device:
+    """The device this rank computes on for ``mesh`` (CUDA-like meshes: the current device, as FSDP2 uses)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
 def _param_dtype(module: Optional[nn.Module]) -> torch.dtype:
     assert module is not None
     return next((p.dtype for p in module.parameters()), torch.float32)
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate a module's meta tensors on ``device`` (a sharded module's: this rank's shards) and initialise them: the
+    module's ``init_weights()`` when it has one (torchtitan's convention), else every sub-module's
+    ``reset_parameters()``. DTensor random ops give each shard the values of its part of the whole tensor, the same
+    on every data-parallel replica. A sub-module with parameters or buffers and neither method is an error (its
+    values would be uninitialised memory)."""
+    module.to_empty(device=device)
+    init = getattr(module, "init_weights", None)
+    if callable(init):
+        init()
+        return
+    missing = []
+    for sub in module.modules():
+        owns = any(True for _ in sub.parameters(recurse=False)) or any(True for _ in sub.buffers(recurse=False))
+        if not owns:
+            continue
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        else:
+            missing.append(type(sub).__name__)
+    if missing:
+        raise TypeError(
+            f"{type(module).__name__} was built on the meta device, but {sorted(set(missing))} own parameters or"
+            " buffers and have no reset_parameters(): their values would be uninitialised memory. Give the model an"
+            " init_weights() (or those modules reset_parameters()), or build it without empty_init."
+        )
 
 
 @torch.no_grad()

@@ -56,7 +56,7 @@ from lightning_ciuic import compat
 from lightning_ciuic.comm.auto import AutoCompression
 from lightning_ciuic.comm.compression import AllReduceAlgorithm, CompressionConfig, CompressionMode, GradientCompression
 from lightning_ciuic.comm.data_parallel import DataParallel, Replicated
-from lightning_ciuic.comm.sharded import Sharded, ShardingConfig
+from lightning_ciuic.comm.sharded import Sharded, ShardingConfig, has_meta_tensors
 from lightning_ciuic.comm.grad_sync import GradientSynchronizer, check_bucket_size
 from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.parallel.dims import ParallelDims
@@ -429,7 +429,27 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
+        if has_meta_tensors(self.model):
+            if self._requested["data_parallel_shard_size"] == 1:
+                raise ValueError(
+                    f"{type(self.model).__name__} has tensors on the meta device, which only"
+                    " sharded data parallelism materialises (shard by shard, after sharding): set"
+                    " data_parallel_shard_size > 1, or build the model without empty_init."
+                )
+            return  # materialised shard by shard once sharded (Sharded.setup)
         self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``Trainer.init_module(empty_init=True)`` builds a sharded model on the meta device: nothing is allocated
+        until each rank materialises its shards. Otherwise Lightning's behaviour."""
+        if empty_init and self._requested["data_parallel_shard_size"] > 1:
+            with torch.device("meta"), self.precision_plugin.tensor_init_context():
+                yield
+            return
+        with super().tensor_init_context(empty_init):
+            yield
 
     # -- gradient synchronization ------------------------------------------------------------------
     @contextmanager
@@ -562,6 +582,11 @@ class HybridParallelStrategy(ParallelStrategy):
     def teardown(self) -> None:
         self._close_data_parallel()
         self.pipeline = None
+        module = self.lightning_module
+        if module is not None and has_meta_tensors(module):
+            # The main process's copy of a meta-built model, after a failed launch: Lightning's teardown moves the
+            # module to the CPU, which a meta tensor cannot do. Allocate it (uninitialised pages cost nothing here).
+            module.to_empty(device="cpu")
         super().teardown()
 
 

@@ -3,7 +3,8 @@
 ``FullWeightsMultiProcessingLauncher`` is Lightning's multiprocessing launcher, except that the weights it
 hands back to the main process after ``fit`` are the full model: tensor-parallel DTensors are gathered on
 every rank first, because the main process has no device mesh to rebuild them on, and under pipeline
-parallelism the stages' parameters are gathered from the ``pp`` axis. And a worker that finished leaves its
+parallelism the stages' parameters are gathered from the ``pp`` axis; a main-process module still on the meta
+device (built with ``empty_init=True`` for sharding) is allocated to receive them. And a worker that finished leaves its
 process groups together with its peers before its process exits (a gloo group destroyed at interpreter exit
 aborts the process now and then: "terminate called without an active exception", pytorch#190489).
 """
@@ -14,6 +15,7 @@ import os
 import tempfile
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
@@ -21,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from typing_extensions import override
 
 from lightning_ciuic import compat
+from lightning_ciuic.comm.sharded import has_meta_tensors, materialize
 
 
 _, MultiProcessingLauncher, WorkerOutput = compat.launchers()
@@ -37,6 +40,15 @@ class FullWeightsMultiProcessingLauncher(MultiProcessingLauncher):
         if dist.is_initialized():
             dist.barrier()  # no rank tears its gloo pairs down while a peer may still be using them
             dist.destroy_process_group()
+
+    @override
+    def _recover_results_in_main_process(self, worker_output: WorkerOutput, trainer: Trainer) -> None:
+        module = trainer.lightning_module
+        if worker_output.weights_path is not None and has_meta_tensors(module):
+            # Built on the meta device (sharded, empty_init=True): allocate it here so the trained weights load into
+            # it; buffers outside the state dict (rotary tables, ...) get their initial values.
+            materialize(module, torch.device("cpu"))
+        super()._recover_results_in_main_process(worker_output, trainer)
 
     @override
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Optional[WorkerOutput]:

@@ -1,5 +1,6 @@
-"""AsyncCheckpointer through Lightning: exact resume from "last" under dp, dp x tp and DDP, loading into
-another data-parallel size, and a real kill -9 in the middle of a background save."""
+"""AsyncCheckpointer through Lightning: resume from "last" under dp, dp x tp, FSDP and DDP, also into another
+layout (data-parallel size, tensor parallelism, sharded <-> replicated), ending where one process trained without
+interruption ends (float64); and a real kill -9 in the middle of a background save."""
 
 import os
 import signal
@@ -15,14 +16,18 @@ from lightning.pytorch import Trainer, seed_everything
 from examples.deepseek import DeepSeekMini
 from lightning_ciuic import AsyncCheckpointer, ChunkedCheckpointIO, HybridParallelStrategy
 from lightning_ciuic.checkpoint.incremental import CheckpointCatalog
-from tests.helpers import PRECISION, TINY_MODEL, assert_state_close, loader
+from tests.helpers import PRECISION, TINY_MODEL, assert_state_close, loader, reference_training
 
 GLOBAL_BATCH, STEPS_PER_EPOCH = 4, 4
 
 
-def _fit(strategy, devices, max_steps, url=None, ckpt_path=None):
+def _tiny():
     seed_everything(7)
-    module = DeepSeekMini(**TINY_MODEL).double()
+    return DeepSeekMini(**TINY_MODEL).double()
+
+
+def _fit(strategy, devices, max_steps, url=None, ckpt_path=None):
+    module = _tiny()
     callbacks = [AsyncCheckpointer(url, save_interval=None, every_n_train_steps=STEPS_PER_EPOCH)] if url else []
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, logger=False,
@@ -34,21 +39,21 @@ def _fit(strategy, devices, max_steps, url=None, ckpt_path=None):
     return {k: v.detach() for k, v in module.state_dict().items()}
 
 
-def _ciuic(dp, tp=1):
-    return HybridParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp, start_method="spawn")
+def _ciuic(dp, tp=1, shard=1):
+    return HybridParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp, data_parallel_shard_size=shard, start_method="spawn")
 
 
 @pytest.mark.parametrize(
-    "save_layout, resume_layout",
-    [((2, 2), (2, 2)), ((2, 1), (4, 1)), ((4, 1), (1, 2))],  # dp alone: saved at dp=2, resumed at dp=4
-    ids=["dp2xtp2", "dp2-to-dp4", "dp4-to-tp2"],
+    "save_layout, resume_layout",  # (dp, tp, dp_shard)
+    [((2, 2, 1), (2, 2, 1)), ((2, 1, 1), (4, 1, 1)), ((4, 1, 1), (1, 2, 1)), ((2, 1, 2), (4, 1, 1)), ((2, 1, 1), (4, 1, 2))],
+    ids=["dp2xtp2", "dp2-to-dp4", "dp4-to-tp2", "fsdp2-to-dp4", "dp2-to-hsdp2x2"],
 )
 def test_resume_from_last_continues_exactly(tmp_path, save_layout, resume_layout):
     url = str(tmp_path / "checkpoints")
-    (dp, tp), (dp2, tp2) = save_layout, resume_layout
-    uninterrupted = _fit(_ciuic(dp, tp), dp * tp, 2 * STEPS_PER_EPOCH)
-    _fit(_ciuic(dp, tp), dp * tp, STEPS_PER_EPOCH, url)
-    resumed = _fit(_ciuic(dp2, tp2), dp2 * tp2, 2 * STEPS_PER_EPOCH, url, ckpt_path="last")
+    (dp, tp, shard), (dp2, tp2, shard2) = save_layout, resume_layout
+    _fit(_ciuic(dp, tp, shard), dp * tp, STEPS_PER_EPOCH, url)
+    resumed = _fit(_ciuic(dp2, tp2, shard2), dp2 * tp2, 2 * STEPS_PER_EPOCH, url, ckpt_path="last")
+    uninterrupted = reference_training(_tiny, 2 * STEPS_PER_EPOCH, GLOBAL_BATCH, num_samples=STEPS_PER_EPOCH * GLOBAL_BATCH)
     assert_state_close(resumed, uninterrupted, 2 * STEPS_PER_EPOCH)
     manifests = CheckpointCatalog(ChunkedCheckpointIO(url).store).manifests()
     assert [m.step for m in manifests] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
@@ -57,9 +62,9 @@ def test_resume_from_last_continues_exactly(tmp_path, save_layout, resume_layout
 
 def test_ddp_strategy_resumes_exactly(tmp_path):
     url = f"file://{tmp_path}/checkpoints"
-    uninterrupted = _fit("ddp_spawn", 2, 2 * STEPS_PER_EPOCH)
     _fit("ddp_spawn", 2, STEPS_PER_EPOCH, url)
     resumed = _fit("ddp_spawn", 2, 2 * STEPS_PER_EPOCH, url, ckpt_path="last")
+    uninterrupted = reference_training(_tiny, 2 * STEPS_PER_EPOCH, GLOBAL_BATCH, num_samples=STEPS_PER_EPOCH * GLOBAL_BATCH)
     assert_state_close(resumed, uninterrupted, 2 * STEPS_PER_EPOCH)
 
 

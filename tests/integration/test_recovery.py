@@ -45,14 +45,14 @@ def _expected(batches: list[int]) -> dict[str, torch.Tensor]:
     return reference_training(_tiny, STEPS, PER_RANK_BATCH * DP, batches=batches, num_samples=NUM_SAMPLES)
 
 
-def _ciuic(tp: int = 1) -> HybridParallelStrategy:
-    return HybridParallelStrategy(data_parallel_size=DP, tensor_parallel_size=tp, start_method="spawn")
+def _ciuic(tp: int = 1, shard: int = 1) -> HybridParallelStrategy:
+    return HybridParallelStrategy(data_parallel_size=DP, tensor_parallel_size=tp, data_parallel_shard_size=shard, start_method="spawn")
 
 
-@pytest.mark.parametrize("layout", ["ciuic-dp2", "ciuic-dp2xtp2", "ddp"])
+@pytest.mark.parametrize("layout", ["ciuic-dp2", "ciuic-dp2xtp2", "ciuic-fsdp2", "ddp"])
 def test_nan_gradient_rolls_back_and_skips_the_batches_since_the_snapshot(layout):
     recovery = SnapshotRecovery(snapshot_freq=3, store="memory", check_gradients=True)
-    strategy = {"ciuic-dp2": _ciuic(), "ciuic-dp2xtp2": _ciuic(tp=2), "ddp": "ddp_spawn"}[layout]
+    strategy = {"ciuic-dp2": _ciuic(), "ciuic-dp2xtp2": _ciuic(tp=2), "ciuic-fsdp2": _ciuic(shard=2), "ddp": "ddp_spawn"}[layout]
     devices = 4 if layout == "ciuic-dp2xtp2" else DP
     actual, metrics = _fit([recovery, FailAt(8, "nan", ranks=(1,))], strategy, devices)
     # Snapshots at steps 3 and 6; step 8 (global batch 7) is poisoned on rank 1 -> back to step 6: the batches of

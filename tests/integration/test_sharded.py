@@ -5,9 +5,10 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
 
 from examples.deepseek import DeepSeekMini
-from lightning_ciuic import HybridParallelStrategy
+from lightning_ciuic import HybridParallelStrategy, compat
 from lightning_ciuic.tensors import local_tensor
 from tests.helpers import PRECISION, TINY_MODEL, assert_state_close, loader, reference_training
 
@@ -45,8 +46,8 @@ class ShardSizes(Callback):
 
 @pytest.mark.parametrize(
     "dp, shard, tp, clip, reshard",
-    [(2, 2, 1, None, True), (2, 2, 2, 0.05, True), (4, 2, 1, 0.05, False)],
-    ids=["fsdp2", "fsdp2xtp2-clip", "hsdp2x2-clip-zero2"],
+    [(2, 2, 2, 0.05, True), (4, 2, 1, 0.05, False)],  # plain FSDP 2: the meta-device test below
+    ids=["fsdp2xtp2-clip", "hsdp2x2-clip-zero2"],
 )
 def test_sharded_layout_matches_single_process(dp, shard, tp, clip, reshard):
     strategy = HybridParallelStrategy(
@@ -69,3 +70,72 @@ def test_sharded_layout_matches_single_process(dp, shard, tp, clip, reshard):
     share = sizes["tp_local_params"] / shard
     assert share <= sizes["local_params"] <= 1.1 * share, sizes
     assert sizes["local_state"] == 2 * sizes["local_params"], sizes
+
+
+class _LargestTensor(compat.TorchDispatchMode):
+    """The most values any op's output holds on this rank (a DTensor's local part; meta tensors hold none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self.largest = max(self.largest, local_tensor(t).numel())
+        return out
+
+
+class SetupAllocations(Callback):
+    """Watches every op from the callbacks' set-up to ``on_fit_start`` (the strategy shards and materialises the
+    model in between); rank 0 saves the largest tensor seen and the initial weights, gathered whole."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def setup(self, trainer, pl_module, stage):
+        self._mode = _LargestTensor()
+        self._mode.__enter__()
+
+    def on_fit_start(self, trainer, pl_module):
+        self._mode.__exit__(None, None, None)
+        weights = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in pl_module.state_dict().items()}
+        if trainer.is_global_zero:
+            torch.save({"largest": self._mode.largest, "weights": weights}, self.path)
+
+
+def test_a_model_built_on_the_meta_device_is_materialised_shard_by_shard_and_trains_like_one_process(tmp_path):
+    strategy = HybridParallelStrategy(data_parallel_size=2, data_parallel_shard_size=2, start_method="spawn")
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
+        callbacks=[SetupAllocations(tmp_path / "setup.pt")],
+    )
+    seed_everything(7)
+    with trainer.init_module(empty_init=True):
+        module = DeepSeekMini(**TINY_MODEL)
+    assert all(p.is_meta for p in module.parameters())
+    trainer.fit(module, loader(STEPS * PER_RANK_BATCH * 2, PER_RANK_BATCH))
+    setup = torch.load(tmp_path / "setup.pt")
+    largest_parameter = max(p.numel() for p in _tiny().parameters())
+    # The largest tensor any op made during set-up is a shard of the largest parameter: never a whole one.
+    assert 0 < setup["largest"] <= largest_parameter // 2, (setup["largest"], largest_parameter)
+
+    def from_materialised() -> DeepSeekMini:
+        model = _tiny()
+        model.load_state_dict(setup["weights"])
+        return model
+
+    assert all(torch.isfinite(w).all() and w.abs().sum() > 0 for w in setup["weights"].values())
+    actual = {k: v.detach() for k, v in module.state_dict().items()}
+    assert_state_close(actual, reference_training(from_materialised, STEPS, PER_RANK_BATCH * 2), STEPS)
+
+
+def test_a_meta_model_without_sharding_is_refused_with_what_would_work():
+    strategy = HybridParallelStrategy(data_parallel_size=1, start_method="spawn")
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False)
+    with torch.device("meta"):  # (Trainer.init_module(empty_init=True) builds on the meta device only when sharded)
+        module = DeepSeekMini(**TINY_MODEL)
+    with pytest.raises(Exception, match="ValueError: DeepSeekMini has tensors on the meta device, .* set data_parallel_shard_size > 1"):
+        trainer.fit(module, loader(4, 2))
