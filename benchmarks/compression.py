@@ -187,7 +187,7 @@ def speed_section(rate: str, steps: int, workdir: Path, batch_size: int, rounds:
     rows = []
     for variant in DDP_VARIANTS + OURS:
         if variant in failures:
-            rows.append(f"| {variant} | failed | | | {failures[variant]} |")
+            rows.append(f"| {variant} | failed | {failures[variant]} | |")
             continue
         measured = [summarize(r) for r in results[variant]]
         ratios = [step / ddp for (step, _), ddp in zip(measured, ddp_steps)]
