@@ -15,7 +15,8 @@ Touch points:
 * torch: ``PipelineStage._to_tensor`` (shape inference on zeros), ``torch.utils._python_dispatch.TorchDispatchMode``
   (timing tensor-parallel collectives), DCP's ``_load_state_dict`` with ``_EmptyStateDictLoadPlanner`` (loading a
   checkpoint whole in one process, as torch's own ``dcp_to_torch_save`` does), ``DeviceMesh._flatten`` (two mesh
-  axes named as one, as torchtitan names ``dp_replicate x dp_shard`` "dp").
+  axes named as one, as torchtitan names ``dp_replicate x dp_shard`` "dp"), FSDP2's ``ReduceScatter`` interface
+  (``set_custom_reduce_scatter`` is public, the class it takes is not).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as load_state_dict_into
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FSDPReduceScatter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # The ranges the suite ran on: (lowest, first untested) major.minor
@@ -34,6 +36,7 @@ TESTED = {"torch": ((2, 13), (2, 15)), "lightning": ((2, 6), (2, 7))}
 
 __all__ = [
     "EmptyStateDictLoadPlanner",
+    "FSDPReduceScatter",
     "TESTED",
     "TorchDispatchMode",
     "batch_index",

@@ -16,7 +16,8 @@ CUDA tensors.
   ``2 log2(w)`` steps of the whole tensor: latency-optimal for small tensors.
 * :func:`quantized_allreduce_` — for int8/nf4: encode ``w`` chunks, exchange them with one all-to-all
   (rank ``j`` receives everyone's chunk ``j``), decode and sum in float32, re-encode the sum once and
-  all-gather it. Quantization error is incurred twice, never once per hop.
+  all-gather it. Quantization error is incurred twice, never once per hop. Its first half,
+  :func:`quantized_reduce_scatter`, is also sharded data parallelism's int8 gradient reduce-scatter (qgZ).
 * :func:`topk_allreduce_` — all-gather of (index, value) pairs; the average is their scattered sum / w.
 
 No Lightning imports.
@@ -123,23 +124,34 @@ def tree_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, codec: Codec) -> 
     return transmitted, sent
 
 
+def quantized_reduce_scatter(chunks: torch.Tensor, group: dist.ProcessGroup, codec: Codec) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``chunks`` (world, n) float32: row ``j`` goes to rank ``j``. Each row is encoded once, the rows are exchanged
+    in one all-to-all, and this rank sums in float32 what everyone sent it. Returns (that sum, the rows as
+    encoded-then-decoded here, bytes sent)."""
+    world, n = chunks.shape
+    encoded = [codec.encode(row) for row in chunks]
+    piece = encoded[0].numel()
+    transmitted = torch.stack([codec.decode(e, n) for e in encoded])
+    received = torch.empty(piece * world, dtype=torch.uint8, device=chunks.device)
+    dist.all_to_all_single(received, torch.cat(encoded), group=group)
+    summed = torch.stack([codec.decode(part, n) for part in received.split(piece)]).sum(0)
+    return summed, transmitted, (world - 1) * piece
+
+
 def quantized_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, codec: Codec) -> tuple[torch.Tensor, int]:
     """All-to-all reduce-scatter of encoded chunks, float32 sum, one re-encode, all-gather."""
     world = dist.get_world_size(group)
     padded, chunk = _chunks(x, world, codec.block)
-    encoded = [codec.encode(part) for part in padded.split(chunk)]
-    piece = encoded[0].numel()
-    transmitted = torch.cat([codec.decode(e, chunk) for e in encoded])[: x.numel()]
     if world == 1:
+        transmitted = codec.roundtrip(padded)[: x.numel()]
         x.copy_(transmitted)
         return transmitted, 0
-    received = torch.empty(piece * world, dtype=torch.uint8, device=x.device)
-    dist.all_to_all_single(received, torch.cat(encoded), group=group)
-    mine = sum(codec.decode(part, chunk) for part in received.split(piece)) / world
-    gathered = torch.empty(piece * world, dtype=torch.uint8, device=x.device)
-    dist.all_gather_single(gathered, codec.encode(mine), group=group)
-    x.copy_(torch.cat([codec.decode(part, chunk) for part in gathered.split(piece)])[: x.numel()])
-    return transmitted, 2 * (world - 1) * piece
+    summed, transmitted, sent = quantized_reduce_scatter(padded.view(world, chunk), group, codec)
+    mine = codec.encode(summed / world)
+    gathered = torch.empty(mine.numel() * world, dtype=torch.uint8, device=x.device)
+    dist.all_gather_single(gathered, mine, group=group)
+    x.copy_(torch.cat([codec.decode(part, chunk) for part in gathered.split(mine.numel())])[: x.numel()])
+    return transmitted.flatten()[: x.numel()], sent + (world - 1) * mine.numel()
 
 
 def topk_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, topk: TopK) -> tuple[torch.Tensor, int]:

@@ -17,9 +17,13 @@ Contract (a :class:`~lightning_ciuic.comm.data_parallel.DataParallel` engine):
 * Mixed precision (FSDP2's ``MixedPrecisionPolicy``): ``param_dtype`` is what the all-gather and the compute use,
   ``reduce_dtype`` what the gradient reduce-scatter uses (``fp16``/``bf16`` communication compression sets it);
   ``cpu_offload`` keeps shards, gradients and optimizer state in host memory.
+* ``gradient_codec="int8"`` (or ``"nf4"``): every unit's reduce-scatter is a quantized all-to-all
+  (:class:`~lightning_ciuic.comm.fsdp_comms.QuantizedReduceScatter`, ZeRO++'s qgZ), with ``error_feedback``.
 * ``no_sync()``: FSDP2's ``set_requires_gradient_sync(False)``: gradients accumulate unreduced (and unsharded)
   until the last micro-batch, whose backward reduce-scatters the sum.
 * ``after_backward()``: nothing to wait for: FSDP2 waits for its reduce-scatters at the end of backward.
+* ``state_dict()``: the quantized reduce-scatters' error-feedback residuals (per rank, saved with checkpoints and
+  snapshots like the replicated engine's).
 * ``stats``: collectives launched and bytes this rank sent, *computed* from the units' sizes for ring
   collectives ((s-1)/s of a gathered or scattered tensor per rank, 2 (r-1)/r for the all-reduce over
   ``dp_replicate``), not measured; FSDP2 runs its collectives inside forward and backward, so no wait time is
@@ -42,7 +46,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_ciuic import compat
+from lightning_ciuic.comm.codecs import dense_codec
 from lightning_ciuic.comm.data_parallel import DataParallel
+from lightning_ciuic.comm.fsdp_comms import QuantizedReduceScatter
 from lightning_ciuic.comm.grad_sync import SyncStats
 from lightning_ciuic.tensors import local_tensor
 
@@ -58,6 +64,8 @@ class ShardingConfig:
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     cpu_offload: bool = False
+    gradient_codec: Optional[str] = None  # "int8" / "nf4": the reduce-scatter as a quantized all-to-all (qgZ)
+    error_feedback: bool = True
 
     def __post_init__(self) -> None:
         if self.units is not None:
@@ -124,6 +132,7 @@ class Sharded(DataParallel):
         self._stats = SyncStats()
         self._sync = True
         self._unit_numel: list[int] = []  # parameters of each unit, the root's own last (gathered sizes)
+        self.gradient_comms: list[QuantizedReduceScatter] = []  # one per unit, the root's last (gradient_codec)
 
     def setup(self, module: nn.Module, mesh: DeviceMesh) -> None:
         self.close()
@@ -142,6 +151,11 @@ class Sharded(DataParallel):
         # The root's parameters are needed first in backward: never resharded after forward (FSDP2's default).
         fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
         self.root, self.units = module, units  # type: ignore[assignment]
+        if self.config.gradient_codec is not None:
+            for unit in (*units, module):
+                comm = QuantizedReduceScatter(dense_codec(self.config.gradient_codec), self.config.error_feedback, self._stats)
+                unit.set_custom_reduce_scatter(comm)  # type: ignore[operator]
+                self.gradient_comms.append(comm)
         if has_meta_tensors(module):
             materialize(module, _device_of(mesh))
 
@@ -172,8 +186,10 @@ class Sharded(DataParallel):
         sent = sum(n * g for n, g in zip(self._unit_numel, gathers)) * param_bytes * (shard - 1) / shard
         if synced:
             numel = sum(self._unit_numel)
-            sent += numel * reduce_bytes * (shard - 1) / shard + 2 * (numel / shard) * reduce_bytes * (replicate - 1) / replicate
-            self._stats.collectives += len(self._unit_numel)
+            sent += 2 * (numel / shard) * reduce_bytes * (replicate - 1) / replicate
+            if self.config.gradient_codec is None:  # a quantized reduce-scatter counts its own bytes and collectives
+                sent += numel * reduce_bytes * (shard - 1) / shard
+                self._stats.collectives += len(self._unit_numel)
             self._stats.bytes_reduced += numel * 4
         self._stats.bytes_sent += int(sent)
 
@@ -184,8 +200,16 @@ class Sharded(DataParallel):
     def payload(self) -> tuple[int, int]:
         return sum(self._unit_numel), len(self._unit_numel)
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's error-feedback residuals of the quantized reduce-scatters (``gradient_codec``), by unit."""
+        return {f"reduce_scatter.{i}": c.residual for i, c in enumerate(self.gradient_comms) if c.residual is not None}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for i, comm in enumerate(self.gradient_comms):
+            comm.residual = state.get(f"reduce_scatter.{i}")
+
     def close(self) -> None:
-        self.root, self.units, self.mesh = None, [], None
+        self.root, self.units, self.mesh, self.gradient_comms = None, [], None, []
 
 
 def _device_of(mesh: DeviceMesh) -> torch.device:

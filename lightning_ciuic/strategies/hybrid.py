@@ -372,8 +372,12 @@ class HybridParallelStrategy(ParallelStrategy):
         (``"bf16-mixed"``, ``"16-mixed"``), gradients reduced in float32 then, or in the compression's 16-bit dtype."""
         compute = getattr(self.precision_plugin, "precision", None)
         param_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(compute))
-        reduce_dtype = _REDUCE_DTYPES.get(self.compression_config.mode, torch.float32 if param_dtype is not None else None)
-        return dataclasses.replace(self.sharding_config, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        mode = self.compression_config.mode
+        reduce_dtype = _REDUCE_DTYPES.get(mode, torch.float32 if param_dtype is not None else None)
+        return dataclasses.replace(
+            self.sharding_config, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            gradient_codec=mode if mode in _SHARDED_CODECS else None, error_feedback=self.compression_config.error_feedback,
+        )
 
     def _close_data_parallel(self) -> None:
         if self.data_parallel is not None:
@@ -591,15 +595,17 @@ class HybridParallelStrategy(ParallelStrategy):
 
 
 _REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_SHARDED_CODECS = ("int8", "nf4")
 
 
 def _check_sharded_combination(compression: CompressionConfig, pipeline_parallel_size: int) -> None:
     """What sharded data parallelism supports today, checked at construction."""
-    if compression.mode not in ("none", *_REDUCE_DTYPES):
+    if compression.mode not in ("none", *_REDUCE_DTYPES, *_SHARDED_CODECS):
         raise ValueError(
             f"communication_compression={compression.mode!r} does not apply to sharded data parallelism"
             f" (data_parallel_shard_size > 1), whose gradients are reduce-scattered by FSDP2: use 'none', 'fp16' or"
-            f" 'bf16' (the reduce-scatter's dtype), or data_parallel_shard_size=1 for {compression.mode!r}."
+            f" 'bf16' (the reduce-scatter's dtype), 'int8' or 'nf4' (a quantized all-to-all), or"
+            f" data_parallel_shard_size=1 for {compression.mode!r}."
         )
     if compression.algorithm != "auto":
         raise ValueError(

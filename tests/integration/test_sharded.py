@@ -9,6 +9,7 @@ from torch.utils._pytree import tree_flatten
 
 from examples.deepseek import DeepSeekMini
 from lightning_ciuic import HybridParallelStrategy, compat
+from lightning_ciuic.comm.fsdp_comms import QuantizedReduceScatter
 from lightning_ciuic.tensors import local_tensor
 from tests.helpers import PRECISION, TINY_MODEL, assert_state_close, loader, reference_training
 
@@ -139,3 +140,33 @@ def test_a_meta_model_without_sharding_is_refused_with_what_would_work():
         module = DeepSeekMini(**TINY_MODEL)
     with pytest.raises(Exception, match="ValueError: DeepSeekMini has tensors on the meta device, .* set data_parallel_shard_size > 1"):
         trainer.fit(module, loader(4, 2))
+
+
+class ReduceScatterCount(Callback):
+    """The sharded engine's collective count and the units' error-feedback residuals, in ``callback_metrics``."""
+
+    def on_train_end(self, trainer, pl_module):
+        engine = trainer.strategy.data_parallel
+        comms = engine.gradient_comms
+        trainer.callback_metrics.update({
+            "rs/collectives": torch.tensor(float(engine.stats.collectives)),
+            "rs/units": torch.tensor(float(len(engine.units) + 1)),
+            "rs/quantized": torch.tensor(float(sum(isinstance(c, QuantizedReduceScatter) for c in comms))),
+            "rs/residual_nonzero": torch.tensor(float(sum(bool(c.residual.abs().max() > 0) for c in comms))),
+        })
+
+
+def test_int8_gradient_reduce_scatter_runs_in_every_unit_with_error_feedback():
+    strategy = HybridParallelStrategy(
+        data_parallel_size=2, data_parallel_shard_size=2, communication_compression="int8", start_method="spawn"
+    )
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[ReduceScatterCount()],
+    )
+    module = _tiny().float()
+    trainer.fit(module, loader(STEPS * PER_RANK_BATCH * 2, PER_RANK_BATCH))
+    counts = {k.split("/")[1]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("rs/")}
+    assert counts["quantized"] == counts["units"] == counts["residual_nonzero"], counts
+    assert counts["collectives"] == STEPS * counts["units"], counts  # one int8 reduce-scatter per unit per step
+    assert all(torch.isfinite(v).all() for v in module.state_dict().values())

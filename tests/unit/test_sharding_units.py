@@ -36,3 +36,24 @@ def test_unknown_units_name_what_exists():
         select_units(Net(), ["heads"])
     with pytest.raises(ValueError, match="fsdp_units names the class Conv1d, but Net has no such sub-module"):
         select_units(Net(), [nn.Conv1d])
+
+
+def test_the_sharded_engine_state_is_its_reduce_scatter_residuals():
+    import torch
+
+    from lightning_ciuic.comm.codecs import BlockInt8
+    from lightning_ciuic.comm.fsdp_comms import QuantizedReduceScatter
+    from lightning_ciuic.comm.sharded import Sharded, ShardingConfig
+
+    def engine() -> Sharded:
+        sharded = Sharded(ShardingConfig(gradient_codec="int8"))
+        sharded.gradient_comms = [QuantizedReduceScatter(BlockInt8(), True, sharded.stats) for _ in range(2)]
+        return sharded
+
+    saved = engine()
+    saved.gradient_comms[1].residual = torch.arange(3.0)
+    state = saved.state_dict()
+    assert list(state) == ["reduce_scatter.1"]
+    restored = engine()
+    restored.load_state_dict(state)
+    assert restored.gradient_comms[0].residual is None and torch.equal(restored.gradient_comms[1].residual, torch.arange(3.0))
