@@ -50,6 +50,7 @@ bench: setup
 	$(PY) benchmarks/elastic.py --rounds 2
 	$(PY) benchmarks/pipeline.py --steps 16 --rounds 2
 	$(PY) benchmarks/pipeline.py --steps 12 --rounds 1 --batch 64 --bubble-only
+	$(PY) benchmarks/sharding.py --steps 30 --rounds 3 --model large
 
 clean:
 	rm -rf $(VENV) lightning_logs demo_logs .pytest_cache
