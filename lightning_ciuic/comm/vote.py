@@ -81,7 +81,7 @@ class StepVote:
             if len(values) != width:
                 raise ValueError(f"StepVote: {name!r} registered {width} values but its provider returned {len(values)}.")
             local.extend(values)
-        sums = torch.tensor(local, dtype=torch.float64)
+        sums = torch.tensor(local, dtype=torch.float64)  # on the CPU: the control group is gloo, whatever trains
         if self._group is not None:
             dist.all_reduce(sums, group=self._group)
         self.rounds += 1
