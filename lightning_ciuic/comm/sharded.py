@@ -132,6 +132,7 @@ class Sharded(DataParallel):
         self._stats = SyncStats()
         self._sync = True
         self._unit_numel: list[int] = []  # parameters of each unit, the root's own last (gathered sizes)
+        self._bytes_per_backward = (0, 0)
         self.gradient_comms: list[QuantizedReduceScatter] = []  # one per unit, the root's last (gradient_codec)
 
     def setup(self, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -158,6 +159,7 @@ class Sharded(DataParallel):
                 self.gradient_comms.append(comm)
         if has_meta_tensors(module):
             materialize(module, _device_of(mesh))
+        self._bytes_per_backward = self._traffic()  # derived once: the units and dtypes do not change
 
     def before_step(self, global_step: int) -> list[str]:
         return []
@@ -174,24 +176,28 @@ class Sharded(DataParallel):
             self._sync = True
 
     def after_backward(self, accumulated: bool = False) -> None:
-        self._count_traffic(synced=self._sync)
+        gathered, reduced = self._bytes_per_backward
+        self._stats.bytes_sent += gathered + (reduced if self._sync else 0)
+        if self._sync:
+            if self.config.gradient_codec is None:  # a quantized reduce-scatter counts its own bytes and collectives
+                self._stats.collectives += len(self._unit_numel)
+            self._stats.bytes_reduced += sum(self._unit_numel) * 4
 
-    def _count_traffic(self, synced: bool) -> None:
+    def _traffic(self) -> tuple[int, int]:
+        """Bytes this rank sends per backward for ring collectives: (parameter all-gathers, gradient reduction when
+        synchronized: the reduce-scatter unless quantized, and the all-reduce over ``dp_replicate``)."""
         assert self.mesh is not None
         shard = self.mesh.size(self.mesh.ndim - 1)
         replicate = self.mesh.size(0) if self.mesh.ndim == 2 else 1
         param_bytes = (self.config.param_dtype or _param_dtype(self.root)).itemsize
         reduce_bytes = (self.config.reduce_dtype or self.config.param_dtype or _param_dtype(self.root)).itemsize
         gathers = [2 if self.config.reshard_after_forward else 1] * (len(self._unit_numel) - 1) + [1]
-        sent = sum(n * g for n, g in zip(self._unit_numel, gathers)) * param_bytes * (shard - 1) / shard
-        if synced:
-            numel = sum(self._unit_numel)
-            sent += 2 * (numel / shard) * reduce_bytes * (replicate - 1) / replicate
-            if self.config.gradient_codec is None:  # a quantized reduce-scatter counts its own bytes and collectives
-                sent += numel * reduce_bytes * (shard - 1) / shard
-                self._stats.collectives += len(self._unit_numel)
-            self._stats.bytes_reduced += numel * 4
-        self._stats.bytes_sent += int(sent)
+        gathered = sum(n * g for n, g in zip(self._unit_numel, gathers)) * param_bytes * (shard - 1) / shard
+        numel = sum(self._unit_numel)
+        reduced = 2 * (numel / shard) * reduce_bytes * (replicate - 1) / replicate
+        if self.config.gradient_codec is None:
+            reduced += numel * reduce_bytes * (shard - 1) / shard
+        return int(gathered), int(reduced)
 
     @property
     def stats(self) -> SyncStats:
