@@ -2,10 +2,12 @@
 
 Contract of a :class:`DataParallel` engine, driven by the strategy at four points:
 
-* ``setup(module, mesh)``: after the module is on its device, before the optimizer exists; ``mesh`` is the
-  data-parallel part of the device mesh (:meth:`~lightning_ciuic.parallel.dims.ParallelDims.data_parallel_mesh`).
-  The engine makes every replica start from the weights of the first data-parallel rank and installs what it
-  needs (gradient hooks, buckets, reducers; or, sharded, FSDP2's units).
+* ``setup(module, mesh, stages=())``: after the module is on its device, before the optimizer exists; ``mesh`` is
+  the data-parallel part of the device mesh (:meth:`~lightning_ciuic.parallel.dims.ParallelDims.data_parallel_mesh`);
+  ``stages`` are the pipeline stages this rank runs (sub-module groups of ``module`` that torch's pipeline
+  schedule calls directly), empty without pipeline parallelism. The engine makes every replica start from the
+  weights of the first data-parallel rank and installs what it needs (gradient hooks, buckets, reducers; or,
+  sharded, FSDP2's units, with each stage as a root).
 * ``before_step(global_step) -> list[str]``: at the start of every training batch (the engine acts once per
   optimizer step); returns messages worth logging once (a decision of ``"auto"``).
 * ``no_sync()``: backward passes inside it accumulate locally (gradient accumulation, pipeline micro-batches);
@@ -29,7 +31,7 @@ No Lightning imports.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -48,7 +50,7 @@ class DataParallel(ABC):
     group: Optional[dist.ProcessGroup] = None
 
     @abstractmethod
-    def setup(self, module: torch.nn.Module, mesh: DeviceMesh) -> None: ...
+    def setup(self, module: torch.nn.Module, mesh: DeviceMesh, stages: Sequence[torch.nn.Module] = ()) -> None: ...
 
     @abstractmethod
     def before_step(self, global_step: int) -> list[str]: ...
@@ -92,7 +94,7 @@ class Replicated(DataParallel):
         self.auto: Optional[AutoCompression] = None
         self._auto_step = -1
 
-    def setup(self, module: torch.nn.Module, mesh: DeviceMesh) -> None:
+    def setup(self, module: torch.nn.Module, mesh: DeviceMesh, stages: Sequence[torch.nn.Module] = ()) -> None:
         self.close()
         group = self.group = mesh.get_group()
         self._auto_step = -1

@@ -3,12 +3,14 @@ replicas of the shards over ``dp_replicate`` (HSDP).
 
 Contract (a :class:`~lightning_ciuic.comm.data_parallel.DataParallel` engine):
 
-* ``setup(module, mesh)``: ``mesh`` is 1-D (``dp_shard``: FSDP) or 2-D (``dp_replicate, dp_shard``: HSDP). Every
-  rank first takes the weights of the mesh's first rank (as DDP does). A module built on the meta device is
-  sharded first and then materialised shard by shard (:func:`materialize`): no rank ever holds it whole. Then ``fully_shard`` groups
+* ``setup(module, mesh, stages=())``: ``mesh`` is 1-D (``dp_shard``: FSDP) or 2-D (``dp_replicate, dp_shard``:
+  HSDP). Every rank first takes the weights of the mesh's first rank (as DDP does). Then ``fully_shard`` groups
   the parameters into units, bottom-up: :attr:`ShardingConfig.units` (module names as in ``named_modules()``, or
-  module classes) or, by default, every child of the module's outermost ``nn.ModuleList`` s (a transformer's
-  blocks), then the root. Parameters become DTensors sharded on dim 0 over ``dp_shard`` (tensor-parallel DTensors
+  module classes) or, by default, every child of the outermost ``nn.ModuleList`` s (a transformer's blocks), then
+  the root. Under pipeline parallelism each of this rank's ``stages`` is a root (its default units: its pipeline
+  blocks), so torch's schedule, which calls the stages directly, sees FSDP modules: it accumulates the
+  micro-batches' gradients unreduced and reduce-scatters them once, after the last. A module built on the meta
+  device is sharded first and then materialised shard by shard (:func:`materialize`): no rank ever holds it whole. Parameters become DTensors sharded on dim 0 over ``dp_shard`` (tensor-parallel DTensors
   gain the data-parallel axes: a 2-D mesh slice, as torchtitan does). A unit's parameters are all-gathered before
   its forward and, with ``reshard_after_forward=True`` (ZeRO-3), freed after it and gathered again for its
   backward; ``False`` keeps them until backward (ZeRO-2's memory and traffic). Its gradients are reduce-scattered,
@@ -26,7 +28,8 @@ Contract (a :class:`~lightning_ciuic.comm.data_parallel.DataParallel` engine):
   snapshots like the replicated engine's).
 * ``stats``: collectives launched and bytes this rank sent, *computed* from the units' sizes for ring
   collectives ((s-1)/s of a gathered or scattered tensor per rank, 2 (r-1)/r for the all-reduce over
-  ``dp_replicate``), not measured; FSDP2 runs its collectives inside forward and backward, so no wait time is
+  ``dp_replicate``), not measured; under pipeline parallelism a lower bound (a unit resharded after a
+  micro-batch's forward is gathered again for the next); FSDP2 runs its collectives inside forward and backward, so no wait time is
   counted here.
 
 No Lightning imports.
@@ -127,19 +130,25 @@ class Sharded(DataParallel):
     def __init__(self, config: ShardingConfig = ShardingConfig()) -> None:
         self.config = config
         self.mesh: Optional[DeviceMesh] = None
-        self.root: Optional[FSDPModule] = None
+        self.module: Optional[nn.Module] = None
+        self.roots: list[FSDPModule] = []  # the module, or under pipeline parallelism each stage this rank runs
         self.units: list[nn.Module] = []
         self._stats = SyncStats()
         self._sync = True
-        self._unit_numel: list[int] = []  # parameters of each unit, the root's own last (gathered sizes)
+        self._unit_numel: list[int] = []  # parameters of each unit, the roots' own last (gathered sizes)
         self._bytes_per_backward = (0, 0)
-        self.gradient_comms: list[QuantizedReduceScatter] = []  # one per unit, the root's last (gradient_codec)
+        self.gradient_comms: list[QuantizedReduceScatter] = []  # one per unit, the roots' last (gradient_codec)
 
-    def setup(self, module: nn.Module, mesh: DeviceMesh) -> None:
+    def setup(self, module: nn.Module, mesh: DeviceMesh, stages: Sequence[nn.Module] = ()) -> None:
         self.close()
         self.mesh, self.group = mesh, mesh.get_group(mesh.ndim - 1)
         _broadcast_from_first(module, mesh)
-        units = select_units(module, self.config.units)
+        roots = list(stages) or [module]
+        if self.config.units is None:
+            units = [unit for root in roots for unit in default_units(root)]
+        else:  # named against the whole module; a pipeline rank shards those of its stages
+            inside = {id(m) for root in roots for m in root.modules()}
+            units = [unit for unit in select_units(module, self.config.units) if id(unit) in inside]
         mp_policy = MixedPrecisionPolicy(param_dtype=self.config.param_dtype, reduce_dtype=self.config.reduce_dtype)
         offload = CPUOffloadPolicy() if self.config.cpu_offload else OffloadPolicy()
         counted: set[int] = set()
@@ -148,12 +157,14 @@ class Sharded(DataParallel):
             self._unit_numel.append(_numel(unit, counted))
             counted.update(id(p) for p in unit.parameters())
             fully_shard(unit, mesh=mesh, reshard_after_forward=self.config.reshard_after_forward, mp_policy=mp_policy, offload_policy=offload)
-        self._unit_numel.append(_numel(module, counted))
-        # The root's parameters are needed first in backward: never resharded after forward (FSDP2's default).
-        fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
-        self.root, self.units = module, units  # type: ignore[assignment]
+        for root in roots:
+            self._unit_numel.append(_numel(root, counted))
+            counted.update(id(p) for p in root.parameters())
+            # A root's parameters are needed first in backward: never resharded after forward (FSDP2's default).
+            fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
+        self.module, self.roots, self.units = module, roots, units  # type: ignore[assignment]
         if self.config.gradient_codec is not None:
-            for unit in (*units, module):
+            for unit in (*units, *roots):
                 comm = QuantizedReduceScatter(dense_codec(self.config.gradient_codec), self.config.error_feedback, self._stats)
                 unit.set_custom_reduce_scatter(comm)  # type: ignore[operator]
                 self.gradient_comms.append(comm)
@@ -166,13 +177,14 @@ class Sharded(DataParallel):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        assert self.root is not None
-        self.root.set_requires_gradient_sync(False)
+        for root in self.roots:
+            root.set_requires_gradient_sync(False)
         self._sync = False
         try:
             yield
         finally:
-            self.root.set_requires_gradient_sync(True)
+            for root in self.roots:
+                root.set_requires_gradient_sync(True)
             self._sync = True
 
     def after_backward(self, accumulated: bool = False) -> None:
@@ -189,9 +201,9 @@ class Sharded(DataParallel):
         assert self.mesh is not None
         shard = self.mesh.size(self.mesh.ndim - 1)
         replicate = self.mesh.size(0) if self.mesh.ndim == 2 else 1
-        param_bytes = (self.config.param_dtype or _param_dtype(self.root)).itemsize
-        reduce_bytes = (self.config.reduce_dtype or self.config.param_dtype or _param_dtype(self.root)).itemsize
-        gathers = [2 if self.config.reshard_after_forward else 1] * (len(self._unit_numel) - 1) + [1]
+        param_bytes = (self.config.param_dtype or _param_dtype(self.module)).itemsize
+        reduce_bytes = (self.config.reduce_dtype or self.config.param_dtype or _param_dtype(self.module)).itemsize
+        gathers = [2 if self.config.reshard_after_forward else 1] * len(self.units) + [1] * len(self.roots)
         gathered = sum(n * g for n, g in zip(self._unit_numel, gathers)) * param_bytes * (shard - 1) / shard
         numel = sum(self._unit_numel)
         reduced = 2 * (numel / shard) * reduce_bytes * (replicate - 1) / replicate
@@ -215,7 +227,7 @@ class Sharded(DataParallel):
             comm.residual = state.get(f"reduce_scatter.{i}")
 
     def close(self) -> None:
-        self.root, self.units, self.mesh, self.gradient_comms = None, [], None, []
+        self.module, self.roots, self.units, self.mesh, self.gradient_comms = None, [], [], None, []
 
 
 def _device_of(mesh: DeviceMesh) -> torch.device:

@@ -333,7 +333,6 @@ class PipelineRunner:
     ) -> None:
         check_int("num_microbatches", num_microbatches)
         self.stage_modules, self.stage_ids, self.num_stages = list(stage_modules), list(stage_ids), num_stages
-        self._parameters = [p for module in self.stage_modules for p in module.parameters()]
         self.schedule_name, self.num_microbatches = schedule, num_microbatches
         self.loss_fn, self.group, self.device = loss_fn, group, device
         self._loss_divisor = 1.0
@@ -354,8 +353,8 @@ class PipelineRunner:
         return self.num_stages - 1 in self.stage_ids
 
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's parameters (fixed once the stages are cut; read twice per training step)."""
-        return self._parameters
+        """This rank's parameters (read afresh: sharding the stages replaces them)."""
+        return [p for module in self.stage_modules for p in module.parameters()]
 
     def check_batch_size(self, batch_size: int, where: str = "a batch") -> None:
         if batch_size % self.num_microbatches:
@@ -430,7 +429,7 @@ class PipelineRunner:
         call = schedule.step if train else schedule.eval
         self._timed(lambda: call(*args, target=target, losses=losses))
         # Every pipeline rank must allocate the dtype the last stage sends: the model's (float64 under "64-true").
-        dtype = self._parameters[0].dtype if self._parameters else torch.get_default_dtype()
+        dtype = next((p.dtype for p in self.parameters()), torch.get_default_dtype())
         loss = torch.zeros((), dtype=dtype, device=self.device)
         if self.holds_last_stage:
             loss = (torch.stack([l.detach() for l in losses]).sum() * self._loss_divisor).to(self.device, dtype)

@@ -209,7 +209,7 @@ class HybridParallelStrategy(ParallelStrategy):
             tuple(fsdp_units) if fsdp_units is not None else None, bool(reshard_after_forward), cpu_offload=bool(fsdp_cpu_offload)
         )
         if data_parallel_shard_size != 1:
-            _check_sharded_combination(self.compression_config, pipeline_parallel_size)
+            _check_sharded_combination(self.compression_config, self._pipeline_config, pipeline_parallel_size)
         self.bucket_size_mb = float(bucket_size_mb)
         self._process_group_backend = process_group_backend
         self._start_method = start_method
@@ -365,7 +365,8 @@ class HybridParallelStrategy(ParallelStrategy):
             self.data_parallel = Sharded(self._sharding_dtypes())
         else:
             self.data_parallel = Replicated(self.compression_config, self.bucket_size_mb, self._sync_timeout.total_seconds())
-        self.data_parallel.setup(self.model, dims.data_parallel_mesh(self.device_mesh))
+        stages = self.pipeline.stage_modules if self.pipeline is not None else ()
+        self.data_parallel.setup(self.model, dims.data_parallel_mesh(self.device_mesh), stages)
 
     def _sharding_dtypes(self) -> ShardingConfig:
         """The sharding config with FSDP2's dtypes: parameters in the precision plugin's compute dtype
@@ -596,10 +597,17 @@ class HybridParallelStrategy(ParallelStrategy):
 
 _REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _SHARDED_CODECS = ("int8", "nf4")
+_SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 
 
-def _check_sharded_combination(compression: CompressionConfig, pipeline_parallel_size: int) -> None:
+def _check_sharded_combination(compression: CompressionConfig, pipeline: PipelineConfig, pp: int) -> None:
     """What sharded data parallelism supports today, checked at construction."""
+    if pp > 1 and pipeline.schedule in _SPLIT_BACKWARD_SCHEDULES:
+        raise ValueError(
+            f"pipeline_schedule={pipeline.schedule!r} splits backward into input- and weight-gradient passes, which"
+            " gave wrong first-stage gradients with sharded stages (FSDP2, torch 2.13) in our tests: with"
+            " data_parallel_shard_size > 1 use 'gpipe', '1f1b', 'interleaved_1f1b' or 'looped_bfs'."
+        )
     if compression.mode not in ("none", *_REDUCE_DTYPES, *_SHARDED_CODECS):
         raise ValueError(
             f"communication_compression={compression.mode!r} does not apply to sharded data parallelism"
@@ -611,11 +619,6 @@ def _check_sharded_combination(compression: CompressionConfig, pipeline_parallel
         raise ValueError(
             f"allreduce_algorithm={compression.algorithm!r} picks our ring/tree all-reduce, which sharded data"
             " parallelism does not use (FSDP2 reduce-scatters): leave it 'auto' with data_parallel_shard_size > 1."
-        )
-    if pipeline_parallel_size != 1:
-        raise ValueError(
-            f"data_parallel_shard_size > 1 with pipeline_parallel_size={pipeline_parallel_size} is not supported yet:"
-            " shard a pipelined model's stages with data_parallel_shard_size=1 (replicated stages) for now."
         )
 
 

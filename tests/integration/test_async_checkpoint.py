@@ -34,30 +34,37 @@ def _fit(strategy, devices, max_steps, url=None, ckpt_path=None):
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, enable_checkpointing=bool(url),
         precision=PRECISION,
     )
-    dp = devices // getattr(strategy, "_requested", {}).get("tensor_parallel_size", 1) if not isinstance(strategy, str) else devices
+    requested = getattr(strategy, "_requested", {})
+    dp = requested.get("data_parallel_size", devices)
     trainer.fit(module, loader(STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH // dp), ckpt_path=ckpt_path)
     return {k: v.detach() for k, v in module.state_dict().items()}
 
 
-def _ciuic(dp, tp=1, shard=1):
-    return HybridParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp, data_parallel_shard_size=shard, start_method="spawn")
+def _ciuic(dp, tp=1, shard=1, pp=1):
+    return HybridParallelStrategy(
+        data_parallel_size=dp, tensor_parallel_size=tp, data_parallel_shard_size=shard, pipeline_parallel_size=pp,
+        num_microbatches=2, start_method="spawn",
+    )
 
 
 @pytest.mark.parametrize(
-    "save_layout, resume_layout",  # (dp, tp, dp_shard)
-    [((2, 2, 1), (2, 2, 1)), ((2, 1, 1), (4, 1, 1)), ((4, 1, 1), (1, 2, 1)), ((2, 1, 2), (4, 1, 1)), ((2, 1, 1), (4, 1, 2))],
-    ids=["dp2xtp2", "dp2-to-dp4", "dp4-to-tp2", "fsdp2-to-dp4", "dp2-to-hsdp2x2"],
+    "save_layout, resume_layout",  # (dp, tp, dp_shard, pp)
+    [
+        ((2, 2, 1, 1), (2, 2, 1, 1)), ((2, 1, 1, 1), (4, 1, 1, 1)), ((4, 1, 1, 1), (1, 2, 1, 1)),
+        ((2, 1, 2, 2), (4, 1, 1, 1)), ((2, 1, 1, 1), (4, 1, 2, 1)),
+    ],
+    ids=["dp2xtp2", "dp2-to-dp4", "dp4-to-tp2", "fsdp2xpp2-to-dp4", "dp2-to-hsdp2x2"],
 )
 def test_resume_from_last_continues_exactly(tmp_path, save_layout, resume_layout):
     url = str(tmp_path / "checkpoints")
-    (dp, tp, shard), (dp2, tp2, shard2) = save_layout, resume_layout
-    _fit(_ciuic(dp, tp, shard), dp * tp, STEPS_PER_EPOCH, url)
-    resumed = _fit(_ciuic(dp2, tp2, shard2), dp2 * tp2, 2 * STEPS_PER_EPOCH, url, ckpt_path="last")
+    (dp, tp, shard, pp), (dp2, tp2, shard2, pp2) = save_layout, resume_layout
+    _fit(_ciuic(dp, tp, shard, pp), dp * tp * pp, STEPS_PER_EPOCH, url)
+    resumed = _fit(_ciuic(dp2, tp2, shard2, pp2), dp2 * tp2 * pp2, 2 * STEPS_PER_EPOCH, url, ckpt_path="last")
     uninterrupted = reference_training(_tiny, 2 * STEPS_PER_EPOCH, GLOBAL_BATCH, num_samples=STEPS_PER_EPOCH * GLOBAL_BATCH)
     assert_state_close(resumed, uninterrupted, 2 * STEPS_PER_EPOCH)
     manifests = CheckpointCatalog(ChunkedCheckpointIO(url).store).manifests()
     assert [m.step for m in manifests] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
-    assert manifests[0].world_size == dp * tp
+    assert manifests[0].world_size == dp * tp * pp
 
 
 def test_ddp_strategy_resumes_exactly(tmp_path):

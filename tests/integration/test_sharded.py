@@ -46,24 +46,25 @@ class ShardSizes(Callback):
 
 
 @pytest.mark.parametrize(
-    "dp, shard, tp, clip, reshard",
-    [(2, 2, 2, 0.05, True), (4, 2, 1, 0.05, False)],  # plain FSDP 2: the meta-device test below
-    ids=["fsdp2xtp2-clip", "hsdp2x2-clip-zero2"],
+    "dp, shard, tp, pp, accumulate, clip, reshard",
+    [(2, 2, 2, 1, 1, 0.05, True), (4, 2, 1, 1, 1, 0.05, False), (2, 2, 1, 2, 2, 0.05, True)],  # FSDP 2: meta test
+    ids=["fsdp2xtp2-clip", "hsdp2x2-clip-zero2", "fsdp2xpp2-accumulate2-clip"],
 )
-def test_sharded_layout_matches_single_process(dp, shard, tp, clip, reshard):
+def test_sharded_layout_matches_single_process(dp, shard, tp, pp, accumulate, clip, reshard):
     strategy = HybridParallelStrategy(
-        data_parallel_size=dp, data_parallel_shard_size=shard, tensor_parallel_size=tp, reshard_after_forward=reshard,
-        start_method="spawn",
+        data_parallel_size=dp, data_parallel_shard_size=shard, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        num_microbatches=2, reshard_after_forward=reshard, start_method="spawn",
     )
     trainer = Trainer(
-        strategy=strategy, accelerator="cpu", devices=dp * tp, max_steps=STEPS, logger=False, gradient_clip_val=clip,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
-        callbacks=[ShardSizes()],
+        strategy=strategy, accelerator="cpu", devices=dp * tp * pp, max_steps=STEPS, logger=False, gradient_clip_val=clip,
+        accumulate_grad_batches=accumulate, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, precision=PRECISION, callbacks=[ShardSizes()],
     )
     module = _tiny()
-    trainer.fit(module, loader(STEPS * PER_RANK_BATCH * dp, PER_RANK_BATCH))
+    global_batch = PER_RANK_BATCH * dp * accumulate
+    trainer.fit(module, loader(STEPS * global_batch, PER_RANK_BATCH))
     actual = {k: v.detach() for k, v in module.state_dict().items()}
-    assert_state_close(actual, reference_training(_tiny, STEPS, PER_RANK_BATCH * dp, clip=clip), STEPS)
+    assert_state_close(actual, reference_training(_tiny, STEPS, global_batch, clip=clip), STEPS)
     sizes = {k.split("/")[1]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("sizes/")}
     # Every parameter is cut over dp_shard: a rank holds 1/shard of what tensor parallelism alone leaves it (dim-0
     # shards: a few rows of padding at most), and AdamW's two moments for that share only.

@@ -67,8 +67,8 @@ def test_seed_names_stay_importable():
             r"allreduce_algorithm='ring' picks our ring/tree all-reduce, which sharded data parallelism does not use",
         ),
         (
-            {"data_parallel_shard_size": 2, "pipeline_parallel_size": 2},
-            r"data_parallel_shard_size > 1 with pipeline_parallel_size=2 is not supported yet",
+            {"data_parallel_shard_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "zbv_zero_bubble"},
+            r"pipeline_schedule='zbv_zero_bubble' splits backward .* use 'gpipe', '1f1b', 'interleaved_1f1b' or 'looped_bfs'",
         ),
         ({"fsdp_units": []}, r"fsdp_units must be a non-empty list of module names .* got \[\]"),
     ],
