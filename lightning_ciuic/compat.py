@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as load_state_dict_into
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FSDPReduceScatter
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -36,6 +37,7 @@ TESTED = {"torch": ((2, 13), (2, 15)), "lightning": ((2, 6), (2, 7))}
 
 __all__ = [
     "EmptyStateDictLoadPlanner",
+    "FSDPAllGather",
     "FSDPReduceScatter",
     "TESTED",
     "TorchDispatchMode",

@@ -1,4 +1,5 @@
-"""Compressed collectives for FSDP2: the gradient reduce-scatter in int8 (ZeRO++'s qgZ).
+"""Compressed collectives for FSDP2: the gradient reduce-scatter (ZeRO++'s qgZ) and the weight all-gather (qwZ) in
+int8.
 
 Contract: :class:`QuantizedReduceScatter` is an FSDP2 ``ReduceScatter`` (installed per unit with
 ``FSDPModule.set_custom_reduce_scatter``). FSDP2 hands it the unit's flat gradient laid out as ``world`` equal rows,
@@ -8,7 +9,16 @@ float32 bytes), the rows are exchanged in one all-to-all, and each rank sums in 
 sender. With ``error_feedback`` what encoding dropped from this rank's gradient is added to its next one (one
 residual per unit, the unit's *unsharded* gradient size: it gives back the memory sharding saved on gradients;
 turn it off to keep them sharded). ``SUM`` and ``AVG`` are the reductions FSDP2 asks for; the bytes sent are added
-to the engine's :class:`~lightning_ciuic.comm.grad_sync.SyncStats`. Buffers follow the input's device.
+to the engine's :class:`~lightning_ciuic.comm.grad_sync.SyncStats`.
+
+:class:`QuantizedAllGather` is an FSDP2 ``AllGather`` (``FSDPModule.set_custom_all_gather``): each rank encodes its
+flat shard of a unit's parameters once, the codes are all-gathered, and every rank decodes every rank's part, its
+own included, so all ranks compute with the same weights: the values the optimizer updates stay exact in the
+shards; forward and backward see them within the codec's bound (absmax of a 256-value block / 254 for int8). No
+error feedback: the error does not accumulate, each gather quantizes the current shard anew. A unit whose
+parameters mix dtypes (FSDP2 then gathers raw bytes) is gathered uncompressed.
+
+Buffers follow the input's device.
 
 No Lightning imports.
 """
@@ -27,13 +37,16 @@ from lightning_ciuic.comm.collectives import quantized_reduce_scatter
 from lightning_ciuic.comm.grad_sync import SyncStats
 
 
+def _allocate(size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(*size, dtype=dtype, device=device)
+
+
 class QuantizedReduceScatter(compat.FSDPReduceScatter):
     def __init__(self, codec: Codec, error_feedback: bool, stats: SyncStats) -> None:
         self.codec, self.error_feedback, self.stats = codec, error_feedback, stats
         self.residual: Optional[torch.Tensor] = None
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+    allocate = staticmethod(_allocate)
 
     @torch.no_grad()
     def __call__(
@@ -53,4 +66,30 @@ class QuantizedReduceScatter(compat.FSDPReduceScatter):
         output_tensor.copy_(summed)
         self.stats.bytes_sent += sent
         self.stats.collectives += 1
+        return None
+
+
+class QuantizedAllGather(compat.FSDPAllGather):
+    def __init__(self, codec: Codec, stats: SyncStats) -> None:
+        self.codec, self.stats = codec, stats
+
+    allocate = staticmethod(_allocate)
+
+    @torch.no_grad()
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> None:
+        world, numel = group.size(), input_tensor.numel()
+        self.stats.collectives += 1
+        if not input_tensor.is_floating_point():  # raw bytes of mixed-dtype parameters: nothing to quantize
+            dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
+            self.stats.bytes_sent += (world - 1) * numel * input_tensor.element_size()
+            return None
+        mine = self.codec.encode(input_tensor.float())
+        gathered = torch.empty(mine.numel() * world, dtype=torch.uint8, device=mine.device)
+        dist.all_gather_into_tensor(gathered, mine, group=group)
+        # input_tensor is a view into output_tensor (FSDP2 copies the shard in place): it was read above.
+        for part, out in zip(gathered.split(mine.numel()), output_tensor.split(numel)):
+            out.copy_(self.codec.decode(part, numel))
+        self.stats.bytes_sent += (world - 1) * mine.numel()
         return None

@@ -21,6 +21,8 @@ Contract (a :class:`~lightning_ciuic.comm.data_parallel.DataParallel` engine):
   ``cpu_offload`` keeps shards, gradients and optimizer state in host memory.
 * ``gradient_codec="int8"`` (or ``"nf4"``): every unit's reduce-scatter is a quantized all-to-all
   (:class:`~lightning_ciuic.comm.fsdp_comms.QuantizedReduceScatter`, ZeRO++'s qgZ), with ``error_feedback``.
+  ``weight_codec="int8"``: every unit's parameter all-gather is quantized
+  (:class:`~lightning_ciuic.comm.fsdp_comms.QuantizedAllGather`, qwZ).
 * ``no_sync()``: FSDP2's ``set_requires_gradient_sync(False)``: gradients accumulate unreduced (and unsharded)
   until the last micro-batch, whose backward reduce-scatters the sum.
 * ``after_backward()``: nothing to wait for: FSDP2 waits for its reduce-scatters at the end of backward.
@@ -51,7 +53,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from lightning_ciuic import compat
 from lightning_ciuic.comm.codecs import dense_codec
 from lightning_ciuic.comm.data_parallel import DataParallel
-from lightning_ciuic.comm.fsdp_comms import QuantizedReduceScatter
+from lightning_ciuic.comm.fsdp_comms import QuantizedAllGather, QuantizedReduceScatter
 from lightning_ciuic.comm.grad_sync import SyncStats
 from lightning_ciuic.tensors import local_tensor
 
@@ -69,6 +71,7 @@ class ShardingConfig:
     cpu_offload: bool = False
     gradient_codec: Optional[str] = None  # "int8" / "nf4": the reduce-scatter as a quantized all-to-all (qgZ)
     error_feedback: bool = True
+    weight_codec: Optional[str] = None  # "int8": the parameter all-gather quantized (qwZ)
 
     def __post_init__(self) -> None:
         if self.units is not None:
@@ -168,6 +171,10 @@ class Sharded(DataParallel):
                 comm = QuantizedReduceScatter(dense_codec(self.config.gradient_codec), self.config.error_feedback, self._stats)
                 unit.set_custom_reduce_scatter(comm)  # type: ignore[operator]
                 self.gradient_comms.append(comm)
+        if self.config.weight_codec is not None:
+            gather = QuantizedAllGather(dense_codec(self.config.weight_codec), self._stats)
+            for unit in (*units, *roots):
+                unit.set_custom_all_gather(gather)  # type: ignore[operator]
         if has_meta_tensors(module):
             materialize(module, _device_of(mesh))
         self._bytes_per_backward = self._traffic()  # derived once: the units and dtypes do not change
@@ -205,6 +212,8 @@ class Sharded(DataParallel):
         reduce_bytes = (self.config.reduce_dtype or self.config.param_dtype or _param_dtype(self.module)).itemsize
         gathers = [2 if self.config.reshard_after_forward else 1] * len(self.units) + [1] * len(self.roots)
         gathered = sum(n * g for n, g in zip(self._unit_numel, gathers)) * param_bytes * (shard - 1) / shard
+        if self.config.weight_codec is not None:  # a quantized all-gather counts its own bytes
+            gathered = 0
         numel = sum(self._unit_numel)
         reduced = 2 * (numel / shard) * reduce_bytes * (replicate - 1) / replicate
         if self.config.gradient_codec is None:

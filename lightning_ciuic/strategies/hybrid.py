@@ -66,6 +66,7 @@ from lightning_ciuic.strategies import checkpointing
 from lightning_ciuic.strategies.launchers import FullWeightsMultiProcessingLauncher
 from lightning_ciuic.strategies.pipelining import PipelineConfig, PipelineModule, build_pipeline, checkpoint_blocks
 from lightning_ciuic.strategies.rendezvous import restarted_worker_store
+from lightning_ciuic.validation import check_choice
 
 StartMethod = Literal["popen", "spawn", "fork"]
 _BACKENDS = ("gloo", "nccl", "mpi", "ucc")
@@ -118,7 +119,9 @@ class HybridParallelStrategy(ParallelStrategy):
         data_parallel_shard_size: data-parallel ranks that shard parameters, gradients and optimizer state
             between them (FSDP2); ``1`` (default) keeps whole replicas, ``data_parallel_size`` is plain FSDP,
             a divisor in between is HSDP. ``communication_compression`` may then be ``"fp16"``/``"bf16"`` (the
-            gradient reduce-scatter's dtype).
+            gradient reduce-scatter's dtype) or ``"int8"``/``"nf4"`` (a quantized all-to-all, ZeRO++'s qgZ).
+        weight_all_gather_compression: ``"none"`` or ``"int8"`` (sharded only): the parameter all-gathers send
+            block-wise int8 codes (ZeRO++'s qwZ); forward and backward compute with the decoded weights.
         fsdp_units: module names (as in ``named_modules()``) or classes sharded as one unit each (default:
             every block of the model's outermost ``nn.ModuleList`` s), then the root.
         reshard_after_forward: free gathered parameters after each unit's forward and gather them again for
@@ -154,6 +157,7 @@ class HybridParallelStrategy(ParallelStrategy):
         fsdp_units: Optional[list[Union[str, type]]] = None,
         reshard_after_forward: bool = True,
         fsdp_cpu_offload: bool = False,
+        weight_all_gather_compression: Literal["none", "int8"] = "none",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -205,8 +209,17 @@ class HybridParallelStrategy(ParallelStrategy):
             data_parallel_shard_size=data_parallel_shard_size,
         )
         ParallelDims.check_degrees(**self._requested)
+        check_choice("weight_all_gather_compression", weight_all_gather_compression, ("none", "int8"))
+        if weight_all_gather_compression != "none" and data_parallel_shard_size == 1:
+            raise ValueError(
+                f"weight_all_gather_compression={weight_all_gather_compression!r} compresses the all-gather of sharded"
+                " parameters, and data_parallel_shard_size=1 keeps whole replicas (nothing is gathered): set"
+                " data_parallel_shard_size > 1, or leave it 'none'."
+            )
         self.sharding_config = ShardingConfig(
-            tuple(fsdp_units) if fsdp_units is not None else None, bool(reshard_after_forward), cpu_offload=bool(fsdp_cpu_offload)
+            tuple(fsdp_units) if fsdp_units is not None else None, bool(reshard_after_forward),
+            cpu_offload=bool(fsdp_cpu_offload),
+            weight_codec=None if weight_all_gather_compression == "none" else weight_all_gather_compression,
         )
         if data_parallel_shard_size != 1:
             _check_sharded_combination(self.compression_config, self._pipeline_config, pipeline_parallel_size)

@@ -1,11 +1,12 @@
-"""The int8 reduce-scatter FSDP2 can use (qgZ): each rank's row of the sum, within the codec's error bound, and
-error feedback that makes two steps' sum exact up to the last step's quantization."""
+"""The int8 collectives FSDP2 can use: the reduce-scatter (qgZ): each rank's row of the sum, within the codec's error
+bound, and error feedback that makes two steps' sum exact up to the last step's quantization; the all-gather (qwZ):
+every rank decodes the same weights, each part within the codec's bound of its sender's shard."""
 
 import torch
 import torch.distributed as dist
 
 from lightning_ciuic.comm.codecs import BlockInt8
-from lightning_ciuic.comm.fsdp_comms import QuantizedReduceScatter
+from lightning_ciuic.comm.fsdp_comms import QuantizedAllGather, QuantizedReduceScatter
 from lightning_ciuic.comm.grad_sync import SyncStats
 from tests.helpers import run_workers
 
@@ -41,3 +42,26 @@ def _quantized_reduce_scatter(rank, world):
 
 def test_int8_reduce_scatter_with_error_feedback():
     run_workers(_quantized_reduce_scatter, 2)
+
+
+def _quantized_all_gather(rank, world):
+    stats = SyncStats()
+    comm = QuantizedAllGather(BlockInt8(), stats)
+    shards = [_gradients(r, world, 0)[:N].double() for r in range(world)]
+    out = comm.allocate((world * N,), dtype=torch.float64, device=torch.device("cpu"))
+    out[rank * N : (rank + 1) * N].copy_(shards[rank])  # FSDP2's input is this view of the output
+    comm(output_tensor=out, input_tensor=out[rank * N : (rank + 1) * N], group=dist.group.WORLD)
+    # Every part, this rank's own included, is its sender's shard as int8 decodes it: the same on every rank.
+    expected = torch.cat([BlockInt8().roundtrip(s.float()).double() for s in shards])
+    assert torch.equal(out, expected)
+    assert 0 < (out - torch.cat(shards)).abs().max() <= max(s.abs().max() for s in shards) / 254
+    # Raw bytes (parameters of mixed dtypes) are gathered as they are.
+    raw = torch.arange(8, dtype=torch.uint8) + rank
+    gathered = torch.empty(8 * world, dtype=torch.uint8)
+    comm(output_tensor=gathered, input_tensor=raw, group=dist.group.WORLD)
+    assert torch.equal(gathered, torch.cat([torch.arange(8, dtype=torch.uint8) + r for r in range(world)]))
+    assert stats.collectives == 2 and stats.bytes_sent == (world - 1) * (BlockInt8().nbytes(N) + 8)
+
+
+def test_int8_all_gather_decodes_the_same_weights_everywhere():
+    run_workers(_quantized_all_gather, 2)

@@ -151,15 +151,17 @@ class ReduceScatterCount(Callback):
         comms = engine.gradient_comms
         trainer.callback_metrics.update({
             "rs/collectives": torch.tensor(float(engine.stats.collectives)),
-            "rs/units": torch.tensor(float(len(engine.units) + 1)),
+            "rs/units": torch.tensor(float(len(engine.units))),
+            "rs/roots": torch.tensor(float(len(engine.roots))),
             "rs/quantized": torch.tensor(float(sum(isinstance(c, QuantizedReduceScatter) for c in comms))),
             "rs/residual_nonzero": torch.tensor(float(sum(bool(c.residual.abs().max() > 0) for c in comms))),
         })
 
 
-def test_int8_gradient_reduce_scatter_runs_in_every_unit_with_error_feedback():
+def test_int8_gradient_reduce_scatter_and_weight_all_gather_run_in_every_unit():
     strategy = HybridParallelStrategy(
-        data_parallel_size=2, data_parallel_shard_size=2, communication_compression="int8", start_method="spawn"
+        data_parallel_size=2, data_parallel_shard_size=2, communication_compression="int8",
+        weight_all_gather_compression="int8", start_method="spawn",
     )
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
@@ -168,6 +170,10 @@ def test_int8_gradient_reduce_scatter_runs_in_every_unit_with_error_feedback():
     module = _tiny().float()
     trainer.fit(module, loader(STEPS * PER_RANK_BATCH * 2, PER_RANK_BATCH))
     counts = {k.split("/")[1]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("rs/")}
-    assert counts["quantized"] == counts["units"] == counts["residual_nonzero"], counts
-    assert counts["collectives"] == STEPS * counts["units"], counts  # one int8 reduce-scatter per unit per step
+    units = counts["units"] + counts["roots"]
+    assert counts["quantized"] == units == counts["residual_nonzero"], counts
+    # Per step, one int8 reduce-scatter per unit and one int8 all-gather per unit for forward and again for backward
+    # (reshard_after_forward=True), the root's only for forward (it is not resharded after it).
+    gathers = 2 * counts["units"] + counts["roots"]
+    assert counts["collectives"] == STEPS * (units + gathers), counts
     assert all(torch.isfinite(v).all() for v in module.state_dict().values())

@@ -70,6 +70,14 @@ def test_seed_names_stay_importable():
             {"data_parallel_shard_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "zbv_zero_bubble"},
             r"pipeline_schedule='zbv_zero_bubble' splits backward .* use 'gpipe', '1f1b', 'interleaved_1f1b' or 'looped_bfs'",
         ),
+        (
+            {"weight_all_gather_compression": "int8"},
+            r"weight_all_gather_compression='int8' compresses the all-gather of sharded parameters.* set data_parallel_shard_size > 1",
+        ),
+        (
+            {"data_parallel_shard_size": 2, "weight_all_gather_compression": "fp8"},
+            r"weight_all_gather_compression='fp8' is not one of 'none', 'int8'",
+        ),
         ({"fsdp_units": []}, r"fsdp_units must be a non-empty list of module names .* got \[\]"),
     ],
 )
