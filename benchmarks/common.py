@@ -35,21 +35,25 @@ def describe(model: torch.nn.Module, name: str) -> str:
 
 
 class StepTimer(Callback):
-    """Rank 0 writes the wall time of every training step (batch start to batch end) to ``path`` as JSON."""
+    """Rank 0 writes the wall time of every training step (batch start to batch end) and its loss to ``path`` as
+    JSON."""
 
     def __init__(self, path: str) -> None:
-        self.path, self.times, self._start = str(path), [], 0.0
+        self.path, self.times, self.losses, self._start = str(path), [], [], 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.times.append(time.perf_counter() - self._start)
+        self.losses.append(float(outputs["loss"]))
 
     def on_train_end(self, trainer, pl_module):
         if trainer.is_global_zero:
             loss = trainer.callback_metrics.get("train/loss")
-            Path(self.path).write_text(json.dumps({"times": self.times, "loss": None if loss is None else float(loss)}))
+            Path(self.path).write_text(json.dumps(
+                {"times": self.times, "losses": self.losses, "loss": None if loss is None else float(loss)}
+            ))
 
 
 def median_after_warmup(times: list[float], warmup: int) -> float:

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,8 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from benchmarks.common import MODELS, ROOT, machine, median_after_warmup, write_section  # noqa: E402
-from benchmarks.sim_cluster import SimulatedCluster, available  # noqa: E402
+from benchmarks.common import MODELS, machine, median_after_warmup, write_section  # noqa: E402
+from benchmarks.sim_cluster import SimulatedCluster, available, run_two_nodes  # noqa: E402
 from lightning_ciuic.comm.auto import CANDIDATES, SETTLE_STEPS, TRIAL_STEPS  # noqa: E402
 
 OURS = ["none", "fp16", "bf16", "int8", "nf4", "topk", "powersgd", "powersgd rank 16", "auto"]
@@ -143,16 +142,7 @@ def run(
     out = workdir / f"{variant.replace(' ', '_')}-{model}-{steps}-{batch_size}-{'_'.join(extra_args).replace('/', '')}.json"
     argv = [sys.executable, __file__, "--worker", "--variant", variant, "--model", model, "--steps", str(steps),
             "--batch-size", str(batch_size), "--out", str(out), *extra_args]
-    base = {**os.environ, "MASTER_PORT": "29650", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "PYTHONPATH": str(ROOT)}
-    if cluster is None:  # loopback
-        env = {**base, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
-        procs = [subprocess.Popen(argv, env={**env, "NODE_RANK": str(n)}) for n in range(2)]
-    else:
-        env = {**base, "MASTER_ADDR": cluster.address(0)}
-        procs = [cluster.run(n, argv, {**env, "NODE_RANK": str(n)}) for n in range(2)]
-    codes = [p.wait(timeout=1800) for p in procs]
-    if any(codes):
-        raise RuntimeError(f"exit codes {codes}; the log shows why")
+    run_two_nodes(argv, cluster)
     return json.loads(out.read_text())
 
 

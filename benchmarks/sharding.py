@@ -12,9 +12,17 @@
    launches by re-running the script (as ``DDPStrategy(start_method="popen")``), so each run of either strategy is
    this script in ``--worker`` mode, both launched the same way.
 
-Writes the ``sharding`` section of docs/benchmarks.md.
+3. Slow link (``--parts link``; needs root, see benchmarks/sim_cluster.py): two simulated nodes joined by a
+   ``--rate`` link (1 Gbit/s), one process each, dp_shard=2: Lightning's ``ModelParallelStrategy`` (FSDP2,
+   uncompressed), ours uncompressed, and ours with int8 gradient reduce-scatter and int8 weight all-gather,
+   alternating for ``--rounds`` rounds; step time as a ratio to the uncompressed runs of the same round. Target:
+   int8 <= 0.6x. Then the loss: ours uncompressed and int8 for ``--loss-steps`` steps on loopback (the same seed
+   and data order); the mean loss of the last 20 steps, int8 against uncompressed. Target: within 2%.
+
+Parts 1 and 2 write the ``sharding`` section of docs/benchmarks.md, part 3 the ``sharding_link`` section.
 
     .venv/bin/python benchmarks/sharding.py [--steps 30] [--rounds 3] [--model large]
+    sudo .venv/bin/python benchmarks/sharding.py --parts link [--rate 1gbit] [--steps 30] [--rounds 3] [--loss-steps 200]
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from benchmarks.common import MODELS, StepTimer, describe, machine, median_after_warmup, write_section  # noqa: E402
+from benchmarks.sim_cluster import SimulatedCluster, available, run_two_nodes  # noqa: E402
 from examples.data import ByteCorpusDataModule  # noqa: E402
 from examples.deepseek import DeepSeekMini  # noqa: E402
 from lightning_ciuic import HybridParallelStrategy  # noqa: E402
@@ -78,10 +87,10 @@ class LightningFSDP(DeepSeekMini):
         fully_shard(self, mesh=mesh, reshard_after_forward=False)
 
 
-def fit(strategy, module, devices: int, steps: int, callbacks: list) -> None:
+def fit(strategy, module, devices: int, steps: int, callbacks: list, num_nodes: int = 1) -> None:
     seed_everything(0)
     trainer = Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps, logger=False,
+        strategy=strategy, accelerator="cpu", devices=devices, num_nodes=num_nodes, max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         callbacks=callbacks,
     )
@@ -99,14 +108,74 @@ def memory(model: dict, steps: int, workdir: Path) -> dict[int, dict]:
     return rows
 
 
-def worker(name: str, model_name: str, steps: int, out: str) -> None:
-    """One timed run on 2 processes (Lightning's launcher starts the second by re-running this command)."""
-    model = MODELS[model_name]
-    if name == "ours":
-        strategy, module = HybridParallelStrategy(data_parallel_size=2, data_parallel_shard_size=2), DeepSeekMini(**model)
+VARIANTS = {  # name: HybridParallelStrategy's compression arguments, or None for Lightning's ModelParallelStrategy
+    "lightning": None,
+    "ours": {},
+    "ours-int8": dict(communication_compression="int8", weight_all_gather_compression="int8"),
+}
+
+
+def worker(name: str, model_name: str, steps: int, out: str, two_nodes: bool) -> None:
+    """One timed run on 2 processes: Lightning's launcher starts the second by re-running this command, or
+    (``two_nodes``) :func:`~benchmarks.sim_cluster.run_two_nodes` started one per node."""
+    model, compression = MODELS[model_name], VARIANTS[name]
+    if compression is not None:
+        strategy = HybridParallelStrategy(data_parallel_size=2, data_parallel_shard_size=2, **compression)
+        module = DeepSeekMini(**model)
     else:
         strategy, module = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), LightningFSDP(**model)
-    fit(strategy, module, 2, steps, [StepTimer(out)])
+    fit(strategy, module, 1 if two_nodes else 2, steps, [StepTimer(out)], num_nodes=2 if two_nodes else 1)
+
+
+def _worker_command(name: str, model_name: str, steps: int, out: Path, two_nodes: bool = False) -> list[str]:
+    command = [sys.executable, __file__, "--worker", name, "--model", model_name, "--steps", str(steps), "--out", str(out)]
+    return command + (["--two-nodes"] if two_nodes else [])
+
+
+def slow_link(
+    model_name: str, rate: str, steps: int, rounds: int, loss_steps: int, workdir: Path, command: str, label: str
+) -> str:
+    """Part 3 (see the module docstring): the markdown of the ``sharding_link`` section."""
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    with SimulatedCluster(nodes=2, rate=rate) as cluster:
+        for _ in range(rounds):
+            for name in VARIANTS:
+                out = workdir / f"link-{name}.json"
+                run_two_nodes(_worker_command(name, model_name, steps, out, two_nodes=True), cluster)
+                times[name].append(median_after_warmup(json.loads(out.read_text())["times"], WARMUP))
+                print(f"{rate} {name}: {times[name][-1] * 1e3:.1f} ms", flush=True)
+    losses = {}
+    for name in ("ours", "ours-int8"):
+        out = workdir / f"loss-{name}.json"
+        run_two_nodes(_worker_command(name, model_name, loss_steps, out, two_nodes=True), None)
+        losses[name] = statistics.mean(json.loads(out.read_text())["losses"][-20:])
+        print(f"loss {name}: {losses[name]:.4f}", flush=True)
+    rows = []
+    for name in VARIANTS:
+        ratios = [t / base for t, base in zip(times[name], times["ours"])]
+        lightning = [t / base for t, base in zip(times[name], times["lightning"])]
+        rows.append(
+            f"| {name} | {statistics.median(times[name]) * 1e3:.0f} | **{statistics.median(ratios):.2f}**"
+            f" ({', '.join(f'{r:.2f}' for r in ratios)}) | {statistics.median(lightning):.2f} |"
+        )
+    int8 = statistics.median(t / b for t, b in zip(times["ours-int8"], times["ours"]))
+    drift = losses["ours-int8"] / losses["ours"] - 1
+    return f"""## Sharded data parallelism on a slow link (int8 reduce-scatter and all-gather)
+
+Command: `{command}`
+({label}, 2 simulated nodes on a {rate} link, one CPU process each, 1 intra-op thread, gloo, dp_shard=2, batch 8 x 64
+bytes per rank; median step time after {WARMUP} warm-up steps, {rounds} alternating rounds; ratios paired within a
+round, the median in bold and each round's in brackets; machine: {machine()}). `ours-int8`: int8 gradient
+reduce-scatter (qgZ, with error feedback) and int8 weight all-gather (qwZ). Target: int8 <= 0.6x of uncompressed.
+
+| variant | ms/step (median) | step time / ours uncompressed: median (rounds) | step time / ModelParallelStrategy |
+|---|---|---|---|
+{chr(10).join(rows)}
+
+int8 / uncompressed: **{int8:.2f}** ({'met' if int8 <= 0.6 else 'not met'}: target <= 0.6).
+Loss, mean of the last 20 of {loss_steps} steps (loopback, same seed and data): uncompressed {losses['ours']:.4f},
+int8 {losses['ours-int8']:.4f}: **{drift:+.1%}** ({'met' if abs(drift) <= 0.02 else 'not met'}: target within 2%).
+"""
 
 
 def step_times(model_name: str, steps: int, rounds: int, workdir: Path) -> tuple[list[float], list[float]]:
@@ -114,7 +183,7 @@ def step_times(model_name: str, steps: int, rounds: int, workdir: Path) -> tuple
     for _ in range(rounds):
         for name, times in (("ours", ours), ("lightning", lightning)):
             out = workdir / f"time-{name}.json"
-            command = [sys.executable, __file__, "--worker", name, "--model", model_name, "--steps", str(steps), "--out", str(out)]
+            command = _worker_command(name, model_name, steps, out)
             subprocess.run(command, check=True, cwd=workdir, stdout=subprocess.DEVNULL)
             times.append(median_after_warmup(json.loads(out.read_text())["times"], WARMUP))
             print(f"{name}: {times[-1] * 1e3:.1f} ms", flush=True)
@@ -126,16 +195,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default="large", choices=sorted(MODELS))
-    parser.add_argument("--parts", nargs="+", default=["memory", "time"], choices=["memory", "time"])
-    parser.add_argument("--worker", choices=["ours", "lightning"], help="internal: one timed run")
+    parser.add_argument("--parts", nargs="+", default=["memory", "time"], choices=["memory", "time", "link"])
+    parser.add_argument("--rate", default="1gbit", help="part 3: the simulated link's rate (tc's syntax)")
+    parser.add_argument("--loss-steps", type=int, default=200, help="part 3: steps of the loss comparison")
+    parser.add_argument("--worker", choices=sorted(VARIANTS), help="internal: one timed run")
+    parser.add_argument("--two-nodes", action="store_true", help="internal: the worker is one of two nodes")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.model, args.steps, args.out)
+        return worker(args.worker, args.model, args.steps, args.out, args.two_nodes)
     model = MODELS[args.model]
     label = describe(DeepSeekMini(**model), args.model)
     command = " ".join([".venv/bin/python benchmarks/sharding.py", *sys.argv[1:]])
     sections = []
+    if "link" in args.parts:
+        reason = available()
+        if reason:
+            raise SystemExit(f"--parts link: {reason}")
+        with tempfile.TemporaryDirectory() as tmp:
+            write_section("sharding_link", slow_link(
+                args.model, args.rate, args.steps, args.rounds, args.loss_steps, Path(tmp), command, label
+            ))
     with tempfile.TemporaryDirectory() as tmp:
         if "memory" in args.parts:
             rows = memory(model, args.steps, Path(tmp))
@@ -183,7 +263,8 @@ ratios). Target: <= 1.05.
 | {statistics.median(lightning) * 1e3:.1f} | {statistics.median(ours) * 1e3:.1f} | **{ratio:.3f}** ({'met' if ratio <= 1.05 else 'not met'}) | {', '.join(f'{r:.3f}' for r in ratios)} |
 """
             )
-    write_section("sharding", "## Sharded data parallelism (FSDP2 / HSDP)\n" + "\n".join(sections))
+    if sections:
+        write_section("sharding", "## Sharded data parallelism (FSDP2 / HSDP)\n" + "\n".join(sections))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
 egress with a ``tbf`` qdisc at ``rate`` (both directions of every link: node side and bridge side).
 ``rate=None`` leaves the links uncapped. ``run(node, argv, env)`` starts a process inside a node, with
 ``GLOO_SOCKET_IFNAME`` set so gloo uses the capped link. Everything is removed on exit, also after an error.
+:func:`run_two_nodes` runs one command as the two ranks of a ``num_nodes=2`` job, in a cluster's nodes or on
+loopback.
 
 Needs root and iproute2 (``ip``, ``tc``); :func:`available` says why not when it cannot work. Traffic stays on
 addresses this module creates inside its own namespaces.
@@ -16,6 +18,8 @@ import os
 import shutil
 import subprocess
 from typing import Optional
+
+from benchmarks.common import ROOT
 
 PREFIX = "ciuic"
 SUBNET = "10.77.0"
@@ -89,3 +93,18 @@ class SimulatedCluster:
     def run(self, node: int, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         env = {**env, "GLOO_SOCKET_IFNAME": f"{PREFIX}{node}"}
         return subprocess.Popen(["ip", "netns", "exec", self.namespace(node), *argv], env=env)
+
+
+def run_two_nodes(argv: list[str], cluster: Optional[SimulatedCluster], port: int = 29650, timeout: float = 1800) -> None:
+    """Run ``argv`` as node 0 and node 1 of a two-node job (``WORLD_SIZE=2``, one process per node, as Lightning's
+    ``num_nodes=2, devices=1`` expects): inside ``cluster``'s nodes, or on loopback when it is None."""
+    base = {**os.environ, "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "PYTHONPATH": str(ROOT)}
+    if cluster is None:
+        env = {**base, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
+        procs = [subprocess.Popen(argv, env={**env, "NODE_RANK": str(n)}) for n in range(2)]
+    else:
+        env = {**base, "MASTER_ADDR": cluster.address(0)}
+        procs = [cluster.run(n, argv, {**env, "NODE_RANK": str(n)}) for n in range(2)]
+    codes = [p.wait(timeout=timeout) for p in procs]
+    if any(codes):
+        raise RuntimeError(f"exit codes {codes}; the log shows why")
