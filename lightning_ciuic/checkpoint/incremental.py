@@ -2,11 +2,16 @@
 
 Layout under a :class:`~lightning_ciuic.checkpoint.storage.Storage` root::
 
-    chunks/<h[:2]>/<h>.zst        zstd-compressed bytes whose BLAKE2b-128 digest (of the raw bytes) is <h>
+    chunks/<h[:2]>/<h>.zst        zstd-compressed bytes whose digest (of the raw bytes) is <h>
     chunks/<h[:2]>/<h>.raw        the same, stored raw (compression off, or zstd would not shrink them by 15%)
     checkpoints/<name>/metadata   the DCP metadata (pickled), with every item's list of chunks
     checkpoints/<name>/manifest.json   the commit record, written last
     latest                        the name of the newest commit (what ``"last"`` points at)
+
+Digests (the manifest's ``format``): format 2 (written now) names chunks and checks the metadata by BLAKE3-256
+(64 hex digits; several times BLAKE2b's throughput on one core, ``benchmarks/hashing.py``: hashing is most of a
+save's CPU work); format 1 (BLAKE2b-128, 32 hex digits) is still read and verified. A digest's length says which
+function made it.
 
 Contract:
 
@@ -32,6 +37,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import blake3
 import zstandard
 
 from lightning_ciuic.checkpoint.storage import Storage
@@ -47,8 +53,19 @@ class CorruptCheckpointError(RuntimeError):
     """Stored bytes do not match their checksum (truncated, corrupted or missing file)."""
 
 
+FORMAT = 2  # what this version writes; 1: BLAKE2b-128 digests (read and verified still)
+
+
 def digest(data: bytes | memoryview) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    """The BLAKE3-256 digest that names ``data`` (format 2)."""
+    return blake3.blake3(data).hexdigest()
+
+
+def matches(data: bytes | memoryview, name: str) -> bool:
+    """Whether ``data`` has the digest ``name``: BLAKE3-256 (64 hex digits) or, from format 1, BLAKE2b-128 (32)."""
+    if len(name) == 32:
+        return hashlib.blake2b(data, digest_size=16).hexdigest() == name
+    return digest(data) == name
 
 
 class ChunkStore:
@@ -118,7 +135,7 @@ class ChunkStore:
                 raw = zstandard.ZstdDecompressor().decompress(stored) if chunk.endswith(".zst") else stored
             except zstandard.ZstdError as err:
                 raise CorruptCheckpointError(f"chunk {self.storage.path(path)} is corrupted or truncated: {err}") from err
-            if digest(raw) != chunk.split(".")[0]:
+            if not matches(raw, chunk.split(".")[0]):
                 raise CorruptCheckpointError(f"chunk {self.storage.path(path)} fails its checksum (corrupted or truncated)")
             parts.append(raw)
         return b"".join(parts)
@@ -150,13 +167,16 @@ class Manifest:
     written_bytes: int = 0
     world_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
+    format: int = FORMAT
 
     def to_json(self) -> bytes:
         return json.dumps(self.__dict__, indent=1).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> "Manifest":
-        return cls(**json.loads(data))
+        fields = json.loads(data)
+        fields.setdefault("format", 1)  # written before formats were recorded: BLAKE2b-128
+        return cls(**fields)
 
 
 class CheckpointCatalog:
@@ -193,7 +213,7 @@ class CheckpointCatalog:
 
     def metadata(self, manifest: Manifest) -> bytes:
         data = self.storage.read(f"checkpoints/{manifest.name}/{METADATA}")
-        if digest(data) != manifest.metadata_digest:
+        if not matches(data, manifest.metadata_digest):
             raise CorruptCheckpointError(
                 f"{self.storage.path(f'checkpoints/{manifest.name}/{METADATA}')} fails its checksum (corrupted)"
             )

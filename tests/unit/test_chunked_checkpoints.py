@@ -2,6 +2,8 @@
 checksums that name the damaged file, "last" falling back, retries, deferred background errors, S3."""
 
 import errno
+import hashlib
+import json
 import os
 import socket
 
@@ -10,6 +12,7 @@ import torch
 
 from lightning_ciuic import AsyncCheckpointer, ChunkedCheckpointIO
 from lightning_ciuic.checkpoint.dcp import load_full, save_full
+from lightning_ciuic.checkpoint import incremental
 from lightning_ciuic.checkpoint.incremental import CheckpointCatalog, ChunkStore, CorruptCheckpointError
 from lightning_ciuic.checkpoint import storage as storage_module
 from lightning_ciuic.checkpoint.storage import Storage, StorageError, page_aligned_empty
@@ -46,6 +49,32 @@ def test_zstd_only_where_it_pays(tmp_path):
     assert weights_chunk.endswith(".raw") and zeros_chunk.endswith(".zst") and counts_chunk.endswith(".zst")
     restored = load_full(store, "c0")
     assert all(torch.equal(restored[k], v) for k, v in {"weights": weights, "zeros": zeros, "counts": counts}.items())
+
+
+def test_format_1_checkpoints_named_by_blake2b_still_load_and_verify(tmp_path, monkeypatch):
+    store = ChunkStore(Storage(str(tmp_path)))
+    weights = torch.randn(10_000, dtype=torch.float64)
+    with monkeypatch.context() as old_writer:  # what format 1 wrote: BLAKE2b-128 names, no "format" in the manifest
+        old_writer.setattr(incremental, "digest", lambda data: hashlib.blake2b(data, digest_size=16).hexdigest())
+        save_full(store, "old", {"weights": weights, "step": 3})
+    manifest_path = "checkpoints/old/manifest.json"
+    fields = json.loads(store.storage.read(manifest_path))
+    del fields["format"]
+    store.storage.write_atomic(manifest_path, json.dumps(fields).encode())
+    fresh = ChunkStore(Storage(str(tmp_path)))
+    catalog = CheckpointCatalog(fresh)
+    old = catalog.get("old")
+    assert old.format == 1 and all(len(c.split(".")[0]) == 32 for c in old.chunks)
+    catalog.verify(old)
+    restored = load_full(fresh, "old")
+    assert torch.equal(restored["weights"], weights) and restored["step"] == 3
+    save_full(fresh, "new", {"weights": weights, "step": 4})  # written now: BLAKE3-256 names, format 2
+    new = catalog.get("new")
+    assert new.format == incremental.FORMAT == 2 and all(len(c.split(".")[0]) == 64 for c in new.chunks)
+    assert torch.equal(load_full(fresh, "new")["weights"], weights)
+    with pytest.raises(CorruptCheckpointError, match="fails its checksum|corrupted or truncated"):  # format 1 is checked
+        _damage(fresh, "old", "flip")
+        catalog.verify(old)
 
 
 def _damage(store: ChunkStore, name: str, how: str) -> str:
