@@ -10,7 +10,10 @@ resolve without being installed.
 
 ``lightning-ciuic checkpoint ls URL`` lists AsyncCheckpointer checkpoints (name, step, epoch, sizes);
 ``checkpoint verify URL [NAME]`` re-reads and checks every chunk (exit 1 naming the damaged file);
-``checkpoint export URL NAME OUT`` writes one checkpoint as a plain ``torch.save`` dict (tensors on CPU).
+``checkpoint export URL NAME OUT [--format torch|safetensors|hf]`` writes one checkpoint: as a plain ``torch.save``
+dict (tensors on CPU; the default), as one safetensors file of the model's weights (any module), or, for a
+``HuggingFaceCausalLM``, as a Hugging Face directory that ``transformers.AutoModelForCausalLM.from_pretrained(OUT)``
+loads.
 """
 
 from __future__ import annotations
@@ -46,13 +49,18 @@ def advise_command(run_dir: str) -> int:
     return 0
 
 
-CHECKPOINT_USAGE = "usage: lightning-ciuic checkpoint ls URL | verify URL [NAME] | export URL NAME OUT"
+CHECKPOINT_USAGE = (
+    "usage: lightning-ciuic checkpoint ls URL | verify URL [NAME] | export URL NAME OUT [--format torch|safetensors|hf]"
+)
+EXPORT_FORMATS = ("torch", "safetensors", "hf")
 
 
 def checkpoint_command(argv: list[str]) -> int:
     import torch
 
     from lightning_ciuic.checkpoint.dcp import load_full
+    from lightning_ciuic.checkpoint.huggingface import save_pretrained, save_safetensors
+    from lightning_ciuic.checkpoint.sharded import lightning_checkpoint
     from lightning_ciuic.checkpoint.incremental import CorruptCheckpointError
     from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO
 
@@ -83,12 +91,30 @@ def checkpoint_command(argv: list[str]) -> int:
                 failed += 1
                 print(f"DAMAGED  {name}: {err}")
         return 1 if failed else 0
-    if len(rest) != 2:
+    export_format = "torch"
+    if len(rest) == 4 and rest[2] == "--format":
+        export_format, rest = rest[3], rest[:2]
+    if len(rest) != 2 or export_format not in EXPORT_FORMATS:
         print(CHECKPOINT_USAGE, file=sys.stderr)
         return 2
     name, out = io.name_of(rest[0]), rest[1]
-    torch.save(load_full(io.store, name), out)
-    print(f"exported {name} to {out}")
+    checkpoint = lightning_checkpoint(load_full(io.store, name))
+    if export_format == "torch":
+        torch.save(checkpoint, out)
+    elif export_format == "safetensors":
+        save_safetensors(checkpoint.get("state_dict", checkpoint), out)
+    else:
+        hparams = checkpoint.get("hyper_parameters") or {}
+        prefix = "model."
+        if "model_type" not in hparams:
+            print(
+                f"--format hf needs a HuggingFaceCausalLM checkpoint (its hyper_parameters name the model_type); {name}"
+                " has none. Use --format safetensors or torch.", file=sys.stderr,
+            )
+            return 2
+        state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+        save_pretrained(hparams["model_type"], hparams.get("config") or {}, state, out)
+    print(f"exported {name} to {out} ({export_format})")
     return 0
 
 

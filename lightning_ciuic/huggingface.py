@@ -2,8 +2,12 @@
 
 Contract: ``HuggingFaceCausalLM(model_type, config)`` builds ``AutoModelForCausalLM.from_config`` from a
 config given as a dictionary (no download; weights start random) with SDPA attention, and trains it on
-``(input_ids, next-token targets)`` batches with cross-entropy. Under :class:`HybridParallelStrategy` it
-needs no code of its own:
+``(input_ids, next-token targets)`` batches with cross-entropy. ``HuggingFaceCausalLM.from_pretrained(path,
+**kwargs)`` (or ``pretrained=path``) takes the model type and config from a local directory in Hugging Face layout
+and its weights from the directory's safetensors: they are read at the start of ``fit``, once the strategy has laid
+the model out, so each rank reads only the slices it holds (see
+:func:`~lightning_ciuic.checkpoint.huggingface.load_weights`); a run resumed from a checkpoint keeps the
+checkpoint's weights. Under :class:`HybridParallelStrategy` it needs no code of its own:
 
 * pipeline stages come from the model's ``_pp_plan`` (embedding, each decoder layer, final norm, LM head);
   decoder layers are run with the rotary position embeddings of the base
@@ -29,6 +33,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_ciuic.checkpoint.huggingface import load_weights, read_config
 from lightning_ciuic.parallel.pipeline import BlockCall
 from lightning_ciuic.parallel.tensor import apply_tensor_parallel, hugging_face_plan
 from lightning_ciuic.strategies.pipelining import PipelineModule
@@ -62,16 +67,34 @@ class HuggingFaceCausalLM(PipelineModule, LightningModule):
     """A ``transformers`` causal LM built from a config, trainable with pp x dp x tp (see module docstring).
 
     Args:
-        model_type: a ``transformers`` model type, e.g. ``"llama"``, ``"qwen2"``, ``"deepseek_v3"``.
-        config: keyword arguments of that model's config (sizes, layers, heads, ...).
+        model_type: a ``transformers`` model type, e.g. ``"llama"``, ``"qwen2"``, ``"deepseek_v3"`` (with
+            ``pretrained``: taken from its config.json when not given).
+        config: keyword arguments of that model's config (sizes, layers, heads, ...); with ``pretrained``, they
+            override the directory's config.json.
         lr, weight_decay: AdamW's.
+        pretrained: a local directory in Hugging Face layout (config.json, ``*.safetensors``) to start from.
     """
 
     def __init__(
-        self, model_type: str, config: Optional[dict[str, Any]] = None, lr: float = 3e-4, weight_decay: float = 0.0
+        self,
+        model_type: Optional[str] = None,
+        config: Optional[dict[str, Any]] = None,
+        lr: float = 3e-4,
+        weight_decay: float = 0.0,
+        pretrained: Optional[str] = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        if pretrained is not None:
+            stored_type, stored_config = read_config(pretrained)
+            if model_type is not None and model_type != stored_type:
+                raise ValueError(f"model_type={model_type!r}, but {pretrained}/config.json says {stored_type!r}; omit model_type.")
+            model_type, config = stored_type, {**stored_config, **(config or {})}
+        if model_type is None:
+            raise ValueError("HuggingFaceCausalLM needs a model_type (e.g. 'llama'), or pretrained=<directory>.")
+        self.save_hyperparameters(
+            {"model_type": model_type, "config": config, "lr": lr, "weight_decay": weight_decay, "pretrained": pretrained}
+        )
+        self._pretrained_loaded = False
         transformers = _import_transformers()
         try:
             hf_config = transformers.AutoConfig.for_model(model_type, **(config or {}))
@@ -84,6 +107,24 @@ class HuggingFaceCausalLM(PipelineModule, LightningModule):
             )
         self.model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
         self._tensor_parallel = False
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs: Any) -> "HuggingFaceCausalLM":
+        """The model of the Hugging Face directory ``path``, its weights read at the start of ``fit`` (keyword
+        arguments as the constructor's: ``lr``, ``weight_decay``, ``config`` overrides)."""
+        return cls(pretrained=str(path), **kwargs)
+
+    def load_pretrained(self) -> None:
+        """Read the ``pretrained`` directory's weights into the model as it is laid out now (collective)."""
+        if self.hparams.pretrained is None:
+            raise ValueError("this HuggingFaceCausalLM was not built from a pretrained directory.")
+        load_weights(self.model.state_dict(keep_vars=True), self.hparams.pretrained)
+        self._pretrained_loaded = True
+
+    def on_fit_start(self) -> None:
+        if self.hparams.pretrained is not None and not self._pretrained_loaded and self.trainer.ckpt_path is None:
+            self.load_pretrained()
+            rank_zero_info(f"HuggingFaceCausalLM: weights read from {self.hparams.pretrained}")
 
     # -- the model ---------------------------------------------------------------------------------
     @property

@@ -12,6 +12,9 @@ Contract (collective calls: every rank of ``process_group`` calls them for the s
   sharded) model and optimizers and returns ``(meta, rank_state)``; ``rank_state`` is None when the
   checkpoint has none for ``rank_key`` (another world size, or saved without it). A directory that is not
   such a checkpoint is rejected with an error naming the path.
+* ``lightning_checkpoint(saved)``: a whole saved state (as ``checkpoint.dcp.load_full`` reads it, in one process)
+  as Lightning's checkpoint dict: ``state_dict``, ``optimizer_states`` and the unpickled rest
+  (``hyper_parameters``, ``global_step``, ...).
 
 No Lightning imports.
 """
@@ -79,3 +82,12 @@ def load_sharded(
     for i, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(model, optimizer, state[f"optimizer_{i}"])
     return pickle.loads(state[META_KEY]), state.get(rank_key)
+
+
+def lightning_checkpoint(saved: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's checkpoint dict from a whole state written by :func:`save_sharded` (see the module docstring)."""
+    if META_KEY not in saved or "state_dict" not in saved:
+        return saved  # not written by save_sharded (e.g. ChunkedCheckpointIO.save_checkpoint of a plain dict)
+    checkpoint = pickle.loads(saved[META_KEY])
+    optimizers = sorted((k for k in saved if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+    return {**checkpoint, "state_dict": saved["state_dict"], "optimizer_states": [saved[k] for k in optimizers]}

@@ -93,3 +93,52 @@ def test_bad_model_arguments():
         HuggingFaceCausalLM("gpt9", {})
     with pytest.raises(ValueError, match="tie_word_embeddings=True shares the embedding with the LM head"):
         HuggingFaceCausalLM("llama", dict(CONFIGS["llama"], tie_word_embeddings=True))
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_pretrained_weights_train_at_pp2_tp2_and_export_back_to_hugging_face(tmp_path, model_type, capsys):
+    """Hugging Face weights -> 3 steps at pp=2 x tp=2 -> ``checkpoint export --format hf`` -> transformers'
+    ``from_pretrained``: the weights of one process training from the same files, and the trained model's logits."""
+    import torch
+    import transformers
+
+    from lightning_ciuic import AsyncCheckpointer
+    from lightning_ciuic.cli import main as cli_main
+
+    source, url, out, steps = tmp_path / "hf", str(tmp_path / "checkpoints"), tmp_path / "exported", 3
+    seed_everything(11)
+    config = transformers.AutoConfig.for_model(model_type, **CONFIGS[model_type])
+    transformers.AutoModelForCausalLM.from_config(config).double().save_pretrained(source)
+
+    # config.json does not keep the kernel choice: float64 experts need the eager implementation (an override).
+    overrides = {k: v for k, v in CONFIGS[model_type].items() if k == "experts_implementation"}
+    module = HuggingFaceCausalLM.from_pretrained(str(source), lr=1e-2, config=overrides).double()
+    trainer = Trainer(
+        strategy=HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2, start_method="spawn"),
+        accelerator="cpu", devices=4, max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[AsyncCheckpointer(url, save_interval=None, every_n_train_steps=steps)], precision=PRECISION,
+    )
+    trainer.fit(module, loader(steps * PER_RANK_BATCH, PER_RANK_BATCH))
+
+    def from_files() -> HuggingFaceCausalLM:
+        reference = HuggingFaceCausalLM.from_pretrained(str(source), lr=1e-2, config=overrides).double()
+        reference.load_pretrained()  # one process: reads every tensor whole
+        return reference
+
+    trained = {k: v.detach() for k, v in module.state_dict().items()}
+    assert_state_close(trained, reference_training(from_files, steps, PER_RANK_BATCH), steps)
+
+    with pytest.raises(SystemExit) as done:
+        cli_main(["checkpoint", "export", url, "last", str(out), "--format", "hf"])
+    assert done.value.code == 0, capsys.readouterr()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float64, **overrides)
+    ids = torch.randint(0, CONFIGS[model_type]["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids).logits, module(ids), rtol=0, atol=1e-12)
+
+
+def test_pretrained_directory_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json: give a directory in Hugging Face layout"):
+        HuggingFaceCausalLM.from_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="needs a model_type"):
+        HuggingFaceCausalLM()

@@ -231,3 +231,12 @@ def test_command_line_lists_verifies_and_exports(tmp_path, capsys):
     code, out = run("export", url, "step=1", str(tmp_path / "plain.pt"))
     exported = torch.load(tmp_path / "plain.pt", weights_only=False)
     assert code == 0 and exported["trained"][0] == 1 and exported["global_step"] == 1
+    code, out = run("export", url, "step=1", str(tmp_path / "weights.safetensors"), "--format", "safetensors")
+    from safetensors.torch import load_file
+
+    tensors = load_file(tmp_path / "weights.safetensors")
+    assert code == 0 and set(tensors) == {"frozen", "trained"} and tensors["trained"][0] == 1
+    assert run("export", url, "step=1", str(tmp_path / "x"), "--format", "onnx")[0] == 2
+    with pytest.raises(SystemExit) as not_hf:
+        cli_main(["checkpoint", "export", url, "step=1", str(tmp_path / "hf"), "--format", "hf"])
+    assert not_hf.value.code == 2 and "--format hf needs a HuggingFaceCausalLM checkpoint" in capsys.readouterr().err
