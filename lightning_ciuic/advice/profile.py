@@ -11,7 +11,10 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-RANK_FIELDS = ("step", "compute", "data_wait", "dp_exposed", "dp_comm", "dp_bytes", "dp_payload", "tp_comm", "memory_mb")
+RANK_FIELDS = (
+    "step", "compute", "data_wait", "dp_exposed", "dp_comm", "dp_bytes", "dp_payload", "tp_comm", "memory_mb",
+    "dp_gather", "dp_scatter",  # sharded data parallelism: parameter all-gathers, gradient reduce-scatters (in dp_comm)
+)
 
 
 @dataclass
@@ -34,6 +37,9 @@ class RunProfile:
     dp_rank_of: list[int] = field(default_factory=list)  # global rank -> dp rank
     bubble: Optional[float] = None
     num_microbatches: Optional[int] = None
+    dp_shard: int = 1
+    model_state_mb: Optional[float] = None  # parameters + gradients + optimizer state one rank holds (rank 0's)
+    memory_capacity_mb: Optional[float] = None  # per rank: the GPU's memory, or the host's RAM / local processes
 
     def mean(self, key: str) -> float:
         return statistics.fmean(r[key] for r in self.ranks) if self.ranks else 0.0
@@ -43,4 +49,6 @@ class RunProfile:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "RunProfile":
-        return cls(**data)
+        """Also reads the ``monitor.json`` of earlier versions (fields they lacked are zero or unknown)."""
+        ranks = [{key: rank.get(key, 0.0) for key in RANK_FIELDS} for rank in data.get("ranks", [])]
+        return cls(**{**data, "ranks": ranks})

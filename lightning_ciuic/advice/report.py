@@ -45,6 +45,11 @@ def summary_table(profile: RunProfile) -> str:
             f" {r['dp_comm'] * 1e3:10.1f} | {r['tp_comm'] * 1e3:10.1f} | {r['data_wait'] * 1e3:7.1f} |"
             f" {(slowest - r['compute']) * 1e3:17.1f} | {r['dp_bytes'] / 1e6:7.2f} | {max(0.0, overlap):7.0%} | {r['memory_mb']:9.0f}"
         )
+    if profile.dp_shard > 1:
+        lines.append(
+            f"sharded over dp_shard={profile.dp_shard}: parameter all-gathers {profile.mean('dp_gather') * 1e3:.1f} ms,"
+            f" gradient reduce-scatters {profile.mean('dp_scatter') * 1e3:.1f} ms per step (rank mean; in dp comm)"
+        )
     algbw, busbw = bandwidth(profile)
     lines.append(
         f"layout pp={profile.pp} x dp={profile.dp} x tp={profile.tp}, compression {profile.compression!r};"
@@ -114,8 +119,8 @@ def _svg_bandwidth(profile: RunProfile, width: int = 480, height: int = 120) -> 
 
 def render_html(profile: RunProfile, windows: Sequence[dict[str, Any]], advice: Sequence[Advice]) -> str:
     advice_html = (
-        "".join(f"<li><b>{html.escape(a.summary)}</b><br><code>{html.escape(a.argument)}</code> — predicted"
-                f" {a.predicted_speedup:.2f}x</li>" for a in advice)
+        "".join(f"<li><b>{html.escape(a.summary)}</b><br><code>{html.escape(a.argument)}</code> — "
+                f"{html.escape(a.prediction)}</li>" for a in advice)
         or "<li>None: nothing found that is predicted to gain 10% or more.</li>"
     )
     return f"""<!DOCTYPE html>

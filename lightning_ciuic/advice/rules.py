@@ -16,6 +16,12 @@ least ``min_speedup`` (10%): a healthy run gets no advice. Rules, each on per-ra
   the wait removed).
 * **pipeline bubble** (pipeline parallel): measured idle fraction above 20%; advises doubling
   ``num_microbatches`` (predicted from the schedule's ``(p-1)/(m+p-1)``).
+* **sharding** (replicated data parallel): peak memory at 80% of what a rank has (GPU memory, or the host's RAM
+  per process) or more; advises ``data_parallel_shard_size=dp`` with the memory it predicts freed per rank (the
+  parameters, gradients and optimizer state it holds, less a 1/dp share of them) and the all-gather traffic it
+  adds. It is a memory advice (``predicted_memory_mb``), listed whatever its speed.
+
+The compression rule models an all-reduce: it is skipped for sharded runs (reduce-scatters and all-gathers).
 
 No Lightning imports.
 """
@@ -36,9 +42,16 @@ class Advice:
     argument: str  # the exact Trainer / YAML change
     predicted_speedup: float
     rule: str
+    predicted_memory_mb: Optional[float] = None  # a memory advice: megabytes freed per rank
+
+    @property
+    def prediction(self) -> str:
+        if self.predicted_memory_mb is not None:
+            return f"predicted {self.predicted_memory_mb:.0f} MB less memory per rank"
+        return f"predicted {self.predicted_speedup:.2f}x step throughput"
 
     def __str__(self) -> str:
-        return f"{self.summary}\n    change: {self.argument}  (predicted {self.predicted_speedup:.2f}x step throughput)"
+        return f"{self.summary}\n    change: {self.argument}  ({self.prediction})"
 
 
 def advise(profile: RunProfile, min_speedup: float = 1.10, straggler_threshold: float = 0.15) -> list[Advice]:
@@ -47,8 +60,10 @@ def advise(profile: RunProfile, min_speedup: float = 1.10, straggler_threshold: 
         _straggler(profile, straggler_threshold),
         _data_loading(profile),
         _bubble(profile),
+        _sharding(profile),
     ]
-    return sorted((a for a in found if a is not None and a.predicted_speedup >= min_speedup), key=lambda a: -a.predicted_speedup)
+    useful = [a for a in found if a is not None and (a.predicted_speedup >= min_speedup or a.predicted_memory_mb)]
+    return sorted(useful, key=lambda a: -a.predicted_speedup)
 
 
 def compression_speedups(profile: RunProfile) -> dict[str, float]:
@@ -83,7 +98,7 @@ def compression_speedups(profile: RunProfile) -> dict[str, float]:
 
 
 def _compression(profile: RunProfile) -> Optional[Advice]:
-    if profile.compression not in ("none", "fp16", "bf16"):
+    if profile.compression not in ("none", "fp16", "bf16") or profile.dp_shard > 1:
         return None
     speedups = compression_speedups(profile)
     if not speedups:
@@ -152,4 +167,25 @@ def _bubble(profile: RunProfile) -> Optional[Advice]:
         f"strategy.num_microbatches: {2 * m}",
         speedup,
         "bubble",
+    )
+
+
+def _sharding(profile: RunProfile, tight: float = 0.80) -> Optional[Advice]:
+    if profile.dp < 2 or profile.dp_shard > 1 or not profile.ranks or not profile.memory_capacity_mb or not profile.model_state_mb:
+        return None
+    peak, capacity, state = max(r["memory_mb"] for r in profile.ranks), profile.memory_capacity_mb, profile.model_state_mb
+    if peak < tight * capacity:
+        return None
+    freed = state * (1 - 1 / profile.dp)
+    # FSDP gathers every parameter for forward and again for backward: 2 (dp-1)/dp of the parameters per step, in
+    # place of nothing (a replicated run gathers none); the gradient reduce-scatter costs half an all-reduce.
+    gathered_mb = 2 * (profile.dp - 1) / profile.dp * profile.gradient_numel * 4 / 2**20
+    return Advice(
+        f"memory is tight: peak {peak:.0f} MB of the {capacity:.0f} MB a rank has; sharding the {state:.0f} MB of"
+        f" parameters, gradients and optimizer state over the {profile.dp} data-parallel ranks (FSDP) frees about"
+        f" {freed:.0f} MB per rank, for about {gathered_mb:.0f} MB more traffic per step (parameter all-gathers)",
+        f"strategy.data_parallel_shard_size: {profile.dp}   (HybridParallelStrategy(data_parallel_shard_size={profile.dp}))",
+        1.0,
+        "sharding",
+        predicted_memory_mb=freed,
     )

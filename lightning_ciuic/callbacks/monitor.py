@@ -45,10 +45,11 @@ from lightning_ciuic.comm.auto import measure_link, measure_sync_seconds, synchr
 from lightning_ciuic.advice.report import render_html, summary_table
 from lightning_ciuic.strategies.context import parallel_context
 from lightning_ciuic.telemetry import Telemetry, gather_per_rank
+from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.validation import check_int
 
 _WARMUP_STEPS = 2  # first steps (allocation, first collectives) left out of the means
-_TIMED = ("step", "compute", "data_wait", "dp_exposed", "dp_comm", "tp_comm")
+_TIMED = ("step", "compute", "data_wait", "dp_exposed", "dp_comm", "tp_comm", "dp_gather", "dp_scatter")
 
 
 class CollectiveTimer(TorchDispatchMode):
@@ -116,7 +117,7 @@ class CommunicationMonitor(Callback):
         self._cursor = 0
         self._timer: Optional[CollectiveTimer] = None  # set for a profiled step, active from batch start to the optimizer step
         self._timer_active = False
-        self._sync_seen = (0.0, 0.0, 0.0)
+        self._sync_seen: tuple[float, ...] = (0.0,) * 5
         self._last_gather = 0
         self._meta: dict[str, Any] = {}
         self._bubbles: list[float] = []  # this rank's measured pipeline bubble per step, after warm-up
@@ -149,6 +150,8 @@ class CommunicationMonitor(Callback):
             codec_s_per_value={},
             sync_s={},
             num_microbatches=context.pipeline.num_microbatches if context.pipeline is not None else None,
+            dp_shard=dims.dp_shard,
+            memory_capacity_mb=_memory_capacity_mb(trainer.strategy.root_device, trainer),
         )
         if self.measure_link and context.dp_group is not None:
             latency, bandwidth = measure_link(context.dp_group, device=context.device)
@@ -159,12 +162,12 @@ class CommunicationMonitor(Callback):
         self._sync_seen = self._sync_counters()
         self._dp_rank = context.dp_rank
 
-    def _sync_counters(self) -> tuple[float, float, float]:
+    def _sync_counters(self) -> tuple[float, ...]:
         engine = self._context.data_parallel
         if engine is None:
-            return (0.0, 0.0, 0.0)
+            return (0.0,) * 5
         stats = engine.stats
-        return (stats.comm_seconds, float(stats.bytes_sent), float(stats.bytes_reduced))
+        return (stats.comm_seconds, float(stats.bytes_sent), float(stats.bytes_reduced), stats.gather_seconds, stats.scatter_seconds)
 
     # -- per step ------------------------------------------------------------------------------------
     @override
@@ -200,10 +203,11 @@ class CommunicationMonitor(Callback):
             return
         record = records[-1]
         if self._context.data_parallel is not None:
-            comm, sent, payload = (now - before for now, before in zip(counters, last))
+            comm, sent, payload, gather, scatter = (now - before for now, before in zip(counters, last))
         else:  # DDP and others: only the exposed wait is visible; bytes from the ring all-reduce formula
             synced = record.optimizer_step and self._meta["dp"] > 1
             comm, sent, payload = record.sync_wait, self._ddp_bytes() if synced else 0.0, 4.0 * self._meta["gradient_numel"] * synced
+            gather = scatter = 0.0
         values = {
             "step": record.data_wait + record.duration,
             "compute": record.compute,
@@ -213,6 +217,8 @@ class CommunicationMonitor(Callback):
             "dp_bytes": float(sent),
             "dp_payload": float(payload),
             "memory_mb": _peak_memory_mb(trainer.strategy.root_device),
+            "dp_gather": gather,
+            "dp_scatter": scatter,
         }
         if timer is not None:  # a profiled step: only its collective time is kept
             tp_seconds = sum(s for axis, s in timer.seconds.items() if axis != "dp")
@@ -259,6 +265,7 @@ class CommunicationMonitor(Callback):
         if self._meta["num_microbatches"] is not None:  # pipeline parallel: the bubble, averaged over ranks
             local = statistics.fmean(self._bubbles) if self._bubbles else 0.0
             self._meta["bubble"] = float(gather_per_rank(trainer, [local]).mean())
+        self._meta["model_state_mb"] = _held_state_mb(pl_module, trainer.optimizers)
         self.profile = RunProfile(**self._meta, ranks=[dict(zip(RANK_FIELDS, row.tolist())) for row in totals])
         out = Path(self.dirpath or os.path.join(trainer.log_dir or trainer.default_root_dir, "monitor"))  # collective
         if not trainer.is_global_zero:
@@ -315,3 +322,21 @@ def _peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
+
+
+def _memory_capacity_mb(device: torch.device, trainer: Trainer) -> Optional[float]:
+    """What one rank may use: its GPU's memory, or the host's RAM shared by this node's processes."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**20
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+    return ram / 2**20 / max(1, trainer.num_devices)
+
+
+def _held_state_mb(module: LightningModule, optimizers: list[Any]) -> float:
+    """Megabytes of parameters, gradients and optimizer state this rank holds (local shards of DTensors)."""
+    tensors = [*module.parameters(), *(p.grad for p in module.parameters() if p.grad is not None)]
+    tensors += [t for o in optimizers for state in o.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    return sum(local_tensor(t).numel() * t.element_size() for t in tensors) / 2**20

@@ -244,9 +244,9 @@ class SnapshotRecovery(Callback):
             rank_zero_info(f"SnapshotRecovery: resumed from {restored} in {time.perf_counter() - started:.2f} s.")
 
     @staticmethod
-    def _layout(trainer: Trainer) -> tuple[int, int]:
+    def _layout(trainer: Trainer) -> tuple[int, int, int]:
         dims = parallel_context(trainer).dims
-        return dims.pp, dims.tp
+        return dims.pp, dims.tp, dims.dp_shard
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -304,10 +304,10 @@ class SnapshotRecovery(Callback):
         if not _finite([p for p in pl_module.parameters()]):
             problem = "non-finite parameters"  # a poisoned update the next step's loss check will roll back
         else:
-            pp, tp = self._layout(trainer)
+            pp, tp, dp_shard = self._layout(trainer)
             meta = {
                 "step": step, "loss": loss, "epoch": trainer.current_epoch, "rank": trainer.global_rank,
-                "world_size": trainer.world_size, "pp": pp, "tp": tp,
+                "world_size": trainer.world_size, "pp": pp, "tp": tp, "dp_shard": dp_shard,
             }
             state = capture_training_state(trainer, pl_module, skip=self)
             try:

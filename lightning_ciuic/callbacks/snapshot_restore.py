@@ -52,19 +52,22 @@ def restore_newest(
     pl_module: LightningModule,
     stores: dict[str, Optional[MemoryStore]],
     vote: StepVote,
-    layout: tuple[int, int],
+    layout: tuple[int, int, int],
     skip: Callback,
 ) -> Optional[str]:
-    """``stores``: ``{"own": ..., "replica": ...}``; ``layout``: this run's ``(pp, tp)``; ``skip``: the callback
-    whose own state the snapshot does not restore (the caller)."""
-    rank, (pp, tp) = trainer.global_rank, layout
+    """``stores``: ``{"own": ..., "replica": ...}``; ``layout``: this run's ``(pp, tp, dp_shard)``; ``skip``: the
+    callback whose own state the snapshot does not restore (the caller)."""
+    rank, (pp, tp, dp_shard) = trainer.global_rank, layout
     mine = [
-        Holding(rank, where, step, h["world_size"], h["rank"], h.get("pp", 1), h.get("tp", 1), h.get("loss"))
+        Holding(
+            rank, where, step, h["world_size"], h["rank"], h.get("pp", 1), h.get("tp", 1), h.get("loss"),
+            h.get("dp_shard", 1),
+        )
         for where, store in stores.items() if store is not None
         for step, h in store.headers().items()
     ]
     holdings = [holding for table in vote.gather(mine) for holding in table]
-    for plan in plan_restores(holdings, trainer.world_size, pp, tp):
+    for plan in plan_restores(holdings, trainer.world_size, pp, tp, dp_shard):
         moves = [(source.holder, owner) for owner, source in enumerate(plan.sources) if source.holder != owner]
 
         def blob_for(owner: int, plan: RestorePlan = plan) -> bytes:

@@ -89,18 +89,29 @@ def mean_all_reduce(key: str, buffer: torch.Tensor, shapes: list[torch.Size], gr
 class SyncStats:
     """Counters since construction: bucket reductions launched, gradient bytes reduced (float32 payload),
     bytes this rank sent on the wire, seconds spent waiting for them after backward, and seconds from the
-    first launch of a step to the end of its last reduction (communication time, overlapped or not)."""
+    first launch of a step to the end of its last reduction (communication time, overlapped or not); for a
+    sharded engine, the seconds of its all-gathers and reduce-scatters."""
 
     collectives: int = 0
     bytes_reduced: int = 0
     bytes_sent: int = 0
     wait_seconds: float = 0.0
     comm_seconds: float = 0.0
+    gather_seconds: float = 0.0  # sharded: parameter all-gathers (also in comm_seconds)
+    scatter_seconds: float = 0.0  # sharded: gradient reduce-scatters (also in comm_seconds)
 
     def add_wait(self, seconds: float) -> None:
         self.wait_seconds += seconds
 
     def add_comm(self, seconds: float) -> None:
+        self.comm_seconds += seconds
+
+    def add_gather(self, seconds: float) -> None:
+        self.gather_seconds += seconds
+        self.comm_seconds += seconds
+
+    def add_scatter(self, seconds: float) -> None:
+        self.scatter_seconds += seconds
         self.comm_seconds += seconds
 
 

@@ -19,20 +19,18 @@ Contract (a :class:`~lightning_ciuic.comm.data_parallel.DataParallel` engine):
 * Mixed precision (FSDP2's ``MixedPrecisionPolicy``): ``param_dtype`` is what the all-gather and the compute use,
   ``reduce_dtype`` what the gradient reduce-scatter uses (``fp16``/``bf16`` communication compression sets it);
   ``cpu_offload`` keeps shards, gradients and optimizer state in host memory.
-* ``gradient_codec="int8"`` (or ``"nf4"``): every unit's reduce-scatter is a quantized all-to-all
-  (:class:`~lightning_ciuic.comm.fsdp_comms.QuantizedReduceScatter`, ZeRO++'s qgZ), with ``error_feedback``.
-  ``weight_codec="int8"``: every unit's parameter all-gather is quantized
-  (:class:`~lightning_ciuic.comm.fsdp_comms.QuantizedAllGather`, qwZ).
+* Every unit's all-gather and reduce-scatter run through :mod:`~lightning_ciuic.comm.fsdp_comms` (FSDP2's
+  custom collectives): timed (``stats.gather_seconds`` / ``scatter_seconds``, both also in ``comm_seconds``) and
+  their bytes counted as they run (pipeline micro-batches' re-gathers included). ``gradient_codec="int8"`` (or
+  ``"nf4"``) makes the reduce-scatter a quantized all-to-all (ZeRO++'s qgZ), with ``error_feedback``;
+  ``weight_codec="int8"`` quantizes the all-gather (qwZ).
 * ``no_sync()``: FSDP2's ``set_requires_gradient_sync(False)``: gradients accumulate unreduced (and unsharded)
   until the last micro-batch, whose backward reduce-scatters the sum.
-* ``after_backward()``: nothing to wait for: FSDP2 waits for its reduce-scatters at the end of backward.
+* ``after_backward()``: nothing to wait for: FSDP2 waits for its reduce-scatters at the end of backward. It adds
+  the bytes of FSDP2's own all-reduce over ``dp_replicate`` (HSDP), computed for a ring (2 (r-1)/r of the gradient
+  shard), not measured, and not timed.
 * ``state_dict()``: the quantized reduce-scatters' error-feedback residuals (per rank, saved with checkpoints and
   snapshots like the replicated engine's).
-* ``stats``: collectives launched and bytes this rank sent, *computed* from the units' sizes for ring
-  collectives ((s-1)/s of a gathered or scattered tensor per rank, 2 (r-1)/r for the all-reduce over
-  ``dp_replicate``), not measured; under pipeline parallelism a lower bound (a unit resharded after a
-  micro-batch's forward is gathered again for the next); FSDP2 runs its collectives inside forward and backward, so no wait time is
-  counted here.
 
 No Lightning imports.
 """
@@ -53,8 +51,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from lightning_ciuic import compat
 from lightning_ciuic.comm.codecs import dense_codec
 from lightning_ciuic.comm.data_parallel import DataParallel
-from lightning_ciuic.comm.fsdp_comms import QuantizedAllGather, QuantizedReduceScatter
+from lightning_ciuic.comm.fsdp_comms import AllGatherComm, ReduceScatterComm
 from lightning_ciuic.comm.grad_sync import SyncStats
+from lightning_ciuic.comm.timing import DeviceClock
 from lightning_ciuic.tensors import local_tensor
 
 UnitSpec = Union[str, type]
@@ -139,8 +138,8 @@ class Sharded(DataParallel):
         self._stats = SyncStats()
         self._sync = True
         self._unit_numel: list[int] = []  # parameters of each unit, the roots' own last (gathered sizes)
-        self._bytes_per_backward = (0, 0)
-        self.gradient_comms: list[QuantizedReduceScatter] = []  # one per unit, the roots' last (gradient_codec)
+        self._replica_bytes = 0
+        self.gradient_comms: list[ReduceScatterComm] = []  # one per unit, the roots' last
 
     def setup(self, module: nn.Module, mesh: DeviceMesh, stages: Sequence[nn.Module] = ()) -> None:
         self.close()
@@ -166,18 +165,17 @@ class Sharded(DataParallel):
             # A root's parameters are needed first in backward: never resharded after forward (FSDP2's default).
             fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
         self.module, self.roots, self.units = module, roots, units  # type: ignore[assignment]
-        if self.config.gradient_codec is not None:
-            for unit in (*units, *roots):
-                comm = QuantizedReduceScatter(dense_codec(self.config.gradient_codec), self.config.error_feedback, self._stats)
-                unit.set_custom_reduce_scatter(comm)  # type: ignore[operator]
-                self.gradient_comms.append(comm)
-        if self.config.weight_codec is not None:
-            gather = QuantizedAllGather(dense_codec(self.config.weight_codec), self._stats)
-            for unit in (*units, *roots):
-                unit.set_custom_all_gather(gather)  # type: ignore[operator]
+        clock = DeviceClock(_device_of(mesh))
+        gradient_codec = dense_codec(self.config.gradient_codec) if self.config.gradient_codec else None
+        gather = AllGatherComm(self._stats, clock, dense_codec(self.config.weight_codec) if self.config.weight_codec else None)
+        for unit in (*units, *roots):
+            scatter = ReduceScatterComm(self._stats, clock, gradient_codec, self.config.error_feedback)
+            unit.set_custom_reduce_scatter(scatter)  # type: ignore[operator]
+            unit.set_custom_all_gather(gather)  # type: ignore[operator]
+            self.gradient_comms.append(scatter)
         if has_meta_tensors(module):
             materialize(module, _device_of(mesh))
-        self._bytes_per_backward = self._traffic()  # derived once: the units and dtypes do not change
+        self._replica_bytes = self._replica_traffic()  # derived once: the units and dtypes do not change
 
     def before_step(self, global_step: int) -> list[str]:
         return []
@@ -195,30 +193,19 @@ class Sharded(DataParallel):
             self._sync = True
 
     def after_backward(self, accumulated: bool = False) -> None:
-        gathered, reduced = self._bytes_per_backward
-        self._stats.bytes_sent += gathered + (reduced if self._sync else 0)
         if self._sync:
-            if self.config.gradient_codec is None:  # a quantized reduce-scatter counts its own bytes and collectives
-                self._stats.collectives += len(self._unit_numel)
+            self._stats.bytes_sent += self._replica_bytes
             self._stats.bytes_reduced += sum(self._unit_numel) * 4
 
-    def _traffic(self) -> tuple[int, int]:
-        """Bytes this rank sends per backward for ring collectives: (parameter all-gathers, gradient reduction when
-        synchronized: the reduce-scatter unless quantized, and the all-reduce over ``dp_replicate``)."""
+    def _replica_traffic(self) -> int:
+        """Bytes this rank sends per synchronized backward in FSDP2's own all-reduce over ``dp_replicate`` (HSDP; a
+        ring: 2 (r-1)/r of its gradient shard). The gathers and reduce-scatters count themselves (fsdp_comms)."""
         assert self.mesh is not None
-        shard = self.mesh.size(self.mesh.ndim - 1)
-        replicate = self.mesh.size(0) if self.mesh.ndim == 2 else 1
-        param_bytes = (self.config.param_dtype or _param_dtype(self.module)).itemsize
+        if self.mesh.ndim == 1:
+            return 0
+        shard, replicate = self.mesh.size(1), self.mesh.size(0)
         reduce_bytes = (self.config.reduce_dtype or self.config.param_dtype or _param_dtype(self.module)).itemsize
-        gathers = [2 if self.config.reshard_after_forward else 1] * len(self.units) + [1] * len(self.roots)
-        gathered = sum(n * g for n, g in zip(self._unit_numel, gathers)) * param_bytes * (shard - 1) / shard
-        if self.config.weight_codec is not None:  # a quantized all-gather counts its own bytes
-            gathered = 0
-        numel = sum(self._unit_numel)
-        reduced = 2 * (numel / shard) * reduce_bytes * (replicate - 1) / replicate
-        if self.config.gradient_codec is None:
-            reduced += numel * reduce_bytes * (shard - 1) / shard
-        return int(gathered), int(reduced)
+        return int(2 * (sum(self._unit_numel) / shard) * reduce_bytes * (replicate - 1) / replicate)
 
     @property
     def stats(self) -> SyncStats:

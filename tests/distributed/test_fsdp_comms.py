@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_ciuic.comm.codecs import BlockInt8
-from lightning_ciuic.comm.fsdp_comms import QuantizedAllGather, QuantizedReduceScatter
+from lightning_ciuic.comm.fsdp_comms import AllGatherComm, ReduceScatterComm
+from lightning_ciuic.comm.timing import DeviceClock
 from lightning_ciuic.comm.grad_sync import SyncStats
 from tests.helpers import run_workers
 
@@ -19,7 +20,7 @@ def _gradients(rank: int, world: int, step: int) -> torch.Tensor:
 
 def _quantized_reduce_scatter(rank, world):
     stats = SyncStats()
-    comm = QuantizedReduceScatter(BlockInt8(), error_feedback=True, stats=stats)
+    comm = ReduceScatterComm(stats, DeviceClock(torch.device("cpu")), BlockInt8(), error_feedback=True)
     group = dist.group.WORLD
     outputs = []
     for step in range(2):
@@ -38,6 +39,7 @@ def _quantized_reduce_scatter(rank, world):
     dist.all_reduce(held.copy_(comm.residual), group=group)
     assert torch.allclose(outputs[0] + outputs[1] + held.view(world, N)[rank] / world, exact_two, atol=1e-5)
     assert stats.collectives == 2 and stats.bytes_sent == 2 * (world - 1) * BlockInt8().nbytes(N)
+    assert stats.scatter_seconds > 0 and stats.comm_seconds == stats.scatter_seconds and stats.gather_seconds == 0
 
 
 def test_int8_reduce_scatter_with_error_feedback():
@@ -46,7 +48,7 @@ def test_int8_reduce_scatter_with_error_feedback():
 
 def _quantized_all_gather(rank, world):
     stats = SyncStats()
-    comm = QuantizedAllGather(BlockInt8(), stats)
+    comm = AllGatherComm(stats, DeviceClock(torch.device("cpu")), BlockInt8())
     shards = [_gradients(r, world, 0)[:N].double() for r in range(world)]
     out = comm.allocate((world * N,), dtype=torch.float64, device=torch.device("cpu"))
     out[rank * N : (rank + 1) * N].copy_(shards[rank])  # FSDP2's input is this view of the output
@@ -61,7 +63,28 @@ def _quantized_all_gather(rank, world):
     comm(output_tensor=gathered, input_tensor=raw, group=dist.group.WORLD)
     assert torch.equal(gathered, torch.cat([torch.arange(8, dtype=torch.uint8) + r for r in range(world)]))
     assert stats.collectives == 2 and stats.bytes_sent == (world - 1) * (BlockInt8().nbytes(N) + 8)
+    assert stats.gather_seconds > 0 and stats.comm_seconds == stats.gather_seconds
 
 
 def test_int8_all_gather_decodes_the_same_weights_everywhere():
     run_workers(_quantized_all_gather, 2)
+
+
+def _plain_collectives(rank, world):
+    stats = SyncStats()
+    clock = DeviceClock(torch.device("cpu"))
+    gradients = _gradients(rank, world, 0)
+    out = torch.empty(N)
+    ReduceScatterComm(stats, clock)(output_tensor=out, input_tensor=gradients.clone(), group=dist.group.WORLD, op=dist.ReduceOp.AVG)
+    exact = sum(_gradients(r, world, 0) for r in range(world)).view(world, N)[rank] / world
+    assert torch.allclose(out, exact, atol=1e-6)
+    gathered = torch.empty(world * N)
+    AllGatherComm(stats, clock)(output_tensor=gathered, input_tensor=out, group=dist.group.WORLD)
+    assert torch.allclose(gathered, sum(_gradients(r, world, 0) for r in range(world)) / world, atol=1e-6)
+    # Ring figures: (w-1)/w of the scattered input, (w-1) shards of the gathered output, in float32.
+    assert stats.collectives == 2 and stats.bytes_sent == 2 * (world - 1) * N * 4
+    assert stats.gather_seconds > 0 and stats.scatter_seconds > 0
+
+
+def test_plain_collectives_are_the_backends_timed_and_counted():
+    run_workers(_plain_collectives, 2)

@@ -95,10 +95,18 @@ def test_bad_model_arguments():
         HuggingFaceCausalLM("llama", dict(CONFIGS["llama"], tie_word_embeddings=True))
 
 
-@pytest.mark.parametrize("model_type", list(CONFIGS))
-def test_pretrained_weights_train_at_pp2_tp2_and_export_back_to_hugging_face(tmp_path, model_type, capsys):
-    """Hugging Face weights -> 3 steps at pp=2 x tp=2 -> ``checkpoint export --format hf`` -> transformers'
-    ``from_pretrained``: the weights of one process training from the same files, and the trained model's logits."""
+PP2_TP2 = dict(pipeline_parallel_size=2, tensor_parallel_size=2)
+PP2_FSDP2 = dict(pipeline_parallel_size=2, data_parallel_size=2, data_parallel_shard_size=2)
+
+
+@pytest.mark.parametrize(
+    "model_type, layout", [("llama", PP2_TP2), ("deepseek_v3", PP2_TP2), ("llama", PP2_FSDP2)],
+    ids=["llama-pp2xtp2", "deepseek_v3-pp2xtp2", "llama-pp2xfsdp2"],
+)
+def test_pretrained_weights_train_in_parallel_and_export_back_to_hugging_face(tmp_path, model_type, layout, capsys):
+    """Hugging Face weights -> 3 steps at pp=2 x tp=2 (or pp=2 x FSDP 2) -> ``checkpoint export --format hf`` ->
+    transformers' ``from_pretrained``: the weights of one process training from the same files, and the trained
+    model's logits."""
     import torch
     import transformers
 
@@ -114,11 +122,12 @@ def test_pretrained_weights_train_at_pp2_tp2_and_export_back_to_hugging_face(tmp
     overrides = {k: v for k, v in CONFIGS[model_type].items() if k == "experts_implementation"}
     module = HuggingFaceCausalLM.from_pretrained(str(source), lr=1e-2, config=overrides).double()
     trainer = Trainer(
-        strategy=HybridParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2, start_method="spawn"),
+        strategy=HybridParallelStrategy(**layout, num_microbatches=2, start_method="spawn"),
         accelerator="cpu", devices=4, max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[AsyncCheckpointer(url, save_interval=None, every_n_train_steps=steps)], precision=PRECISION,
     )
-    trainer.fit(module, loader(steps * PER_RANK_BATCH, PER_RANK_BATCH))
+    dp = layout.get("data_parallel_size", 1)
+    trainer.fit(module, loader(steps * PER_RANK_BATCH * dp, PER_RANK_BATCH))
 
     def from_files() -> HuggingFaceCausalLM:
         reference = HuggingFaceCausalLM.from_pretrained(str(source), lr=1e-2, config=overrides).double()
@@ -126,7 +135,7 @@ def test_pretrained_weights_train_at_pp2_tp2_and_export_back_to_hugging_face(tmp
         return reference
 
     trained = {k: v.detach() for k, v in module.state_dict().items()}
-    assert_state_close(trained, reference_training(from_files, steps, PER_RANK_BATCH), steps)
+    assert_state_close(trained, reference_training(from_files, steps, PER_RANK_BATCH * dp), steps)
 
     with pytest.raises(SystemExit) as done:
         cli_main(["checkpoint", "export", url, "last", str(out), "--format", "hf"])

@@ -78,6 +78,27 @@ def test_tensor_parallel_collectives_are_timed_per_axis(tmp_path):
     assert profile["bandwidth_bytes_per_s"] is None
 
 
+def test_sharded_gathers_and_reduce_scatters_are_timed_and_counted(tmp_path, capfd):
+    monitor = CommunicationMonitor(gather_every=4, measure_link=False)
+    strategy = HybridParallelStrategy(data_parallel_size=2, data_parallel_shard_size=2, start_method="spawn")
+    _, record = _fit(tmp_path, 2, strategy, [monitor])
+    profile = record["profile"]
+    assert profile["dp_shard"] == 2
+    assert all(rank["dp_gather"] > 0 and rank["dp_scatter"] > 0 for rank in profile["ranks"])
+    assert all(rank["dp_comm"] >= rank["dp_gather"] + rank["dp_scatter"] - 1e-9 for rank in profile["ranks"])
+    # Bytes per step as the collectives ran, against the ring formula for 2 ranks (half of each float32 tensor):
+    # each block (a unit) gathered for forward and again for backward, the root's own parameters once, every
+    # gradient reduce-scattered once.
+    model = DeepSeekMini(**TINY_MODEL)
+    blocks = sum(p.numel() for p in model.model.layers.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    expected = (2 * blocks + (total - blocks) + total) * 4 / 2
+    assert all(rank["dp_bytes"] == pytest.approx(expected, rel=0.01) for rank in profile["ranks"])
+    # Rank 0 holds half the parameters, and AdamW's two moments and the gradients of that half.
+    assert profile["model_state_mb"] == pytest.approx(total / 2 * 4 * 4 / 2**20, rel=0.01)
+    assert "sharded over dp_shard=2: parameter all-gathers" in capfd.readouterr().err
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="gather_every must be an integer >= 1"):
         CommunicationMonitor(gather_every=0)

@@ -68,12 +68,15 @@ class _LossRecorder(Callback):
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
 
 
+SCHEDULE_STEPS = 6  # per schedule: float64 tells a wrong gradient from rounding at once; six steps use Adam's moments too
+
+
 def _every_schedule(rank: int, world: int, dp: int, tp: int, clip) -> None:
     """In already started processes (Lightning sees them as launched externally), train the tiny model with
     every schedule and compare each rank's loss trajectory and stage parameters with single-process training."""
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     expected_losses: list[float] = []
-    expected = reference_training(_tiny, STEPS, PER_RANK_BATCH * dp, clip=clip, losses=expected_losses)
+    expected = reference_training(_tiny, SCHEDULE_STEPS, PER_RANK_BATCH * dp, clip=clip, losses=expected_losses)
     for schedule, stages_per_rank in SCHEDULES:
         strategy = HybridParallelStrategy(
             pipeline_parallel_size=2, data_parallel_size=dp, tensor_parallel_size=tp, pipeline_schedule=schedule,
@@ -82,20 +85,20 @@ def _every_schedule(rank: int, world: int, dp: int, tp: int, clip) -> None:
         )
         module, recorder = _tiny(), _LossRecorder()
         trainer = Trainer(
-            strategy=strategy, accelerator="cpu", devices=world, max_steps=STEPS, logger=False, callbacks=[recorder],
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            strategy=strategy, accelerator="cpu", devices=world, max_steps=SCHEDULE_STEPS, logger=False,
+            callbacks=[recorder], enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             gradient_clip_val=clip, precision=PRECISION,
         )
-        trainer.fit(module, loader(STEPS * PER_RANK_BATCH * dp, PER_RANK_BATCH))
+        trainer.fit(module, loader(SCHEDULE_STEPS * PER_RANK_BATCH * dp, PER_RANK_BATCH))
         assert recorder.losses == pytest.approx(expected_losses, rel=LOGGED_LOSS_REL), schedule
         state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
         assert state.keys() < expected.keys(), f"{schedule}: a stage holds part of the model, under its own names"
-        assert_state_close(state, {k: expected[k] for k in state}, STEPS)
+        assert_state_close(state, {k: expected[k] for k in state}, SCHEDULE_STEPS)
 
 
 @pytest.mark.parametrize("dp, tp, clip", [(2, 1, None), (1, 2, 0.05)], ids=["pp2xdp2", "pp2xtp2-clip"])
 def test_every_schedule_matches_single_process(dp, tp, clip):
-    """pp=2 x dp=2 and pp=2 x tp=2 (global-norm clipping) on 4 processes, 12 steps, for each schedule offered;
+    """pp=2 x dp=2 and pp=2 x tp=2 (global-norm clipping) on 4 processes, 6 steps, for each schedule offered;
     1F1B also with activation checkpointing."""
     run_workers(_every_schedule, 4, dp, tp, clip)
 

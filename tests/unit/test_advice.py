@@ -84,3 +84,35 @@ def test_data_loading_and_pipeline_bubble_rules():
 def test_profile_round_trips_through_json():
     profile = _profile([_rank(), _rank()])
     assert RunProfile.from_json(profile.to_json()) == profile
+
+
+def test_tight_memory_recommends_sharding_with_the_memory_it_frees():
+    # 4 replicas each holding 1600 MB of parameters, gradients and Adam state, peaking at 7.5 of 8 GB.
+    tight = _profile([_rank(memory_mb=7500.0) for _ in range(4)], memory_capacity_mb=8000.0, model_state_mb=1600.0)
+    (advice,) = [a for a in advise(tight) if a.rule == "sharding"]
+    assert "data_parallel_shard_size: 4" in advice.argument
+    assert advice.predicted_memory_mb == pytest.approx(1600.0 * 3 / 4)  # it keeps a quarter
+    assert "1200 MB less memory per rank" in str(advice)
+    # The all-gathers it adds: every parameter gathered for forward and backward, 2 (4-1)/4 of 40 MB (float32).
+    assert f"{2 * 3 / 4 * 10_000_000 * 4 / 2**20:.0f} MB more traffic" in advice.summary
+    roomy = _profile([_rank(memory_mb=3000.0) for _ in range(4)], memory_capacity_mb=8000.0, model_state_mb=1600.0)
+    assert not [a for a in advise(roomy) if a.rule == "sharding"]
+    already = _profile([_rank(memory_mb=7500.0) for _ in range(4)], memory_capacity_mb=8000.0, model_state_mb=1600.0, dp_shard=4)
+    assert advise(already) == []
+
+
+def test_sharded_runs_get_no_all_reduce_compression_advice():
+    # The slow-link profile that recommends compression when replicated (above), sharded instead.
+    ranks = [_rank(step=0.47, compute=0.15, dp_comm=0.32, dp_exposed=0.30) for _ in range(2)]
+    assert advise(_profile(ranks, bandwidth_bytes_per_s=1.25e8))
+    assert advise(_profile(ranks, bandwidth_bytes_per_s=1.25e8, dp_shard=2)) == []
+
+
+def test_monitor_json_of_earlier_versions_still_reads():
+    old = _profile([_rank(), _rank()]).to_json()
+    for rank in old["ranks"]:
+        del rank["dp_gather"], rank["dp_scatter"]
+    for key in ("dp_shard", "model_state_mb", "memory_capacity_mb"):
+        del old[key]
+    profile = RunProfile.from_json(old)
+    assert profile.dp_shard == 1 and profile.mean("dp_gather") == 0.0 and advise(profile) == []

@@ -42,12 +42,13 @@ def test_the_sharded_engine_state_is_its_reduce_scatter_residuals():
     import torch
 
     from lightning_ciuic.comm.codecs import BlockInt8
-    from lightning_ciuic.comm.fsdp_comms import QuantizedReduceScatter
+    from lightning_ciuic.comm.fsdp_comms import ReduceScatterComm
+    from lightning_ciuic.comm.timing import DeviceClock
     from lightning_ciuic.comm.sharded import Sharded, ShardingConfig
 
     def engine() -> Sharded:
         sharded = Sharded(ShardingConfig(gradient_codec="int8"))
-        sharded.gradient_comms = [QuantizedReduceScatter(BlockInt8(), True, sharded.stats) for _ in range(2)]
+        sharded.gradient_comms = [ReduceScatterComm(sharded.stats, DeviceClock(torch.device("cpu")), BlockInt8()) for _ in range(2)]
         return sharded
 
     saved = engine()

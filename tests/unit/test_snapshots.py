@@ -223,8 +223,8 @@ def test_default_store_root_exists():
     assert os.path.isdir(SnapshotRecovery().shm_root)
 
 
-def _holding(holder, step, world, rank, where="own", tp=1):
-    return Holding(holder=holder, where=where, step=step, world_size=world, rank=rank, tp=tp)
+def _holding(holder, step, world, rank, where="own", tp=1, dp_shard=1):
+    return Holding(holder=holder, where=where, step=step, world_size=world, rank=rank, tp=tp, dp_shard=dp_shard)
 
 
 def test_restore_plans_same_layout_prefer_own_and_newest():
@@ -245,6 +245,17 @@ def test_restore_plans_across_a_data_parallel_size_change():
     tp_kept = plan_restores([_holding(0, 5, 2, 0, tp=2), _holding(1, 5, 2, 1, tp=2)], world_size=4, tp=2)
     assert [s.rank for s in tp_kept[0].sources] == [0, 1, 0, 1]  # the same tensor-parallel shard
     assert plan_restores([_holding(0, 5, 2, 0, tp=2), _holding(1, 5, 2, 1, tp=2)], world_size=2, tp=1) == []
+
+
+def test_a_sharded_runs_snapshots_restore_only_into_the_same_layout():
+    shards = [_holding(0, 7, 2, 0, dp_shard=2), _holding(1, 7, 2, 1, dp_shard=2)]  # each rank: half the model
+    same = plan_restores(shards, world_size=2, dp_shard=2)
+    assert [s.rank for s in same[0].sources] == [0, 1] and not same[0].resharded
+    assert plan_restores(shards, world_size=1) == []  # one shard is not the model: resume from a checkpoint
+    assert plan_restores(shards, world_size=4, dp_shard=4) == []
+    assert plan_restores(shards, world_size=2) == []  # replicated now: each rank would need the whole model
+    replicated = [_holding(0, 7, 2, 0), _holding(1, 7, 2, 1)]
+    assert plan_restores(replicated, world_size=2, dp_shard=2) == []  # whole replicas do not fit shards either
 
 
 @pytest.mark.parametrize(("dp_before", "dp_after"), [(2, 1), (1, 2), (2, 4), (4, 2)])

@@ -2,7 +2,7 @@
 
 Contract: :func:`recovery_order` sorts a rank's kept snapshot steps by the recovery strategy; :func:`plan_restores`
 lists, newest first, every snapshot step the current run can restore from the :class:`Holding` s every rank
-reported (its own layout, or another data-parallel size from a replica's state). No Lightning imports.
+reported (its own layout, or another data-parallel size from a replicated run's state). No Lightning imports.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class Holding:
     pp: int = 1
     tp: int = 1
     loss: Optional[float] = None
+    dp_shard: int = 1  # > 1: the state is this rank's shard of a sharded (FSDP) run
 
 
 @dataclass(frozen=True)
@@ -55,20 +56,25 @@ class RestorePlan:
         return any(source.rank != rank or source.world_size != len(self.sources) for rank, source in enumerate(self.sources))
 
 
-def plan_restores(holdings: Iterable[Holding], world_size: int, pp: int = 1, tp: int = 1) -> list[RestorePlan]:
-    """Every snapshot step the current run (``world_size`` ranks, ``pp`` x dp x ``tp``) can restore, newest first.
+def plan_restores(
+    holdings: Iterable[Holding], world_size: int, pp: int = 1, tp: int = 1, dp_shard: int = 1
+) -> list[RestorePlan]:
+    """Every snapshot step the current run (``world_size`` ranks, ``pp`` x dp x ``tp``, ``dp_shard`` of the dp
+    ranks sharding the model) can restore, newest first.
 
     A rank restores its own state from the same layout, or, when only the data-parallel size changed (``pp == 1``
-    and ``tp`` kept), the state of any rank with its tensor-parallel coordinate: data-parallel replicas hold the
-    same model and optimizer state. A holding on the rank itself is preferred to one another process must send.
+    and ``tp`` kept) in a replicated run, the state of any rank with its tensor-parallel coordinate: data-parallel
+    replicas hold the same model and optimizer state. A sharded run's snapshot holds one rank's shards: only the
+    same layout restores it (another layout resumes from a checkpoint, which DCP reshards). A holding on the rank
+    itself is preferred to one another process must send.
     """
     by_step: dict[tuple[int, int], list[Holding]] = {}
     for holding in holdings:
         by_step.setdefault((holding.step, holding.world_size), []).append(holding)
     plans = []
     for (step, world), found in by_step.items():
-        same_layout = world == world_size and all(h.pp == pp and h.tp == tp for h in found)
-        reshardable = pp == 1 and all(h.pp == 1 and h.tp == tp for h in found)
+        same_layout = world == world_size and all(h.pp == pp and h.tp == tp and h.dp_shard == dp_shard for h in found)
+        reshardable = pp == 1 and dp_shard == 1 and all(h.pp == 1 and h.tp == tp and h.dp_shard == 1 for h in found)
         sources = []
         for rank in range(world_size):
             if same_layout:
