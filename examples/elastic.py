@@ -22,6 +22,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 
 from examples.data import ByteCorpusDataModule
 from examples.deepseek import DeepSeekMini
+from lightning_ciuic import AsyncCheckpointer, HybridParallelStrategy
 from lightning_ciuic.callbacks.elastic import ElasticResourceManager
 from lightning_ciuic.callbacks.recovery import SnapshotRecovery
 
@@ -53,6 +54,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--step-seconds", type=float, default=0.2)
     parser.add_argument("--snapshot-freq", type=int, default=5)
+    parser.add_argument(
+        "--sharded", action="store_true",
+        help="FSDP over every data-parallel rank (data_parallel_shard_size='auto'), with an AsyncCheckpointer every"
+        " --snapshot-freq steps: a membership change resumes from its checkpoint, which DCP reshards",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -64,19 +70,23 @@ def main() -> None:
         ElasticResourceManager(monitoring_interval=2.0, min_nodes=1, max_nodes=2, global_batch_size=8,
                                decisions_file=str(args.out / "decisions.jsonl")),
     ]
+    strategy = "ciuic"
+    if args.sharded:
+        strategy = HybridParallelStrategy(data_parallel_shard_size="auto")
+        callbacks.append(AsyncCheckpointer(str(args.out / "checkpoints"), every_n_train_steps=args.snapshot_freq, save_interval=None))
     trainer = Trainer(
         accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-        num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)), strategy="ciuic", max_steps=args.steps,
-        callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)), strategy=strategy, max_steps=args.steps,
+        callbacks=callbacks, logger=False, enable_checkpointing=args.sharded, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0,
     )
     model = DeepSeekMini(**TINY)
     data = ByteCorpusDataModule(CORPUS, seq_len=32, batch_size=4)  # per-rank batch 4: accumulation 2 on one rank
     trainer.fit(model, data)
+    held_out = next(iter(data.val_dataloader()))
+    with torch.no_grad():  # every rank: a sharded model gathers its parameters for the forward
+        loss = float(model.pipelined_loss(held_out))
     if trainer.global_rank == 0:
-        held_out = next(iter(data.val_dataloader()))
-        with torch.no_grad():
-            loss = float(model.pipelined_loss(held_out))
         (args.out / "final.json").write_text(json.dumps({"loss": loss, "world": trainer.world_size, "step": trainer.global_step}))
 
 

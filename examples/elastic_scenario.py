@@ -6,7 +6,8 @@ Two ``torchrun --nnodes=1:2 --nproc-per-node=1`` agents (c10d rendezvous) on thi
 killed with SIGKILL (a lost node); the other must go on alone; then the killed agent is started again and the run
 must return to two nodes. An uninterrupted run (one agent, two ranks) on the same data is the reference.
 :func:`run_scenario` returns the time from the kill to the first training step on one node, steps lost, time from
-the rejoin to the first step on two nodes, steps lost there, and the final held-out loss against the reference.
+the rejoin to the first step on two nodes, steps lost there, the final held-out loss against the reference, and
+what each restart resumed from.
 """
 
 from __future__ import annotations
@@ -28,13 +29,16 @@ JOB = ROOT / "examples" / "elastic.py"
 RDZV_CONF = "join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
-def agent(out: Path, port: int, steps: int, step_seconds: float, nnodes: str = "1:2", nproc: int = 1) -> subprocess.Popen:
-    """Start one torchrun agent (a node) running the elastic example; its output goes to ``out/agent-*.log``."""
+def agent(
+    out: Path, port: int, steps: int, step_seconds: float, nnodes: str = "1:2", nproc: int = 1, job_args: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    """Start one torchrun agent (a node) running the elastic example (with ``job_args``); its output goes to
+    ``out/agent-*.log``."""
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=ciuic-elastic",
         "--max-restarts=3", "--monitor-interval=0.5", f"--rdzv-conf={RDZV_CONF}",
-        str(JOB), str(out), "--steps", str(steps), "--step-seconds", str(step_seconds),
+        str(JOB), str(out), "--steps", str(steps), "--step-seconds", str(step_seconds), *job_args,
     ]
     # TorchElastic's shared rendezvous store breaks a rejoining node (pytorch#135712): see docs/elastic.md.
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
@@ -94,20 +98,24 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def run_scenario(workdir: Path, steps: int = 60, step_seconds: float = 0.2, kill_at: int = 15, alone_steps: int = 10) -> dict:
-    """Reference run, then the lose-and-rejoin run; returns the measurements (see the module docstring)."""
+def run_scenario(
+    workdir: Path, steps: int = 60, step_seconds: float = 0.2, kill_at: int = 15, alone_steps: int = 10,
+    job_args: tuple[str, ...] = (),
+) -> dict:
+    """Reference run, then the lose-and-rejoin run (``job_args`` passed to examples/elastic.py, e.g.
+    ``("--sharded",)``); returns the measurements (see the module docstring)."""
     reference_dir, out = workdir / "reference", workdir / "elastic"
     reference_dir.mkdir(parents=True)
     out.mkdir(parents=True)
-    reference = agent(reference_dir, free_port(), steps, step_seconds, nnodes="1", nproc=2)
+    reference = agent(reference_dir, free_port(), steps, step_seconds, nnodes="1", nproc=2, job_args=job_args)
     if reference.wait(timeout=600) != 0:
         raise RuntimeError(f"reference run failed:\n{logs(reference_dir)}")
 
     shm_before = set(Path("/dev/shm").glob("lightning_ciuic-ciuic-elastic-*"))
     port = free_port()
-    first = agent(out, port, steps, step_seconds)
+    first = agent(out, port, steps, step_seconds, job_args=job_args)
     time.sleep(1.0)  # the first agent hosts the rendezvous store: it is the one that stays
-    second = agent(out, port, steps, step_seconds)
+    second = agent(out, port, steps, step_seconds, job_args=job_args)
     try:
         wait_for(lambda: any(r["world"] == 2 and r["step"] >= kill_at for r in progress(out)), 300, f"two nodes at step {kill_at}")
         lose_node(second)
@@ -118,7 +126,7 @@ def run_scenario(workdir: Path, steps: int = 60, step_seconds: float = 0.2, kill
         resumed = min(r["step"] for r in alone)
         wait_for(lambda: max(r["step"] for r in progress(out)) >= resumed + alone_steps, 120, "steps on one node")
         rejoined_at = time.time()
-        second = agent(out, port, steps, step_seconds)
+        second = agent(out, port, steps, step_seconds, job_args=job_args)
         wait_for(lambda: any(r["world"] == 2 and r["time"] > rejoined_at for r in progress(out)), 180, "two nodes again")
         before_rejoin = max(r["step"] for r in progress(out) if r["world"] == 1)
         back = [r for r in progress(out) if r["world"] == 2 and r["time"] > rejoined_at]
@@ -148,4 +156,9 @@ def run_scenario(workdir: Path, steps: int = 60, step_seconds: float = 0.2, kill
         "loss_difference": abs(final["loss"] - expected["loss"]) / expected["loss"],
         "decisions": [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()],
         "shared_memory_left": [str(p) for p in leftover],
+        "resumed_from": [  # what each restart restored, as SnapshotRecovery reported it
+            line.split("resumed from ", 1)[1].split(" in ")[0]
+            for log in sorted(out.glob("agent-*.log")) for line in log.read_text().splitlines()
+            if "SnapshotRecovery: resumed from " in line
+        ],
     }

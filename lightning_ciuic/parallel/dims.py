@@ -49,9 +49,11 @@ class ParallelDims:
         pipeline_parallel_size: int = 1,
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
         tensor_parallel_size: int = 1,
-        data_parallel_shard_size: int = 1,
+        data_parallel_shard_size: Union[int, Literal["auto"]] = 1,
     ) -> "ParallelDims":
-        """Validate the degrees and fill in ``data_parallel_size="auto"``."""
+        """Validate the degrees and fill in ``"auto"``: ``data_parallel_size`` from the world size,
+        ``data_parallel_shard_size`` as the data-parallel size (plain FSDP over every data-parallel rank, whatever
+        their number: what an elastic run needs)."""
         check_int("world_size", world_size)
         cls.check_degrees(pipeline_parallel_size, data_parallel_size, tensor_parallel_size, data_parallel_shard_size)
         pp, tp = pipeline_parallel_size, tensor_parallel_size
@@ -76,6 +78,8 @@ class ParallelDims:
                 f"pipeline_parallel_size * data_parallel_size * tensor_parallel_size = {pp} * {dp} * {tp}"
                 f" = {pp * dp * tp}, but the world size is {world_size}; the product must equal it: {fix}."
             )
+        if data_parallel_shard_size == "auto":
+            data_parallel_shard_size = dp
         if dp % data_parallel_shard_size != 0:
             raise ValueError(
                 f"data_parallel_shard_size={data_parallel_shard_size} must divide the data-parallel size {dp}"
@@ -89,9 +93,10 @@ class ParallelDims:
         pipeline_parallel_size: int = 1,
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
         tensor_parallel_size: int = 1,
-        data_parallel_shard_size: int = 1,
+        data_parallel_shard_size: Union[int, Literal["auto"]] = 1,
     ) -> None:
-        """Raise ``ValueError`` unless each degree is a positive integer (``dp`` may also be ``"auto"``)."""
+        """Raise ``ValueError`` unless each degree is a positive integer (``dp`` and ``dp_shard`` may also be
+        ``"auto"``)."""
         degrees = {
             "pipeline_parallel_size": pipeline_parallel_size,
             "data_parallel_size": data_parallel_size,
@@ -99,7 +104,7 @@ class ParallelDims:
             "data_parallel_shard_size": data_parallel_shard_size,
         }
         for name, value in degrees.items():
-            check_int(name, value, allowed=("auto",) if name == "data_parallel_size" else ())
+            check_int(name, value, allowed=("auto",) if name in ("data_parallel_size", "data_parallel_shard_size") else ())
 
     @property
     def pp_enabled(self) -> bool:

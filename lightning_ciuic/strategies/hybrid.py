@@ -117,8 +117,8 @@ class HybridParallelStrategy(ParallelStrategy):
         allreduce_algorithm: ``"auto"`` (the backend's all-reduce), ``"ring"`` or ``"tree"`` (ours, for
             ``none``/``fp16``/``bf16``).
         data_parallel_shard_size: data-parallel ranks that shard parameters, gradients and optimizer state
-            between them (FSDP2); ``1`` (default) keeps whole replicas, ``data_parallel_size`` is plain FSDP,
-            a divisor in between is HSDP. ``communication_compression`` may then be ``"fp16"``/``"bf16"`` (the
+            between them (FSDP2); ``1`` (default) keeps whole replicas, ``data_parallel_size`` (or ``"auto"``,
+            which follows it, e.g. across elastic membership changes) is plain FSDP, a divisor in between is HSDP. ``communication_compression`` may then be ``"fp16"``/``"bf16"`` (the
             gradient reduce-scatter's dtype) or ``"int8"``/``"nf4"`` (a quantized all-to-all, ZeRO++'s qgZ).
         weight_all_gather_compression: ``"none"`` or ``"int8"`` (sharded only): the parameter all-gathers send
             block-wise int8 codes (ZeRO++'s qwZ); forward and backward compute with the decoded weights.
@@ -153,7 +153,7 @@ class HybridParallelStrategy(ParallelStrategy):
         compression_warmup_steps: int = 0,
         allreduce_algorithm: AllReduceAlgorithm = "auto",
         auto_recheck_steps: int = 500,
-        data_parallel_shard_size: int = 1,
+        data_parallel_shard_size: Union[int, Literal["auto"]] = 1,
         fsdp_units: Optional[list[Union[str, type]]] = None,
         reshard_after_forward: bool = True,
         fsdp_cpu_offload: bool = False,
@@ -448,7 +448,7 @@ class HybridParallelStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         if has_meta_tensors(self.model):
-            if self._requested["data_parallel_shard_size"] == 1:
+            if self.parallel_dims is None or not self.parallel_dims.sharded:
                 raise ValueError(
                     f"{type(self.model).__name__} has tensors on the meta device, which only"
                     " sharded data parallelism materialises (shard by shard, after sharding): set"
@@ -462,7 +462,7 @@ class HybridParallelStrategy(ParallelStrategy):
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         """``Trainer.init_module(empty_init=True)`` builds a sharded model on the meta device: nothing is allocated
         until each rank materialises its shards. Otherwise Lightning's behaviour."""
-        if empty_init and self._requested["data_parallel_shard_size"] > 1:
+        if empty_init and self._requested["data_parallel_shard_size"] != 1:
             with torch.device("meta"), self.precision_plugin.tensor_init_context():
                 yield
             return

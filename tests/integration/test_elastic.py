@@ -17,3 +17,16 @@ def test_losing_a_node_continues_on_one_and_a_rejoining_node_brings_the_run_back
     assert result["loss_difference"] <= 0.02, result
     assert result["decisions"] and all(d["action"] in ("scale_up", "scale_down", "hold") for d in result["decisions"])
     assert result["shared_memory_left"] == [], result["shared_memory_left"]
+
+
+def test_a_sharded_run_survives_the_same_and_resumes_from_resharded_checkpoints(tmp_path):
+    """FSDP over every data-parallel rank (``data_parallel_shard_size="auto"``): 2 shards, then 1 rank, then 2 again.
+    A sharded snapshot is one rank's half of the model: each change of membership resumes from the newest
+    AsyncCheckpointer checkpoint (every 5 steps), which DCP reshards into the new layout."""
+    result = run_scenario(tmp_path, steps=45, step_seconds=0.2, kill_at=10, alone_steps=5, job_args=("--sharded",))
+    assert result["resumed_from"] and all(r.startswith("checkpoint ") for r in result["resumed_from"]), result
+    assert 0 < result["lost_on_kill"] <= 6 and result["lost_on_rejoin"] <= 6, result  # a checkpoint every 5 steps
+    assert result["accumulate_alone"] == [2], result
+    assert result["final"]["step"] == 45 and result["final"]["world"] == 2
+    assert result["loss_difference"] <= 0.02, result
+    assert result["shared_memory_left"] == [], result["shared_memory_left"]

@@ -47,3 +47,12 @@ def test_bad_degrees(kwargs, message):
 def test_bad_world_size():
     with pytest.raises(ValueError, match="world_size must be an integer >= 1, got 0"):
         ParallelDims.resolve(0)
+
+
+def test_auto_shard_size_follows_the_data_parallel_size():
+    assert ParallelDims.resolve(4, data_parallel_shard_size="auto").dp_shard == 4  # plain FSDP over every dp rank
+    assert ParallelDims.resolve(4, tensor_parallel_size=2, data_parallel_shard_size="auto").dp_shard == 2
+    alone = ParallelDims.resolve(1, data_parallel_shard_size="auto")  # an elastic run down to one node
+    assert alone.dp_shard == 1 and not alone.sharded
+    with pytest.raises(ValueError, match="data_parallel_shard_size must be an integer >= 1 or 'auto', got 'all'"):
+        ParallelDims.resolve(4, data_parallel_shard_size="all")

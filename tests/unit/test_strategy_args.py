@@ -57,7 +57,7 @@ def test_seed_names_stay_importable():
             {"communication_compression": "int8", "process_group_backend": "mpi"},
             r"communication_compression='int8' needs all_to_all.*got process_group_backend='mpi'",
         ),
-        ({"data_parallel_shard_size": 0}, "data_parallel_shard_size must be an integer >= 1, got 0"),
+        ({"data_parallel_shard_size": 0}, "data_parallel_shard_size must be an integer >= 1 or 'auto', got 0"),
         (
             {"data_parallel_shard_size": 2, "communication_compression": "topk"},
             r"communication_compression='topk' does not apply to sharded data parallelism .* use 'none', 'fp16' or 'bf16'",
