@@ -25,6 +25,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "CommunicationMonitor": ("lightning_ciuic.callbacks.monitor", "CommunicationMonitor"),
     "CompressionConfig": ("lightning_ciuic.comm.compression", "CompressionConfig"),
     "DataParallel": ("lightning_ciuic.comm.data_parallel", "DataParallel"),
+    "DiLoCo": ("lightning_ciuic.comm.diloco", "DiLoCo"),
     "DynamicDataBalancer": ("lightning_ciuic.callbacks.data_balance", "DynamicDataBalancer"),
     "ElasticResourceManager": ("lightning_ciuic.callbacks.elastic", "ElasticResourceManager"),
     "GradientCompression": ("lightning_ciuic.comm.compression", "GradientCompression"),

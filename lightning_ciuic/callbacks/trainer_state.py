@@ -61,8 +61,8 @@ def apply_training_state(
     for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["lr_schedulers"]):
         config.scheduler.load_state_dict(scheduler_state)
     engine = parallel_context(trainer).data_parallel
-    if engine is not None and state["compression"] is not None and rank_state:
-        engine.load_state_dict(state["compression"])
+    if engine is not None:  # another rank's or layout's state: the engine starts afresh (residuals zero)
+        engine.load_state_dict(state["compression"] if rank_state and state["compression"] is not None else {})
     set_rng_state(state["rng"])
     if rewind_only:
         compat.rewind_step_counters(trainer, state["loops"])

@@ -5,7 +5,9 @@ Contract (collective calls: every rank of ``process_group`` calls them for the s
 * ``save_sharded(model_state, optimizer_states, meta, rank_state, rank_key, ...)`` writes the model's and
   optimizers' state as DCP shards under fully qualified parameter names (so another parallel layout can
   load them), ``rank_state`` — tensors only this rank owns, such as error-feedback residuals — under
-  ``rank_key``, and the non-tensor Lightning state ``meta`` as one pickled object. Where: ``checkpoint_id``
+  ``rank_key``, and the non-tensor Lightning state ``meta`` as one pickled object. A tensor every rank holds is
+  written once, by the rank DCP balances writes to, or with ``lowest_rank`` by the lowest (replicas that differ:
+  the checkpoint then holds one consistent replica). Where: ``checkpoint_id``
   (a directory, DCP's file-system format) or ``storage_writer`` (e.g. the chunked fsspec writer of
   :mod:`lightning_ciuic.checkpoint.dcp`).
 * ``load_sharded(model, optimizers, rank_key, ...)`` loads them in place into the (already built and
@@ -34,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 META_KEY = "meta"
@@ -48,12 +51,14 @@ def save_sharded(
     checkpoint_id: Optional[Path] = None,
     storage_writer: Optional[StorageWriter] = None,
     process_group: Optional[dist.ProcessGroup] = None,
+    lowest_rank: bool = False,
 ) -> None:
     state: dict[str, Any] = {"state_dict": model_state, META_KEY: pickle.dumps(meta)}  # one opaque item, not flattened
     state.update({f"optimizer_{i}": s for i, s in enumerate(optimizer_states)})
     if rank_state:
         state[rank_key] = rank_state
-    dcp.save(state, checkpoint_id=checkpoint_id, storage_writer=storage_writer, process_group=process_group)
+    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=lowest_rank)
+    dcp.save(state, checkpoint_id=checkpoint_id, storage_writer=storage_writer, process_group=process_group, planner=planner)
 
 
 def load_sharded(
@@ -74,7 +79,7 @@ def load_sharded(
     state: dict[str, Any] = {"state_dict": get_model_state_dict(model), META_KEY: b""}
     state.update({f"optimizer_{i}": get_optimizer_state_dict(model, o) for i, o in enumerate(optimizers)})
     prefix = rank_key + "."
-    owned = {k[len(prefix) :]: torch.empty(saved[k].size) for k in saved if k.startswith(prefix)}
+    owned = {k[len(prefix) :]: torch.empty(saved[k].size, dtype=saved[k].properties.dtype) for k in saved if k.startswith(prefix)}
     if owned:
         state[rank_key] = owned
     dcp.load(state, storage_reader=reader)

@@ -16,14 +16,18 @@ Contract of a :class:`DataParallel` engine, driven by the strategy at four point
 * ``state_dict()`` / ``load_state_dict(state)``: this rank's engine state for checkpoints and snapshots (flat
   name -> tensor), and ``describe()`` / ``restore(description)``: the small, rank-independent part (the active
   mode) saved once.
+* ``after_optimizer_step()``: after each optimizer step; ``finish()``: at the end of training (both nothing by
+  default: DiLoCo synchronises there); ``track_optimizers(optimizers)`` once they exist; ``replicas_differ``: the
+  replicas' tensors are not equal (checkpoints then take replicated tensors from the lowest rank).
 * ``stats``: :class:`~lightning_ciuic.comm.grad_sync.SyncStats` counters; ``payload()``: (gradient values
   averaged per optimizer step, collectives launched for them); ``close()`` detaches everything.
+* :func:`broadcast_from_first`: every data-parallel rank takes the first one's weights (the engines' start).
 
 :class:`Replicated` is today's engine: every replica holds the whole model; bucketed, overlapped averaging
 (:class:`~lightning_ciuic.comm.grad_sync.GradientSynchronizer`), compressed and error-corrected as a
 :class:`~lightning_ciuic.comm.compression.CompressionConfig` says, ``"auto"`` deciding the mode from measured
 step times. :class:`~lightning_ciuic.comm.sharded.Sharded` shards the model (FSDP2 over ``dp_shard``, HSDP);
-low-communication training (DiLoCo) is the next engine.
+:class:`~lightning_ciuic.comm.diloco.DiLoCoEngine` synchronises every ``sync_every`` steps (DiLoCo).
 
 No Lightning imports.
 """
@@ -39,15 +43,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_ciuic import compat
 from lightning_ciuic.comm.auto import AutoCompression
 from lightning_ciuic.comm.compression import CompressionConfig, GradientCompression
 from lightning_ciuic.comm.grad_sync import GradientSynchronizer, SyncStats, mean_all_reduce
+from lightning_ciuic.tensors import local_tensor
 
 
 class DataParallel(ABC):
     """How replicas of a model over a data-parallel group stay in step (see the module docstring)."""
 
     group: Optional[dist.ProcessGroup] = None
+    replicas_differ = False  # True: replicated tensors are not equal across data-parallel ranks (DiLoCo)
 
     @abstractmethod
     def setup(self, module: torch.nn.Module, mesh: DeviceMesh, stages: Sequence[torch.nn.Module] = ()) -> None: ...
@@ -76,6 +83,15 @@ class DataParallel(ABC):
 
     def describe(self) -> Optional[dict[str, Any]]:
         return None
+
+    def track_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """The optimizers built after set-up (an engine whose state includes theirs keeps them)."""
+
+    def after_optimizer_step(self) -> None:
+        """After each optimizer step (the replicated and sharded engines did their work during backward)."""
+
+    def finish(self) -> None:
+        """At the end of training, before the model is handed back or saved."""
 
     def restore(self, description: dict[str, Any]) -> None:
         pass
@@ -167,3 +183,15 @@ class Replicated(DataParallel):
         if self.compression is not None:
             self.compression.close()
         self.synchronizer = self.compression = self.auto = None
+
+
+@torch.no_grad()
+def broadcast_from_first(module: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Every rank of the data-parallel mesh takes the first rank's parameters and buffers (not meta ones)."""
+    group = compat.flatten_mesh(mesh, mesh.mesh_dim_names, "dp").get_group() if mesh.ndim > 1 else mesh.get_group()
+    if dist.get_world_size(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0)
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.device.type != "meta":
+            dist.broadcast(local_tensor(tensor).data, src=src, group=group)

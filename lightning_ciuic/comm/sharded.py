@@ -43,18 +43,15 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from lightning_ciuic import compat
 from lightning_ciuic.comm.codecs import dense_codec
-from lightning_ciuic.comm.data_parallel import DataParallel
+from lightning_ciuic.comm.data_parallel import DataParallel, broadcast_from_first
 from lightning_ciuic.comm.fsdp_comms import AllGatherComm, ReduceScatterComm
 from lightning_ciuic.comm.grad_sync import SyncStats
 from lightning_ciuic.comm.timing import DeviceClock
-from lightning_ciuic.tensors import local_tensor
 
 UnitSpec = Union[str, type]
 
@@ -144,7 +141,7 @@ class Sharded(DataParallel):
     def setup(self, module: nn.Module, mesh: DeviceMesh, stages: Sequence[nn.Module] = ()) -> None:
         self.close()
         self.mesh, self.group = mesh, mesh.get_group(mesh.ndim - 1)
-        _broadcast_from_first(module, mesh)
+        broadcast_from_first(module, mesh)
         roots = list(stages) or [module]
         if self.config.units is None:
             units = [unit for root in roots for unit in default_units(root)]
@@ -270,15 +267,3 @@ def materialize(module: nn.Module, device: torch.device) -> None:
             " buffers and have no reset_parameters(): their values would be uninitialised memory. Give the model an"
             " init_weights() (or those modules reset_parameters()), or build it without empty_init."
         )
-
-
-@torch.no_grad()
-def _broadcast_from_first(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Every rank of the data-parallel mesh takes the first rank's parameters and buffers (not meta ones)."""
-    group = compat.flatten_mesh(mesh, mesh.mesh_dim_names, "dp").get_group() if mesh.ndim > 1 else mesh.get_group()
-    if dist.get_world_size(group) == 1:
-        return
-    src = dist.get_global_rank(group, 0)
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if tensor.device.type != "meta":
-            dist.broadcast(local_tensor(tensor).data, src=src, group=group)

@@ -50,6 +50,7 @@ def save_checkpoint(strategy: HybridParallelStrategy, checkpoint: dict[str, Any]
         rank_state = engine.state_dict()
         checkpoint["gradient_compression"] = description
     key = rank_key(strategy)
+    lowest_rank = engine is not None and engine.replicas_differ  # one consistent replica, not a mix of them
     io = _chunked_io(strategy, filepath)
     if io is not None:
         extra = {"step": checkpoint.get("global_step", 0), "epoch": checkpoint.get("epoch", 0)}
@@ -57,7 +58,9 @@ def save_checkpoint(strategy: HybridParallelStrategy, checkpoint: dict[str, Any]
             filepath,
             (model_state, optimizer_states, checkpoint, rank_state),
             extra,
-            lambda staged, writer, group: save_sharded(*staged, key, storage_writer=writer, process_group=group),
+            lambda staged, writer, group: save_sharded(
+                *staged, key, storage_writer=writer, process_group=group, lowest_rank=lowest_rank
+            ),
         )
         return
     path = Path(strategy.broadcast(str(filepath)))
@@ -66,7 +69,7 @@ def save_checkpoint(strategy: HybridParallelStrategy, checkpoint: dict[str, Any]
             path.unlink()
         path.mkdir(parents=True, exist_ok=True)
     strategy.barrier("checkpoint-dir")
-    save_sharded(model_state, optimizer_states, checkpoint, rank_state, key, checkpoint_id=path)
+    save_sharded(model_state, optimizer_states, checkpoint, rank_state, key, checkpoint_id=path, lowest_rank=lowest_rank)
     strategy.barrier("checkpoint-saved")
 
 
@@ -90,7 +93,8 @@ def load_checkpoint(strategy: HybridParallelStrategy, checkpoint_path: Any) -> d
             engine.load_state_dict(rank_state)
             engine.restore(description)
         else:
-            rank_zero_info("checkpoint has no gradient-compression state for this rank: residuals start at zero.")
+            engine.load_state_dict({})  # residuals at zero; DiLoCo starts a new round from the loaded model
+            rank_zero_info("checkpoint has no data-parallel engine state for this rank: residuals start at zero.")
     return meta
 
 

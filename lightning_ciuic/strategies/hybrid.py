@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -56,6 +56,7 @@ from lightning_ciuic import compat
 from lightning_ciuic.comm.auto import AutoCompression
 from lightning_ciuic.comm.compression import AllReduceAlgorithm, CompressionConfig, CompressionMode, GradientCompression
 from lightning_ciuic.comm.data_parallel import DataParallel, Replicated
+from lightning_ciuic.comm.diloco import DiLoCo, DiLoCoEngine
 from lightning_ciuic.comm.sharded import Sharded, ShardingConfig, has_meta_tensors
 from lightning_ciuic.comm.grad_sync import GradientSynchronizer, check_bucket_size
 from lightning_ciuic.comm.hooks import GradientQuantizer
@@ -127,6 +128,9 @@ class HybridParallelStrategy(ParallelStrategy):
         reshard_after_forward: free gathered parameters after each unit's forward and gather them again for
             its backward (ZeRO-3, the least memory); ``False`` keeps them until backward (ZeRO-2's traffic).
         fsdp_cpu_offload: keep shards, gradients and optimizer state in host memory.
+        diloco: a :class:`~lightning_ciuic.comm.diloco.DiLoCo` configuration: data-parallel replicas train alone
+            and average their pseudo-gradients every ``sync_every`` steps through an outer Nesterov step
+            (docs/diloco.md). It changes the optimisation: nothing turns it on but this argument.
     """
 
     strategy_name = "ciuic"
@@ -158,6 +162,7 @@ class HybridParallelStrategy(ParallelStrategy):
         reshard_after_forward: bool = True,
         fsdp_cpu_offload: bool = False,
         weight_all_gather_compression: Literal["none", "int8"] = "none",
+        diloco: Optional[DiLoCo] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -223,6 +228,9 @@ class HybridParallelStrategy(ParallelStrategy):
         )
         if data_parallel_shard_size != 1:
             _check_sharded_combination(self.compression_config, self._pipeline_config, pipeline_parallel_size)
+        if diloco is not None:
+            _check_diloco_combination(diloco, self.compression_config, data_parallel_shard_size)
+        self.diloco = diloco
         self.bucket_size_mb = float(bucket_size_mb)
         self._process_group_backend = process_group_backend
         self._start_method = start_method
@@ -349,6 +357,8 @@ class HybridParallelStrategy(ParallelStrategy):
         self._setup_data_parallel()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.data_parallel is not None:
+                self.data_parallel.track_optimizers([compat.unwrap_optimizer(o) for o in self.optimizers])
         self.setup_precision_plugin()
         self.barrier("setup")
 
@@ -376,6 +386,8 @@ class HybridParallelStrategy(ParallelStrategy):
             return
         if dims.sharded:
             self.data_parallel = Sharded(self._sharding_dtypes())
+        elif self.diloco is not None:
+            self.data_parallel = DiLoCoEngine(self.diloco)
         else:
             self.data_parallel = Replicated(self.compression_config, self.bucket_size_mb, self._sync_timeout.total_seconds())
         stages = self.pipeline.stage_modules if self.pipeline is not None else ()
@@ -438,6 +450,19 @@ class HybridParallelStrategy(ParallelStrategy):
             module.log("comm/bytes_sent", float(stats.bytes_sent - logged_bytes), on_step=True, on_epoch=False)
             module.log("comm/sync_time", stats.wait_seconds - logged_seconds, on_step=True, on_epoch=False)
             self._logged = (stats.bytes_sent, stats.wait_seconds)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.data_parallel is not None:
+            self.data_parallel.after_optimizer_step()
+        return output
+
+    @override
+    def on_train_end(self) -> None:
+        if self.data_parallel is not None:
+            self.data_parallel.finish()
+        super().on_train_end()
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -611,6 +636,22 @@ class HybridParallelStrategy(ParallelStrategy):
 _REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _SHARDED_CODECS = ("int8", "nf4")
 _SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+
+
+def _check_diloco_combination(diloco: Any, compression: CompressionConfig, data_parallel_shard_size: Any) -> None:
+    if not isinstance(diloco, DiLoCo):
+        raise TypeError(f"diloco must be a lightning_ciuic.DiLoCo(...), got {type(diloco).__name__}: {diloco!r}.")
+    if compression.mode != "none":
+        raise ValueError(
+            f"communication_compression={compression.mode!r} compresses every step's gradient sync, which DiLoCo does"
+            f" not run (replicas sync every {diloco.sync_every} steps): leave it 'none' and set"
+            f" DiLoCo(compression=...) for the outer pseudo-gradients ('fp16', 'bf16', 'int8', 'nf4')."
+        )
+    if data_parallel_shard_size != 1:
+        raise ValueError(
+            f"diloco with data_parallel_shard_size={data_parallel_shard_size!r}: DiLoCo's workers are whole replicas"
+            " (tensor or pipeline parallel inside each), not shards; use data_parallel_shard_size=1."
+        )
 
 
 def _check_sharded_combination(compression: CompressionConfig, pipeline: PipelineConfig, pp: int) -> None:
