@@ -139,6 +139,12 @@ class Sharded(DataParallel):
         self.gradient_comms: list[ReduceScatterComm] = []  # one per unit, the roots' last
 
     def setup(self, module: nn.Module, mesh: DeviceMesh, stages: Sequence[nn.Module] = ()) -> None:
+        if self.config.cpu_offload and mesh.device_type == "cpu":
+            raise ValueError(
+                "fsdp_cpu_offload=True keeps shards in host memory between a GPU's uses of them; this run computes on"
+                " the CPU, where they are in host memory already (and FSDP2's offload needs an accelerator): leave"
+                " fsdp_cpu_offload=False."
+            )
         self.close()
         self.mesh, self.group = mesh, mesh.get_group(mesh.ndim - 1)
         broadcast_from_first(module, mesh)

@@ -93,8 +93,8 @@ def test_accumulation_syncs_once_per_optimizer_step_with_linearly_scaled_lr(tmp_
 def test_loading_a_file_that_is_not_our_checkpoint_says_so(tmp_path):
     bogus = tmp_path / "model.ckpt"
     torch.save({"state_dict": {}}, bogus)
-    trainer = Trainer(  # one process: the check is the same in every rank, no need to start four
-        strategy=HybridParallelStrategy(), accelerator="cpu", devices=1, max_steps=1, logger=False,
+    trainer = Trainer(  # two processes: the check is the same on every rank, no need to start four
+        strategy=HybridParallelStrategy(start_method="spawn"), accelerator="cpu", devices=2, max_steps=1, logger=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, precision=PRECISION,
     )
     with pytest.raises(Exception, match="is not a HybridParallelStrategy checkpoint"):

@@ -176,3 +176,35 @@ def test_int8_gradient_reduce_scatter_and_weight_all_gather_run_in_every_unit():
     gathers = 2 * counts["units"] + counts["roots"]
     assert counts["collectives"] == STEPS * (units + gathers), counts
     assert all(torch.isfinite(v).all() for v in module.state_dict().values())
+
+
+class ShardingPolicies(Callback):
+    """Rank 0's FSDP2 mixed-precision policy on the root unit, in ``callback_metrics``."""
+
+    def on_train_start(self, trainer, pl_module):
+        from torch.distributed.fsdp import fully_shard
+
+        policy = fully_shard.state(pl_module)._mp_policy
+        trainer.callback_metrics.update({
+            "policy/param_bf16": torch.tensor(float(policy.param_dtype == torch.bfloat16)),
+            "policy/reduce_fp32": torch.tensor(float(policy.reduce_dtype == torch.float32)),
+        })
+
+
+def test_bf16_mixed_precision_reaches_fsdp2_and_cpu_offload_on_a_cpu_run_is_refused():
+    """``precision="bf16-mixed"`` gathers and computes in bf16 and reduces in float32. ``fsdp_cpu_offload`` is for
+    GPUs (FSDP2's offload needs an accelerator; on the CPU the shards are in host memory already)."""
+    def trainer(**kwargs):
+        strategy = HybridParallelStrategy(data_parallel_size=2, data_parallel_shard_size=2, start_method="spawn", **kwargs)
+        return Trainer(
+            strategy=strategy, accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, precision="bf16-mixed", callbacks=[ShardingPolicies()],
+        )
+
+    mixed, module = trainer(), _tiny().float()
+    mixed.fit(module, loader(2 * PER_RANK_BATCH * 2, PER_RANK_BATCH))
+    policies = {k.split("/")[1]: float(v) for k, v in mixed.callback_metrics.items() if k.startswith("policy/")}
+    assert policies == {"param_bf16": 1.0, "reduce_fp32": 1.0}, policies
+    assert all(torch.isfinite(v).all() for v in module.state_dict().values())
+    with pytest.raises(Exception, match="fsdp_cpu_offload=True keeps shards in host memory .* leave fsdp_cpu_offload=False"):
+        trainer(fsdp_cpu_offload=True).fit(_tiny().float(), loader(2 * PER_RANK_BATCH * 2, PER_RANK_BATCH))
