@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from examples.deepseek import DeepSeekMini
+from lightning_ciuic import HybridParallelStrategy
 from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
 from lightning_ciuic.callbacks.recovery import SnapshotRecovery
 from lightning_ciuic.testing import FailAt
@@ -46,6 +48,7 @@ def main() -> None:
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--lose-snapshots", action="store_true")
     parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--sharded", action="store_true", help="FSDP over both ranks (data_parallel_shard_size='auto')")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -62,7 +65,7 @@ def main() -> None:
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
         num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-        strategy="ciuic",
+        strategy=HybridParallelStrategy(data_parallel_shard_size="auto") if args.sharded else "ciuic",
         max_steps=args.steps,
         callbacks=callbacks,
         logger=False,
@@ -73,8 +76,10 @@ def main() -> None:
     model = DeepSeekMini(**TINY_MODEL)
     trainer.fit(model, loader(512, 4))
     args.out.mkdir(parents=True, exist_ok=True)
+    # The whole model (a sharded one gathered: collective), saved by rank 0.
+    final = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) if args.sharded else model.state_dict()
     if trainer.global_rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / "final.pt")
+        torch.save({k: v.detach().clone() for k, v in final.items()}, args.out / "final.pt")
     report = {
         "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "restored_from": recovery.restored_from,

@@ -67,6 +67,19 @@ def test_killed_worker_restarts_from_snapshot_and_ends_like_an_uninterrupted_run
     assert _wait_gone(Path(reports[0]["run_directory"])), "shared memory left behind after the run"
 
 
+def test_a_sharded_run_killed_mid_run_restarts_from_its_shards_snapshots_and_ends_like_an_uninterrupted_one(tmp_path):
+    """FSDP over both ranks: each rank's snapshot is its shard; the restarted workers (same layout) take their own."""
+    reference = tmp_path / "reference"
+    result = _torchrun(reference, "--sharded", max_restarts=0)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "killed"
+    result = _torchrun(run, "--sharded", "--store", "shm", "--fault", "kill", "--fault-step", "7")
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = _report(run)
+    assert [r["restored_from"] for r in reports] == ["the step-4 snapshot (shm, this node's memory)"] * 2
+    assert_state_equal(torch.load(run / "final.pt"), torch.load(reference / "final.pt"))
+
+
 def test_without_snapshots_the_restart_resumes_from_the_last_async_checkpoint(tmp_path, uninterrupted):
     checkpoints = tmp_path / "checkpoints"
     result = _torchrun(
