@@ -79,6 +79,7 @@ def load_sharded(
     state: dict[str, Any] = {"state_dict": get_model_state_dict(model), META_KEY: b""}
     state.update({f"optimizer_{i}": get_optimizer_state_dict(model, o) for i, o in enumerate(optimizers)})
     prefix = rank_key + "."
+    # In host memory, in the saved dtype: the engine moves what it loads to its own device.
     owned = {k[len(prefix) :]: torch.empty(saved[k].size, dtype=saved[k].properties.dtype) for k in saved if k.startswith(prefix)}
     if owned:
         state[rank_key] = owned

@@ -203,6 +203,7 @@ class DiLoCoEngine(DataParallel):
                 buffer = optimizer.state.get(tensor, {}).get("momentum_buffer")
                 if buffer is not None:
                     state[f"momentum.{k}.{j}"] = buffer
+        # Step counters: host scalars on purpose (read back with int(), never computed with).
         state.update({f"last_sync.{k}": torch.tensor(float(s)) for k, s in enumerate(self._last_sync)})
         for o, optimizer in enumerate(self.optimizers):  # this replica's inner state (Adam's moments, step)
             for i, p in enumerate(self.params):
