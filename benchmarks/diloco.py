@@ -13,6 +13,7 @@ Writes the ``diloco`` section of docs/benchmarks.md.
 
     sudo .venv/bin/python benchmarks/diloco.py [--rate 1gbit] [--sync-every 16] [--steps 48] [--speed-batch 4]
         [--rounds 2] [--loss-steps 300]
+    .venv/bin/python benchmarks/diloco.py --loss-only "DiLoCo sync_every=16 outer_lr=1.0" ...   (loss sweep, prints)
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ def _strategy(variant: str, sync_every: int):
 
     if variant == "DDPStrategy":
         return DDPStrategy()
-    compression = "int8" if variant.endswith("int8") else "none"
-    return HybridParallelStrategy(diloco=DiLoCo(sync_every=sync_every, compression=compression))
+    # "DiLoCo sync_every=16 int8 outer_lr=1.0": DiLoCo's arguments as name=value words ("int8": the compression)
+    settings = dict(word.split("=") for word in variant.split()[1:] if "=" in word)
+    return HybridParallelStrategy(diloco=DiLoCo(
+        sync_every=int(settings.get("sync_every", sync_every)), compression="int8" if variant.endswith("int8") else "none",
+        outer_lr=float(settings.get("outer_lr", 0.7)), outer_momentum=float(settings.get("outer_momentum", 0.9)),
+    ))
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -86,6 +91,10 @@ def main() -> None:
     parser.add_argument("--speed-batch", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--loss-steps", type=int, default=300)
+    parser.add_argument(
+        "--loss-only", nargs="*", default=None,
+        help="only the loss part, for these DiLoCo variants (e.g. 'DiLoCo sync_every=16 outer_lr=1.0'); prints, writes nothing",
+    )
     parser.add_argument("--worker", action="store_true", help="internal: one rank of one run")
     parser.add_argument("--variant", default="DDPStrategy")
     parser.add_argument("--model", default="large")
@@ -94,10 +103,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    h = args.sync_every
+    if args.loss_only is not None:  # a sweep of the loss at equal tokens against DDP, on loopback
+        with tempfile.TemporaryDirectory() as tmp:
+            for variant in ["DDPStrategy", *args.loss_only]:
+                loss = statistics.fmean(run(variant, "example", args.loss_steps, 16, h, Path(tmp), None)["losses"][-20:])
+                print(f"LOSS {variant}: {loss:.4f}", flush=True)
+        return
     reason = available()
     if reason:
         raise SystemExit(f"benchmarks/diloco.py: {reason}")
-    h = args.sync_every
     variants = ["DDPStrategy", f"DiLoCo sync_every={h}", f"DiLoCo sync_every={h} int8"]
     results: dict[str, list[dict]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp, SimulatedCluster(nodes=2, rate=args.rate) as cluster:
