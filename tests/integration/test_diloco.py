@@ -62,9 +62,9 @@ class ReplicasAgree(Callback):
                 }, f)
 
 
-def _fit(strategy, module, steps, callbacks=(), ckpt_path=None, root=None, steps_per_epoch=None):
+def _fit(strategy, module, steps, callbacks=(), ckpt_path=None, root=None, steps_per_epoch=None, devices=2):
     trainer = Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_progress_bar=False,
+        strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, precision=PRECISION, callbacks=list(callbacks),
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), default_root_dir=root,
     )
@@ -76,11 +76,16 @@ def _diloco(**kwargs):
     return HybridParallelStrategy(data_parallel_size=2, diloco=DiLoCo(**kwargs), start_method="spawn")
 
 
-def test_a_sync_every_step_with_plain_outer_sgd_is_data_parallel_training():
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)], ids=["dp2", "dp2xtp2", "dp2xpp2"])
+def test_a_sync_every_step_with_plain_outer_sgd_is_data_parallel_training(tp, pp):
     # Each replica steps theta - lr g_r; the average pseudo-gradient is lr * mean(g); the outer step with lr 1 and no
-    # momentum lands on theta - lr * mean(g): the synchronous update.
+    # momentum lands on theta - lr * mean(g): the synchronous update. With tp or pp, per local shard.
     steps = 4
-    trained = _fit(_diloco(sync_every=1, outer_lr=1.0, outer_momentum=0.0), _tiny(SGDMini), steps)
+    strategy = HybridParallelStrategy(
+        data_parallel_size=2, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
+        diloco=DiLoCo(sync_every=1, outer_lr=1.0, outer_momentum=0.0), start_method="spawn",
+    )
+    trained = _fit(strategy, _tiny(SGDMini), steps, devices=2 * tp * pp)
     assert_state_close(trained, reference_training(lambda: _tiny(SGDMini), steps, PER_RANK_BATCH * 2), steps, lr=0.05)
 
 
