@@ -122,13 +122,17 @@ class DiLoCoEngine(DataParallel):
         """Take the start-of-round values from the model: after set-up, or after a load without engine state."""
         with torch.no_grad():
             self.start = [local_tensor(p).detach().clone() for p in self.params]
-        self.outer = [self._outer_optimizer([self.start[i] for i in fragment]) for fragment in self.fragments]
+        self.outer = self._outer_optimizers()
         self._last_sync = [self._global_step] * len(self.fragments)
         self._fresh = False
 
-    def _outer_optimizer(self, tensors: list[torch.Tensor]) -> torch.optim.SGD:
+    def _outer_optimizers(self) -> list[torch.optim.SGD]:
+        """One outer optimizer per fragment, over its start-of-round tensors."""
         momentum = self.config.outer_momentum
-        return torch.optim.SGD(tensors, lr=self.config.outer_lr, momentum=momentum, nesterov=momentum > 0)
+        return [
+            torch.optim.SGD([self.start[i] for i in fragment], lr=self.config.outer_lr, momentum=momentum, nesterov=momentum > 0)
+            for fragment in self.fragments
+        ]
 
     def _offset(self, fragment: int) -> int:
         return fragment * self.config.sync_every // len(self.fragments)
@@ -169,8 +173,9 @@ class DiLoCoEngine(DataParallel):
         self._stats.collectives += 1
         self._stats.bytes_sent += sent
         self._stats.bytes_reduced += pseudo.numel() * 4
-        self._stats.add_comm(time.perf_counter() - started)
-        self._stats.add_wait(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started  # blocking: all of it is waited for
+        self._stats.add_comm(elapsed)
+        self._stats.add_wait(elapsed)
 
     def track_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self.optimizers = list(optimizers)
@@ -224,7 +229,7 @@ class DiLoCoEngine(DataParallel):
         for i, p in enumerate(self.params):
             local_tensor(p).copy_(state[f"current.{i}"])
         self.start = [state[f"start.{i}"].to(local_tensor(p)).clone() for i, p in enumerate(self.params)]  # device, dtype
-        self.outer = [self._outer_optimizer([self.start[i] for i in fragment]) for fragment in self.fragments]
+        self.outer = self._outer_optimizers()
         for k, optimizer in enumerate(self.outer):
             for j, tensor in enumerate(optimizer.param_groups[0]["params"]):
                 buffer = state.get(f"momentum.{k}.{j}")
