@@ -79,6 +79,16 @@ class ShardingConfig:
                 )
 
 
+def check_offload(cpu_offload: bool, device_type: str) -> None:
+    """CPU offload is for accelerators: FSDP2's needs one, and on the CPU the shards are in host memory already."""
+    if cpu_offload and device_type == "cpu":
+        raise ValueError(
+            "fsdp_cpu_offload=True keeps shards in host memory between a GPU's uses of them; this run computes on"
+            " the CPU, where they are in host memory already (and FSDP2's offload needs an accelerator): leave"
+            " fsdp_cpu_offload=False."
+        )
+
+
 def default_units(module: nn.Module) -> list[nn.Module]:
     """Every child of the outermost ``nn.ModuleList`` s inside ``module`` (a transformer's blocks)."""
     units: list[nn.Module] = []
@@ -139,12 +149,7 @@ class Sharded(DataParallel):
         self.gradient_comms: list[ReduceScatterComm] = []  # one per unit, the roots' last
 
     def setup(self, module: nn.Module, mesh: DeviceMesh, stages: Sequence[nn.Module] = ()) -> None:
-        if self.config.cpu_offload and mesh.device_type == "cpu":
-            raise ValueError(
-                "fsdp_cpu_offload=True keeps shards in host memory between a GPU's uses of them; this run computes on"
-                " the CPU, where they are in host memory already (and FSDP2's offload needs an accelerator): leave"
-                " fsdp_cpu_offload=False."
-            )
+        check_offload(self.config.cpu_offload, mesh.device_type)
         self.close()
         self.mesh, self.group = mesh, mesh.get_group(mesh.ndim - 1)
         broadcast_from_first(module, mesh)

@@ -57,7 +57,7 @@ from lightning_ciuic.comm.auto import AutoCompression
 from lightning_ciuic.comm.compression import AllReduceAlgorithm, CompressionConfig, CompressionMode, GradientCompression
 from lightning_ciuic.comm.data_parallel import DataParallel, Replicated
 from lightning_ciuic.comm.diloco import DiLoCo, DiLoCoEngine
-from lightning_ciuic.comm.sharded import Sharded, ShardingConfig, has_meta_tensors
+from lightning_ciuic.comm.sharded import Sharded, ShardingConfig, check_offload, has_meta_tensors
 from lightning_ciuic.comm.grad_sync import GradientSynchronizer, check_bucket_size
 from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.parallel.dims import ParallelDims
@@ -296,6 +296,7 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        check_offload(self.sharding_config.cpu_offload, self.root_device.type)  # before any process starts
         if self.process_group_backend == "nccl" and self.root_device.type != "cuda":
             raise ValueError(
                 f"process_group_backend='nccl' needs CUDA devices, but this rank runs on {self.root_device}; use 'gloo'."
