@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from lightning.pytorch import Callback
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_ciuic.parallel.shutdown import leave_at_exit, leave_process_groups
 from lightning_ciuic.testing.ports import free_port
 
 TINY_MODEL = dict(
@@ -27,11 +28,9 @@ def _worker(rank: int, fn: Callable[..., None], world_size: int, port: int, args
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-    try:
-        fn(rank, world_size, *args)
-        dist.barrier()  # no rank tears its gloo pairs down while a peer may still be using them
-    finally:
-        dist.destroy_process_group()
+    leave_at_exit()  # after a failure too
+    fn(rank, world_size, *args)
+    leave_process_groups()
 
 
 def run_workers(fn: Callable[..., None], world_size: int, *args: Any) -> None:

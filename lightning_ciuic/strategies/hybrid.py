@@ -63,6 +63,7 @@ from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.grad_norm import clip_grad_norm_
 from lightning_ciuic.parallel.pipeline import PipelineRunner, PipelineScheduleName
+from lightning_ciuic.parallel.shutdown import leave_at_exit
 from lightning_ciuic.strategies import checkpointing
 from lightning_ciuic.strategies.launchers import FullWeightsMultiProcessingLauncher
 from lightning_ciuic.strategies.pipelining import PipelineConfig, PipelineModule, build_pipeline, checkpoint_blocks
@@ -324,6 +325,7 @@ class HybridParallelStrategy(ParallelStrategy):
         super().setup_environment()
         self.set_world_ranks()
         self._init_process_group()
+        leave_at_exit()
         if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # Like torchrun: several ranks on one machine must not each take every core (oversubscribed
             # intra-op threads make CPU collectives several times slower).

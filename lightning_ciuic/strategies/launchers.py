@@ -5,8 +5,8 @@ hands back to the main process after ``fit`` are the full model: tensor-parallel
 every rank first, because the main process has no device mesh to rebuild them on, and under pipeline
 parallelism the stages' parameters are gathered from the ``pp`` axis; a main-process module still on the meta
 device (built with ``empty_init=True`` for sharding) is allocated to receive them. And a worker that finished leaves its
-process groups together with its peers before its process exits (a gloo group destroyed at interpreter exit
-aborts the process now and then: "terminate called without an active exception", pytorch#190489).
+process groups together with its peers before its process exits (:mod:`lightning_ciuic.parallel.shutdown`: a gloo
+worker thread still busy at interpreter exit aborts the process now and then).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from lightning_ciuic import compat
 from lightning_ciuic.comm.sharded import has_meta_tensors, materialize
+from lightning_ciuic.parallel.shutdown import leave_process_groups
 
 
 _, MultiProcessingLauncher, WorkerOutput = compat.launchers()
@@ -37,9 +38,7 @@ class FullWeightsMultiProcessingLauncher(MultiProcessingLauncher):
     @override
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
         super()._wrapping_function(*args, **kwargs)
-        if dist.is_initialized():
-            dist.barrier()  # no rank tears its gloo pairs down while a peer may still be using them
-            dist.destroy_process_group()
+        leave_process_groups()
 
     @override
     def _recover_results_in_main_process(self, worker_output: WorkerOutput, trainer: Trainer) -> None:

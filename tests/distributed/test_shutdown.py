@@ -1,0 +1,25 @@
+"""Leaving process groups at exit: gloo's worker threads are found and seen idle before the interpreter finalizes."""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from lightning_ciuic.parallel import shutdown
+from tests.helpers import run_workers
+
+
+def _threads_outlive_destroy_and_are_waited_for(rank, world):
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]).full_tensor()
+    assert len(shutdown._gloo_worker_activity()) >= 1  # the default group's workers
+    dist.barrier()
+    dist.destroy_process_group()
+    # The mesh (and DTensor's caches) still hold the group: its workers live on after destroy_process_group.
+    assert shutdown._gloo_worker_activity(), "torch now joins gloo's workers at destroy: the wait may be unneeded"
+    assert shutdown.wait_for_idle_gloo_workers(timeout_s=5.0)
+    assert all(state == "S" for state, _ in shutdown._gloo_worker_activity().values())
+
+
+def test_gloo_workers_that_outlive_destroy_are_idle_before_exit():
+    run_workers(_threads_outlive_destroy_and_are_waited_for, 2)
