@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo demo-pipeline demo-sharded test test-gpu setup clean bench
+.PHONY: demo demo-pipeline demo-sharded test test-gpu setup browser clean bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,15 @@ demo-pipeline: setup
 demo-sharded: setup
 	$(VENV)/bin/lightning-ciuic fit --config examples/configs/sharded.yaml
 
-test: setup
+# The browser test renders the monitor's report in headless Chromium: Debian's package, installed here where apt
+# can (as root); without it that one test is skipped, and says why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	  (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1) || \
+	  echo "note: could not install chromium (apt-get install chromium); the report's browser test will be skipped"
+
+test: setup browser
 	$(PY) -m pytest tests
 
 # The GPU smoke suite (tests/gpu; it skips without CUDA, and its multi-rank cases below two GPUs). It installs

@@ -6,7 +6,11 @@ LightningDataModule can be named in the YAML (``class_path``); the current direc
 resolve without being installed.
 
 ``lightning-ciuic advise RUN_DIR`` prints the CommunicationMonitor's summary and advice again, offline, from the
-``monitor.json`` it wrote in ``RUN_DIR`` (or any folder below it).
+``monitor.json`` it wrote in ``RUN_DIR`` (or any folder below it); ``lightning-ciuic report RUN_DIR`` writes its
+``report.html`` (and ``trace.json`` when the run was traced) again beside that ``monitor.json``.
+
+After ``fit``, the console script ends with a short summary of what the pack did (:mod:`lightning_ciuic.summary`):
+the monitor's report, the checkpoints, the snapshots and how to resume.
 
 ``lightning-ciuic checkpoint ls URL`` lists AsyncCheckpointer checkpoints (name, step, epoch, sizes);
 ``checkpoint verify URL [NAME]`` re-reads and checks every chunk (exit 1 naming the damaged file);
@@ -21,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -31,21 +34,39 @@ from lightning.pytorch.cli import LightningCLI
 import lightning_ciuic  # noqa: F401  (registers the strategy names and classes)
 
 
-def advise_command(run_dir: str) -> int:
-    from lightning_ciuic.advice import RunProfile, advise
-    from lightning_ciuic.advice.report import summary_table
-
+def _latest_monitor_json(run_dir: str) -> Optional[Path]:
     root = Path(run_dir)
     found = [root] if root.is_file() else sorted(root.rglob("monitor.json"), key=lambda p: p.stat().st_mtime)
     if not found:
         print(f"no monitor.json under {run_dir!r}: train with callbacks=[CommunicationMonitor()] first.", file=sys.stderr)
+        return None
+    return found[-1]
+
+
+def advise_command(run_dir: str) -> int:
+    from lightning_ciuic.advice import RunProfile, advise
+    from lightning_ciuic.advice.report import summary_table
+
+    found = _latest_monitor_json(run_dir)
+    if found is None:
         return 2
-    profile = RunProfile.from_json(json.loads(found[-1].read_text())["profile"])
-    print(f"{found[-1]}\n{summary_table(profile)}\n")
+    profile = RunProfile.from_json(json.loads(found.read_text())["profile"])
+    print(f"{found}\n{summary_table(profile)}\n")
     advice = advise(profile)
     print("Advice:" if advice else "Advice: none (nothing found to gain >= 10%).")
     for item in advice:
         print(f"  - {item}")
+    return 0
+
+
+def report_command(run_dir: str) -> int:
+    from lightning_ciuic.advice.report import write_report
+
+    found = _latest_monitor_json(run_dir)
+    if found is None:
+        return 2
+    for kind, path in write_report(found.parent, json.loads(found.read_text())).items():
+        print(f"{kind}: {path}")
     return 0
 
 
@@ -63,6 +84,7 @@ def checkpoint_command(argv: list[str]) -> int:
     from lightning_ciuic.checkpoint.sharded import lightning_checkpoint
     from lightning_ciuic.checkpoint.incremental import CorruptCheckpointError
     from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO
+    from lightning_ciuic.summary import checkpoint_table
 
     if len(argv) < 2 or argv[0] not in ("ls", "verify", "export"):
         print(CHECKPOINT_USAGE, file=sys.stderr)
@@ -75,10 +97,7 @@ def checkpoint_command(argv: list[str]) -> int:
         print(f"no checkpoints: {url} {what}; give the URL an AsyncCheckpointer wrote to.", file=sys.stderr)
         return 1
     if action == "ls":
-        print(f"{'name':32} {'step':>8} {'epoch':>6} {'size MB':>9} {'written MB':>11} {'ranks':>5}  created")
-        for m in manifests:
-            created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created))
-            print(f"{m.name:32} {m.step:8d} {m.epoch:6d} {m.logical_bytes / 1e6:9.2f} {m.written_bytes / 1e6:11.2f} {m.world_size:5d}  {created}")
+        print("\n".join(checkpoint_table(manifests)))
         return 0
     if action == "verify":
         names = rest or [m.name for m in manifests]
@@ -120,15 +139,15 @@ def checkpoint_command(argv: list[str]) -> int:
 
 def main(args: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if args is None else args
-    if argv[:1] == ["advise"]:
+    if argv[:1] in (["advise"], ["report"]):
         if len(argv) != 2:
-            raise SystemExit("usage: lightning-ciuic advise RUN_DIR")
-        raise SystemExit(advise_command(argv[1]))
+            raise SystemExit(f"usage: lightning-ciuic {argv[0]} RUN_DIR")
+        raise SystemExit((advise_command if argv[0] == "advise" else report_command)(argv[1]))
     if argv[:1] == ["checkpoint"]:
         raise SystemExit(checkpoint_command(argv[1:]))
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    LightningCLI(
+    PackCLI(
         LightningModule,
         LightningDataModule,
         subclass_mode_model=True,
@@ -136,6 +155,21 @@ def main(args: Optional[list[str]] = None) -> None:
         args=args,
         save_config_kwargs={"overwrite": True},
     )
+
+
+class PackCLI(LightningCLI):
+    """LightningCLI that ends ``fit`` with the pack's summary (rank 0)."""
+
+    def after_fit(self) -> None:
+        from lightning_ciuic.summary import run_summary
+
+        if self.trainer.is_global_zero:
+            print(run_summary(self.trainer, self.config_path()))
+
+    def config_path(self) -> Optional[str]:
+        config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        paths = config.get("config") or []
+        return str(paths[-1]) if paths else None
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 Contract: the rest of the package reaches Lightning's and torch's private classes, attributes and hooks only
 through the names below, so an upgrade that moves one breaks this file and its test (``tests/unit/test_compat.py``,
 one check per touch point), loudly, instead of a training run somewhere else. Importing this module warns once
-when the installed Lightning or torch is outside the range the suite ran on (:data:`TESTED`).
+when the installed Lightning or torch is outside the range the suite ran on (:data:`TESTED`), and silences the
+deprecation warnings of :data:`THIRD_PARTY_DEPRECATIONS`: raised inside Lightning by the torch we run on, once per
+rank, about code neither we nor our users can change.
 
 Touch points:
 
@@ -84,6 +86,13 @@ def _warn_untested() -> None:
 
 _warn_untested()
 
+THIRD_PARTY_DEPRECATIONS = (
+    # Lightning 2.6's pytree helpers on torch >= 2.10 (lightning/pytorch/utilities/_pytree.py)
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+)
+for _message in THIRD_PARTY_DEPRECATIONS:
+    warnings.filterwarnings("ignore", message=_message)
+
 
 # -- Lightning --------------------------------------------------------------------------------------
 def launchers() -> tuple[type, type, type]:
@@ -130,6 +139,13 @@ def rewind_step_counters(trainer: Any, loops: dict[str, Any]) -> None:
     manual = loops["epoch_loop.manual_optimization.optim_step_progress"]["total"]
     epoch_loop.manual_optimization.optim_step_progress.total.load_state_dict(manual)
     epoch_loop._batches_that_stepped = loops["epoch_loop.state_dict"]["_batches_that_stepped"]
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor) -> None:
+    """``torch.distributed.all_gather_single`` (torch >= 2.13, where ``all_gather_into_tensor`` warns deprecated)."""
+    import torch.distributed as dist
+
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(output, input)
 
 
 def flatten_mesh(mesh: Any, axes: tuple[str, ...], name: str) -> Any:

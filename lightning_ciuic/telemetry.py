@@ -17,23 +17,32 @@ Contract:
     strategy waits for it (0 on accumulation micro-steps);
   - ``duration``: batch start to batch end (everything: compute, waits, optimizer step, callbacks).
 
+  - ``start``: the batch start (``time.perf_counter``; :func:`lightning_ciuic.timeline.wall_clock` turns it into epoch seconds);
+  - ``stalls``: seconds, per category of :data:`STALLS`, that :data:`timeline` spans recorded on this thread took
+    within this step's period (the previous batch's end to this one's); ``data_wait`` excludes them.
+
 * :meth:`records_since` hands each consumer the records after its own cursor; :func:`gather_per_rank`
-  all-gathers one row of numbers per rank (``[world_size, k]``) through the strategy's public ``all_gather``.
+  all-gathers one row of numbers per rank (``[world_size, k]``) over the default process group.
 
 Limits: timings are wall-clock on the host; on CUDA the caller must synchronize for them to mean device time.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.data import extract_batch_size
+
+from lightning_ciuic.compat import all_gather_single
+from lightning_ciuic.timeline import STALLS, timeline
 
 _HISTORY = 100_000  # records kept; consumers read far more often than this
 
@@ -48,6 +57,8 @@ class StepRecord:
     sync_wait: float
     duration: float
     optimizer_step: bool  # the batch ended with an optimizer step (not an accumulation micro-step)
+    start: float = 0.0  # time.perf_counter at batch start
+    stalls: dict[str, float] = field(default_factory=dict)  # category -> seconds, within this step's period
 
 
 class Telemetry:
@@ -105,8 +116,18 @@ class Telemetry:
         now = time.perf_counter()
         grads_done = self._last_grad if self._last_grad > start else now
         sync_wait = max(0.0, self._sync_mark - grads_done) if self._sync_mark else 0.0
+        stalls: dict[str, float] = {}
+        period_start = start - wait
+        thread = threading.current_thread().name
+        for span in timeline.ending_within(period_start, now):
+            if span.category in STALLS and span.track == thread:
+                stalls[span.category] = stalls.get(span.category, 0.0) + span.end - max(span.start, period_start)
+                wait -= max(0.0, min(span.end, start) - max(span.start, period_start))  # the part inside the gap
         self._records.append(
-            StepRecord(step, batch_idx, samples, wait, grads_done - start, sync_wait, now - start, bool(self._sync_mark))
+            StepRecord(
+                step, batch_idx, samples, max(0.0, wait), grads_done - start, sync_wait, now - start,
+                bool(self._sync_mark), start, stalls,
+            )
         )
         self._count += 1
         self._open, self._last_end = None, now
@@ -121,5 +142,8 @@ class Telemetry:
 def gather_per_rank(trainer: Trainer, values: list[float]) -> torch.Tensor:
     """All ranks' ``values`` as a ``[world_size, len(values)]`` float64 tensor (same on every rank)."""
     row = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
-    gathered = trainer.strategy.all_gather(row)
+    if not dist.is_initialized() or trainer.world_size == 1:
+        return row.reshape(1, len(values)).cpu()
+    gathered = row.new_empty(trainer.world_size * len(values))
+    all_gather_single(gathered, row)  # not strategy.all_gather: Lightning's goes through a deprecated torch API
     return gathered.reshape(trainer.world_size, len(values)).cpu()

@@ -14,6 +14,8 @@ from typing import Any, Optional
 RANK_FIELDS = (
     "step", "compute", "data_wait", "dp_exposed", "dp_comm", "dp_bytes", "dp_payload", "tp_comm", "memory_mb",
     "dp_gather", "dp_scatter",  # sharded data parallelism: parameter all-gathers, gradient reduce-scatters (in dp_comm)
+    "pp_bubble",  # pipeline parallel: the schedule's idle time (in compute)
+    "checkpoint_stall", "snapshot_stall", "outer_sync",  # training stopped for a checkpoint's staging, a snapshot, a DiLoCo sync
 )
 
 

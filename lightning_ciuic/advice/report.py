@@ -2,27 +2,54 @@
 
 Contract: :func:`summary_table` and :func:`render_html` are pure functions of a
 :class:`~lightning_ciuic.advice.RunProfile`, the gathered windows (``[{"step": int, "ranks": [dict]}]``) and
-the advice. The HTML has no external resources (inline CSS and SVG): a step-time breakdown over time, a
-per-rank heatmap of compute time per window, and the data-parallel bandwidth; then the per-rank table and
-the advice. No Lightning imports.
+the rules' findings. The HTML is one file with no external resources (inline CSS and SVG): the advice and what
+every rule checked; the step's breakdown per part (compute, tp comm, pp bubble, exposed dp sync, DiLoCo outer
+sync, data wait, checkpoint and snapshot stalls, other) over the gathered windows, with axes in ms and training
+steps and a legend, and as a table; compute per rank and window as a heatmap with its scale; the data-parallel
+bandwidth (algbw, busbw, the measured link) explained; the per-rank table. :func:`write_report` writes it (and
+the Chrome trace) from a ``monitor.json`` record. No Lightning imports.
 """
 
 from __future__ import annotations
 
 import html
+import json
+import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from lightning_ciuic.advice.profile import RunProfile
-from lightning_ciuic.advice.rules import Advice
+from lightning_ciuic.advice.rules import Finding, check
+from lightning_ciuic.advice.trace import chrome_trace
 
-_PARTS = (("compute", "#4e79a7"), ("dp_exposed", "#e15759"), ("data_wait", "#f28e2b"), ("other", "#bab0ac"))
+# The step's parts, in stacking order: (field or derived key, label, colour). "compute" is forward + backward less the
+# tensor-parallel collectives and the pipeline bubble inside it; "other" is what the step took beyond all parts.
+_PARTS = (
+    ("compute", "compute", "#4e79a7"),
+    ("tp_comm", "tp comm", "#76b7b2"),
+    ("pp_bubble", "pp bubble", "#b07aa1"),
+    ("dp_exposed", "dp sync (exposed)", "#e15759"),
+    ("outer_sync", "DiLoCo outer sync", "#ff9da7"),
+    ("data_wait", "data wait", "#f28e2b"),
+    ("checkpoint_stall", "checkpoint stall", "#9c755f"),
+    ("snapshot_stall", "snapshot stall", "#edc948"),
+    ("other", "other (optimizer, callbacks)", "#bab0ac"),
+)
 
 
-def _breakdown(values: dict[str, float]) -> dict[str, float]:
-    parts = {key: values[key] for key, _ in _PARTS if key != "other"}
-    parts["other"] = max(0.0, values["step"] - sum(parts.values()))
+def breakdown(values: dict[str, float]) -> dict[str, float]:
+    """Seconds per part of :data:`_PARTS` of one rank's (or a mean) step; the parts add up to ``step``."""
+    get = lambda key: float(values.get(key, 0.0))  # noqa: E731 - monitor.json of earlier versions lacks fields
+    parts = {"compute": max(0.0, get("compute") - get("tp_comm") - get("pp_bubble"))}
+    parts.update({key: get(key) for key, _, _ in _PARTS[1:-1]})
+    parts["other"] = max(0.0, get("step") - sum(parts.values()))
     return parts
+
+
+def _mean_ranks(ranks: Sequence[dict[str, float]]) -> dict[str, float]:
+    keys = set().union(*ranks) if ranks else set()
+    return {k: sum(r.get(k, 0.0) for r in ranks) / len(ranks) for k in keys}
 
 
 def bandwidth(profile: RunProfile) -> tuple[float, float]:
@@ -59,79 +86,190 @@ def summary_table(profile: RunProfile) -> str:
     return "\n".join(lines)
 
 
-def _svg_stacked(windows: Sequence[dict[str, Any]], width: int = 720, height: int = 220) -> str:
-    if not windows:
-        return "<p>No gathered windows.</p>"
-    series = [_breakdown({k: sum(r[k] for r in w["ranks"]) / len(w["ranks"]) for k in w["ranks"][0]}) for w in windows]
-    top = max(sum(s.values()) for s in series) or 1.0
-    bar = width / len(series)
-    rects = []
-    for i, parts in enumerate(series):
-        y = height
-        for key, color in _PARTS:
-            h = parts[key] / top * (height - 20)
-            y -= h
-            rects.append(
-                f'<rect x="{i * bar:.1f}" y="{y:.1f}" width="{max(bar - 1, 1):.1f}" height="{h:.1f}" fill="{color}">'
-                f"<title>step {windows[i]['step']}: {key} {parts[key] * 1e3:.1f} ms</title></rect>"
-            )
-    legend = "".join(
-        f'<rect x="{10 + j * 130}" y="2" width="10" height="10" fill="{c}"/><text x="{24 + j * 130}" y="11">{k}</text>'
-        for j, (k, c) in enumerate(_PARTS)
+def _nice_step(top: float, ticks: int = 4) -> float:
+    raw = top / ticks
+    magnitude = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
+    return next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
+
+
+def _legend(items: Sequence[tuple[str, str]], x0: float, y0: float, per_row: int, col_w: float) -> str:
+    return "".join(
+        f'<rect x="{x0 + (j % per_row) * col_w:.0f}" y="{y0 + (j // per_row) * 16:.0f}" width="10" height="10" fill="{color}"/>'
+        f'<text x="{x0 + (j % per_row) * col_w + 14:.0f}" y="{y0 + (j // per_row) * 16 + 9:.0f}">{html.escape(label)}</text>'
+        for j, (label, color) in enumerate(items)
     )
-    return f'<svg class="breakdown" width="{width}" height="{height}" font-size="11">{legend}{"".join(rects)}</svg>'
 
 
-def _svg_heatmap(windows: Sequence[dict[str, Any]], width: int = 720, cell_h: int = 18) -> str:
+def _x_labels(steps: Sequence[int], x0: float, slot: float, y: float) -> str:
+    every = max(1, math.ceil(len(steps) / 12))  # at most about 12 labels
+    return "".join(
+        f'<text x="{x0 + (i + 0.5) * slot:.1f}" y="{y:.0f}" text-anchor="middle">{step}</text>'
+        for i, step in enumerate(steps) if i % every == 0
+    )
+
+
+def _svg_breakdown(windows: Sequence[dict[str, Any]], width: int = 760, height: int = 300) -> str:
+    """Stacked bars: the mean step of the ranks in each gathered window, by part, in milliseconds."""
+    if not windows:
+        return "<p>No gathered windows (the run was shorter than the monitor's gather_every).</p>"
+    series = [breakdown(_mean_ranks(w["ranks"])) for w in windows]
+    left, top_margin, bottom = 56, 44, 40
+    plot_w, plot_h = width - left - 10, height - top_margin - bottom
+    top = max(sum(s.values()) for s in series) * 1e3 or 1.0
+    tick = _nice_step(top)
+    top = math.ceil(top / tick) * tick
+    slot = plot_w / len(series)
+    out = [_legend([(label, color) for _, label, color in _PARTS], left, 2, 5, 140)]
+    for i in range(int(round(top / tick)) + 1):  # y axis: gridlines and labels
+        y = top_margin + plot_h - i * tick / top * plot_h
+        out.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>'
+                   f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{i * tick:g}</text>')
+    for i, parts in enumerate(series):
+        y = top_margin + plot_h
+        for key, label, color in _PARTS:
+            h = parts[key] * 1e3 / top * plot_h
+            y -= h
+            out.append(
+                f'<rect x="{left + i * slot + 1:.1f}" y="{y:.1f}" width="{max(slot - 2, 1):.1f}" height="{h:.1f}" fill="{color}">'
+                f"<title>steps to {windows[i]['step']}: {label} {parts[key] * 1e3:.1f} ms</title></rect>"
+            )
+    out.append(f'<line x1="{left}" x2="{left}" y1="{top_margin}" y2="{top_margin + plot_h}" stroke="#333"/>')
+    out.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{top_margin + plot_h}" y2="{top_margin + plot_h}" stroke="#333"/>')
+    out.append(_x_labels([w["step"] for w in windows], left, slot, top_margin + plot_h + 14))
+    out.append(f'<text x="{left + plot_w / 2:.0f}" y="{height - 4}" text-anchor="middle">training step (end of each gathered window)</text>')
+    out.append(f'<text transform="translate(12,{top_margin + plot_h / 2:.0f}) rotate(-90)" text-anchor="middle">ms per step (mean of ranks)</text>')
+    return f'<svg class="chart breakdown" width="{width}" height="{height}" font-size="11">{"".join(out)}</svg>'
+
+
+def _color(shade: float) -> str:
+    return f"rgb({int(40 + 215 * shade)},{int(90 + 80 * (1 - shade))},{int(60 + 160 * (1 - shade))})"
+
+
+def _svg_heatmap(windows: Sequence[dict[str, Any]], width: int = 760, cell_h: int = 20) -> str:
+    """Compute time per rank (rows) and gathered window (columns), with its colour scale in milliseconds."""
     if not windows:
         return "<p>No gathered windows.</p>"
     n_ranks = len(windows[0]["ranks"])
-    values = [[w["ranks"][r]["compute"] for w in windows] for r in range(n_ranks)]
+    values = [[w["ranks"][r]["compute"] * 1e3 for w in windows] for r in range(n_ranks)]
     lo, hi = min(map(min, values)), max(map(max, values))
-    cell_w = (width - 60) / len(windows)
-    cells = []
+    left, scale_h = 60, 46
+    plot_w = width - left - 10
+    cell_w = plot_w / len(windows)
+    out = []
     for r, row in enumerate(values):
-        cells.append(f'<text x="0" y="{r * cell_h + 13}">rank {r}</text>')
+        out.append(f'<text x="0" y="{r * cell_h + 14}">rank {r}</text>')
         for i, value in enumerate(row):
             shade = 0.0 if hi == lo else (value - lo) / (hi - lo)
-            color = f"rgb({int(255 * shade)},{int(80 + 100 * (1 - shade))},{int(200 * (1 - shade))})"
-            cells.append(
-                f'<rect x="{60 + i * cell_w:.1f}" y="{r * cell_h}" width="{max(cell_w - 1, 1):.1f}" height="{cell_h - 2}"'
-                f' fill="{color}"><title>rank {r}, step {windows[i]["step"]}: compute {value * 1e3:.1f} ms</title></rect>'
+            out.append(
+                f'<rect x="{left + i * cell_w:.1f}" y="{r * cell_h}" width="{max(cell_w - 1, 1):.1f}" height="{cell_h - 2}"'
+                f' fill="{_color(shade)}"><title>rank {r}, steps to {windows[i]["step"]}: compute {value:.1f} ms</title></rect>'
             )
-    return f'<svg class="heatmap" width="{width}" height="{n_ranks * cell_h}" font-size="11">{"".join(cells)}</svg>'
+    y = n_ranks * cell_h
+    out.append(_x_labels([w["step"] for w in windows], left, cell_w, y + 12))
+    gradient = "".join(f'<stop offset="{k / 10:.1f}" stop-color="{_color(k / 10)}"/>' for k in range(11))
+    out.append(f'<defs><linearGradient id="scale">{gradient}</linearGradient></defs>'
+               f'<rect x="{left}" y="{y + 22}" width="200" height="10" fill="url(#scale)"/>'
+               f'<text x="{left - 4}" y="{y + 31}" text-anchor="end">{lo:.1f} ms</text>'
+               f'<text x="{left + 204}" y="{y + 31}">{hi:.1f} ms compute per step (training step on the axis above)</text>')
+    return f'<svg class="chart heatmap" width="{width}" height="{y + scale_h}" font-size="11">{"".join(out)}</svg>'
 
 
-def _svg_bandwidth(profile: RunProfile, width: int = 480, height: int = 120) -> str:
+def _svg_bandwidth(profile: RunProfile, width: int = 760) -> str:
+    """Horizontal bars in GB/s: the dp all-reduce's algorithm and bus bandwidth beside the measured link."""
     algbw, busbw = bandwidth(profile)
     link = (profile.bandwidth_bytes_per_s or 0.0) / 1e9
-    bars = [("dp algbw", algbw), ("dp busbw", busbw), ("dp link (measured)", link)]
-    top = max(v for _, v in bars) or 1.0
-    items = []
-    for i, (label, value) in enumerate(bars):
-        w = value / top * (width - 200)
-        items.append(
-            f'<text x="0" y="{i * 34 + 18}">{label}</text><rect x="150" y="{i * 34 + 5}" width="{w:.1f}" height="20"'
-            f' fill="#59a14f"/><text x="{155 + w:.1f}" y="{i * 34 + 19}">{value:.3f} GB/s</text>'
-        )
-    return f'<svg class="bandwidth" width="{width}" height="{height}" font-size="11">{"".join(items)}</svg>'
+    bars = [("dp all-reduce algbw", algbw, "#59a14f"), ("dp all-reduce busbw", busbw, "#4e79a7")]
+    if link:
+        bars.append(("dp link, measured at start", link, "#bab0ac"))
+    top = max(v for _, v, _ in bars) or 1.0
+    label_w, value_w = 190, 90
+    out = []
+    for i, (label, value, color) in enumerate(bars):
+        w = value / top * (width - label_w - value_w)
+        out.append(f'<text x="0" y="{i * 28 + 17}">{label}</text>'
+                   f'<rect x="{label_w}" y="{i * 28 + 4}" width="{max(w, 1):.1f}" height="18" fill="{color}"/>'
+                   f'<text x="{label_w + w + 6:.1f}" y="{i * 28 + 17}">{value:.3f} GB/s</text>')
+    return f'<svg class="chart bandwidth" width="{width}" height="{len(bars) * 28 + 6}" font-size="11">{"".join(out)}</svg>'
 
 
-def render_html(profile: RunProfile, windows: Sequence[dict[str, Any]], advice: Sequence[Advice]) -> str:
-    advice_html = (
-        "".join(f"<li><b>{html.escape(a.summary)}</b><br><code>{html.escape(a.argument)}</code> — "
-                f"{html.escape(a.prediction)}</li>" for a in advice)
-        or "<li>None: nothing found that is predicted to gain 10% or more.</li>"
-    )
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], cls: str) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _rank_rows(profile: RunProfile) -> list[list[str]]:
+    slowest = max((r["compute"] for r in profile.ranks), default=0.0)
+    rows = []
+    for rank, r in enumerate(profile.ranks):
+        overlap = 1 - r["dp_exposed"] / r["dp_comm"] if r["dp_comm"] > 0 else 0.0
+        rows.append([
+            str(rank), f"{r['step'] * 1e3:.1f}", f"{r['compute'] * 1e3:.1f}", f"{r['tp_comm'] * 1e3:.1f}",
+            f"{r['dp_comm'] * 1e3:.1f}", f"{r['dp_exposed'] * 1e3:.1f}", f"{max(0.0, overlap):.0%}",
+            f"{r['data_wait'] * 1e3:.1f}", f"{(r['checkpoint_stall'] + r['snapshot_stall']) * 1e3:.1f}",
+            f"{(slowest - r['compute']) * 1e3:.1f}", f"{r['dp_bytes'] / 1e6:.2f}", f"{r['memory_mb']:.0f}",
+        ])
+    return rows
+
+
+def render_html(profile: RunProfile, windows: Sequence[dict[str, Any]], findings: Sequence[Finding]) -> str:
+    """The report page; ``findings`` from :func:`lightning_ciuic.advice.check`."""
+    advice = [f.advice for f in findings if f.advice is not None]
+    advice_html = "".join(
+        f"<li><b>{html.escape(a.summary)}</b><br>change: <code>{html.escape(a.argument)}</code> ({html.escape(a.prediction)})</li>"
+        for a in sorted(advice, key=lambda a: -a.predicted_speedup)
+    ) or "<li>None: no rule found a change predicted to gain 10% or more (see what was checked below).</li>"
+    checked = _table(["rule", "what was checked", "advice"],
+                     [[f.rule, f.checked, "yes" if f.advice else "no"] for f in findings], "checks")
+    mean = breakdown(_mean_ranks(profile.ranks))
+    step = sum(mean.values()) or 1.0
+    parts = _table(["part", "ms per step", "share of the step"],
+                   [[label, f"{mean[key] * 1e3:.1f}", f"{mean[key] / step:.0%}"] for key, label, _ in _PARTS] +
+                   [["step (all parts)", f"{step * 1e3:.1f}", "100%"]], "parts")
+    ranks = _table(["rank", "step ms", "compute ms", "tp comm ms", "dp comm ms", "dp exposed ms", "overlap", "data wait ms",
+                    "ckpt + snapshot ms", "straggler wait ms", "MB sent", "memory MB"], _rank_rows(profile), "ranks")
+    algbw, busbw = bandwidth(profile)
+    link = profile.bandwidth_bytes_per_s
+    sharded = (f" Sharded over dp_shard={profile.dp_shard}: parameter all-gathers {profile.mean('dp_gather') * 1e3:.1f} ms and"
+               f" gradient reduce-scatters {profile.mean('dp_scatter') * 1e3:.1f} ms per step (in dp comm)." if profile.dp_shard > 1 else "")
+    steps = f"steps {windows[0]['step']} to {windows[-1]['step']}" if windows else "no gathered window"
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>lightning_ciuic communication report</title>
-<style>body{{font-family:sans-serif;max-width:780px;margin:2em auto}} pre{{font-size:11px;overflow-x:auto}}</style>
+<style>
+body{{font-family:sans-serif;max-width:800px;margin:2em auto;color:#222}} h2{{margin-top:1.6em}}
+table{{border-collapse:collapse;font-size:12px;margin:.5em 0}} th,td{{border:1px solid #ccc;padding:3px 6px;text-align:right}}
+th{{background:#f3f3f3}} td:first-child,th:first-child{{text-align:left}} table.checks td,table.checks th{{text-align:left}}
+table.ranks{{width:100%}} .note{{font-size:12px;color:#555}} code{{font-size:12px}}
+</style>
 </head><body>
 <h1>Communication report</h1>
+<p>Layout pp={profile.pp} x dp={profile.dp} x tp={profile.tp} ({profile.world_size} ranks), gradient compression
+{html.escape(profile.compression)!s}; per-rank means over the run (the first steps left out), charts per gathered window ({steps}).</p>
 <h2>Advice</h2><ul class="advice">{advice_html}</ul>
-<h2>Step-time breakdown over time (mean of ranks, per gathered window)</h2>{_svg_stacked(windows)}
-<h2>Compute time per rank (heatmap)</h2>{_svg_heatmap(windows)}
-<h2>Bandwidth per axis</h2>{_svg_bandwidth(profile)}
-<h2>Per rank</h2><pre>{html.escape(summary_table(profile))}</pre>
+<h3>What was checked</h3>{checked}
+<h2>Where a step's time goes</h2>{_svg_breakdown(windows)}
+{parts}
+<p class="note">compute = forward + backward less the tensor-parallel collectives (timed on sampled steps) and the pipeline
+bubble inside it; dp sync (exposed) = gradient synchronization left after backward; stalls = training stopped while a
+checkpoint was staged or a snapshot taken.</p>
+<h2>Compute time per rank</h2>{_svg_heatmap(windows)}
+<h2>Data-parallel bandwidth</h2>{_svg_bandwidth(profile)}
+<p class="note">algbw = gradient bytes reduced / all-reduce time ({algbw:.3f} GB/s). busbw = algbw x 2(n-1)/n with n = dp = {profile.dp}
+({busbw:.3f} GB/s): what each rank's link carried, the figure to compare with the link
+{f"(measured at start: {link / 1e9:.3f} GB/s, {link * 8 / 1e9:.2f} Gbit/s)" if link else "(not measured: measure_link=False)"}.
+A busbw far below the link means latency, the codec or waiting for slower ranks, not the wire, limits the sync.{sharded}</p>
+<h2>Per rank</h2>{ranks}
 </body></html>
 """
+
+
+def write_report(out: Path, record: dict[str, Any]) -> dict[str, Path]:
+    """Write ``report.html`` (and ``trace.json`` when ``record`` has a trace) into ``out`` from a ``monitor.json``
+    record; returns what was written, by kind."""
+    profile = RunProfile.from_json(record["profile"])
+    written = {"report": out / "report.html"}
+    written["report"].write_text(render_html(profile, record.get("windows", []), check(profile)))
+    if record.get("trace"):
+        written["trace"] = out / "trace.json"
+        written["trace"].write_text(json.dumps(chrome_trace(record["trace"])))
+    return written

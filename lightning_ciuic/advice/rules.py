@@ -23,6 +23,9 @@ least ``min_speedup`` (10%): a healthy run gets no advice. Rules, each on per-ra
 
 The compression rule models an all-reduce: it is skipped for sharded runs (reduce-scatters and all-gathers).
 
+:func:`check` returns every rule's :class:`Finding`: what it measured against its threshold, in one line, and its
+advice if any (the report lists them, so "no advice" says what was checked); :func:`advise` keeps the advice.
+
 No Lightning imports.
 """
 
@@ -54,16 +57,32 @@ class Advice:
         return f"{self.summary}\n    change: {self.argument}  ({self.prediction})"
 
 
-def advise(profile: RunProfile, min_speedup: float = 1.10, straggler_threshold: float = 0.15) -> list[Advice]:
-    found = [
-        _compression(profile),
+@dataclass(frozen=True)
+class Finding:
+    rule: str
+    checked: str  # what was measured against what threshold, or why the rule does not apply
+    advice: Optional[Advice] = None
+
+
+def check(profile: RunProfile, min_speedup: float = 1.10, straggler_threshold: float = 0.15) -> list[Finding]:
+    """Every rule's finding; advice below ``min_speedup`` (and not a memory advice) is dropped from its finding."""
+    findings = [
+        _compression(profile, min_speedup),
         _straggler(profile, straggler_threshold),
         _data_loading(profile),
         _bubble(profile),
         _sharding(profile),
     ]
-    useful = [a for a in found if a is not None and (a.predicted_speedup >= min_speedup or a.predicted_memory_mb)]
-    return sorted(useful, key=lambda a: -a.predicted_speedup)
+    return [
+        f if f.advice is None or f.advice.predicted_speedup >= min_speedup or f.advice.predicted_memory_mb else Finding(f.rule, f.checked)
+        for f in findings
+    ]
+
+
+def advise(profile: RunProfile, min_speedup: float = 1.10, straggler_threshold: float = 0.15) -> list[Advice]:
+    """The advice of :func:`check`, largest predicted speed-up first."""
+    found = [f.advice for f in check(profile, min_speedup, straggler_threshold) if f.advice is not None]
+    return sorted(found, key=lambda a: -a.predicted_speedup)
 
 
 def compression_speedups(profile: RunProfile) -> dict[str, float]:
@@ -97,29 +116,37 @@ def compression_speedups(profile: RunProfile) -> dict[str, float]:
     }
 
 
-def _compression(profile: RunProfile) -> Optional[Advice]:
-    if profile.compression not in ("none", "fp16", "bf16") or profile.dp_shard > 1:
-        return None
+def _compression(profile: RunProfile, min_speedup: float) -> Finding:
+    rule = "gradient compression"
+    if profile.dp_shard > 1:
+        return Finding(rule, "not checked: sharded data parallelism (reduce-scatters and all-gathers, not an all-reduce)")
+    if profile.compression not in ("none", "fp16", "bf16"):
+        return Finding(rule, f"not checked: the run already uses {profile.compression!r}")
     speedups = compression_speedups(profile)
     if not speedups:
-        return None
+        return Finding(rule, "not checked: needs data parallelism (dp >= 2) and the link measured at start (measure_link)")
     mode = max(speedups, key=speedups.get)
-    if mode == profile.compression:
-        return None
     step, exposed, comm = profile.mean("step"), profile.mean("dp_exposed"), profile.mean("dp_comm")
-    algbw = profile.mean("dp_payload") / comm / 1e9
-    return Advice(
+    checked = (
+        f"gradient sync exposed {exposed / step:.0%} of the step; best mode {mode!r} predicted {speedups[mode]:.2f}x"
+        f" (advised from {min_speedup:.2f}x)"
+    )
+    if mode == profile.compression:
+        return Finding(rule, checked)
+    algbw = profile.mean("dp_payload") / comm / 1e9 if comm > 0 else 0.0
+    return Finding(rule, checked, Advice(
         f"gradient sync is {exposed / step:.0%} of the step (exposed; {comm * 1e3:.0f} ms in all) at {algbw:.2f} GB/s:"
         f" communication_compression={mode!r} is predicted {speedups[mode]:.2f}x faster",
         f"strategy.communication_compression: {mode}   (Trainer(strategy=HybridParallelStrategy(communication_compression={mode!r})))",
         speedups[mode],
         "compression",
-    )
+    ))
 
 
-def _straggler(profile: RunProfile, threshold: float) -> Optional[Advice]:
+def _straggler(profile: RunProfile, threshold: float) -> Finding:
+    rule = "straggler"
     if profile.dp < 2 or not profile.ranks:
-        return None
+        return Finding(rule, "not checked: needs data parallelism (dp >= 2)")
     per_dp: dict[int, float] = {}
     for rank, values in enumerate(profile.ranks):
         dp_rank = profile.dp_rank_of[rank] if profile.dp_rank_of else rank
@@ -128,59 +155,69 @@ def _straggler(profile: RunProfile, threshold: float) -> Optional[Advice]:
     slow_dp = max(per_dp, key=per_dp.get)
     slowest = per_dp[slow_dp]
     median = statistics.median(c for r, c in per_dp.items() if r != slow_dp)  # of the other replicas
+    checked = f"slowest replica's compute {slowest / median if median > 0 else 1.0:.2f}x the others' median (advised from {1 + threshold:.2f}x)"
     if median <= 0 or slowest < (1 + threshold) * median:
-        return None
+        return Finding(rule, checked)
     ranks = [r for r in range(len(profile.ranks)) if (profile.dp_rank_of[r] if profile.dp_rank_of else r) == slow_dp]
     balanced = len(computes) / sum(1.0 / c for c in computes)
     step = profile.mean("step")
     speedup = step / max(step - (slowest - balanced), 1e-9)
-    return Advice(
+    return Finding(rule, checked, Advice(
         f"rank {', '.join(map(str, ranks))} is {slowest / median:.2f}x slower than the others (compute"
         f" {slowest * 1e3:.0f} ms vs {median * 1e3:.0f} ms per step): add DynamicDataBalancer",
         "trainer.callbacks: - class_path: lightning_ciuic.DynamicDataBalancer   (callbacks=[DynamicDataBalancer()])",
         speedup,
         "straggler",
-    )
+    ))
 
 
-def _data_loading(profile: RunProfile) -> Optional[Advice]:
+def _data_loading(profile: RunProfile) -> Finding:
     step, wait = profile.mean("step"), profile.mean("data_wait")
+    checked = f"waiting for data {wait / step if step > 0 else 0.0:.0%} of the step (advised above 10%)"
     if step <= 0 or wait / step <= 0.10:
-        return None
-    return Advice(
+        return Finding("data loading", checked)
+    return Finding("data loading", checked, Advice(
         f"waiting for data is {wait / step:.0%} of each step ({wait * 1e3:.0f} ms): load batches in"
         " background workers",
         "DataLoader(num_workers=<2 or more>, persistent_workers=True)",
         step / max(step - wait, 1e-9),
         "data",
-    )
+    ))
 
 
-def _bubble(profile: RunProfile) -> Optional[Advice]:
-    if profile.pp < 2 or profile.bubble is None or not profile.num_microbatches or profile.bubble <= 0.20:
-        return None
+def _bubble(profile: RunProfile) -> Finding:
+    rule = "pipeline bubble"
+    if profile.pp < 2 or profile.bubble is None or not profile.num_microbatches:
+        return Finding(rule, "not checked: no pipeline parallelism")
+    checked = f"pipeline bubble {profile.bubble:.0%} of the step (advised above 20%)"
+    if profile.bubble <= 0.20:
+        return Finding(rule, checked)
     p, m = profile.pp, profile.num_microbatches
     new_bubble = (p - 1) / (2 * m + p - 1)
     speedup = (1 - new_bubble) / (1 - profile.bubble)
-    return Advice(
+    return Finding(rule, checked, Advice(
         f"pipeline bubble is {profile.bubble:.0%} of the step: raise num_microbatches to {2 * m}",
         f"strategy.num_microbatches: {2 * m}",
         speedup,
         "bubble",
-    )
+    ))
 
 
-def _sharding(profile: RunProfile, tight: float = 0.80) -> Optional[Advice]:
-    if profile.dp < 2 or profile.dp_shard > 1 or not profile.ranks or not profile.memory_capacity_mb or not profile.model_state_mb:
-        return None
+def _sharding(profile: RunProfile, tight: float = 0.80) -> Finding:
+    rule = "sharding"
+    if profile.dp_shard > 1:
+        return Finding(rule, f"not checked: already sharded (dp_shard={profile.dp_shard})")
+    if profile.dp < 2 or not profile.ranks or not profile.memory_capacity_mb or not profile.model_state_mb:
+        return Finding(rule, "not checked: needs data parallelism (dp >= 2) and the memory a rank has")
     peak, capacity, state = max(r["memory_mb"] for r in profile.ranks), profile.memory_capacity_mb, profile.model_state_mb
+    checked = f"peak memory {peak:.0f} MB of the {capacity:.0f} MB a rank has, {peak / capacity:.0%} (advised from {tight:.0%})"
     if peak < tight * capacity:
-        return None
+        return Finding(rule, checked)
     freed = state * (1 - 1 / profile.dp)
     # FSDP gathers every parameter for forward and again for backward: 2 (dp-1)/dp of the parameters per step, in
     # place of nothing (a replicated run gathers none); the gradient reduce-scatter costs half an all-reduce.
     gathered_mb = 2 * (profile.dp - 1) / profile.dp * profile.gradient_numel * 4 / 2**20
-    return Advice(
+    return Finding(rule, checked, Advice(
         f"memory is tight: peak {peak:.0f} MB of the {capacity:.0f} MB a rank has; sharding the {state:.0f} MB of"
         f" parameters, gradients and optimizer state over the {profile.dp} data-parallel ranks (FSDP) frees about"
         f" {freed:.0f} MB per rank, for about {gathered_mb:.0f} MB more traffic per step (parameter all-gathers)",
@@ -188,4 +225,4 @@ def _sharding(profile: RunProfile, tight: float = 0.80) -> Optional[Advice]:
         1.0,
         "sharding",
         predicted_memory_mb=freed,
-    )
+    ))

@@ -136,7 +136,7 @@ class AsyncCheckpointer(ModelCheckpoint):
 
     def _save(self, trainer: Trainer) -> None:
         name = f"epoch={trainer.current_epoch}-step={trainer.global_step}"
-        trainer.save_checkpoint(name)
+        trainer.save_checkpoint(name, weights_only=False)  # the whole training state (and no log line per rank)
         self.stalls.append(self.io.last_stall_seconds)
         self.saves += 1
         self._last_saved_step = trainer.global_step

@@ -29,8 +29,9 @@ import math
 import os
 import resource
 import statistics
+import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,17 +40,22 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_ciuic.advice import RANK_FIELDS, RunProfile, advise
+from lightning_ciuic.advice import RANK_FIELDS, RunProfile, check
+from lightning_ciuic.advice.trace import TraceEvent
 from lightning_ciuic.compat import TorchDispatchMode
 from lightning_ciuic.comm.auto import measure_link, measure_sync_seconds, synchronize
-from lightning_ciuic.advice.report import render_html, summary_table
+from lightning_ciuic.advice.report import summary_table, write_report
 from lightning_ciuic.strategies.context import parallel_context
-from lightning_ciuic.telemetry import Telemetry, gather_per_rank
+from lightning_ciuic.telemetry import StepRecord, Telemetry, gather_per_rank
+from lightning_ciuic.timeline import timeline, wall_clock
 from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.validation import check_int
 
 _WARMUP_STEPS = 2  # first steps (allocation, first collectives) left out of the means
-_TIMED = ("step", "compute", "data_wait", "dp_exposed", "dp_comm", "tp_comm", "dp_gather", "dp_scatter")
+_TIMED = (
+    "step", "compute", "data_wait", "dp_exposed", "dp_comm", "tp_comm", "dp_gather", "dp_scatter", "pp_bubble",
+    "checkpoint_stall", "snapshot_stall", "outer_sync",
+)
 
 
 class CollectiveTimer(TorchDispatchMode):
@@ -72,7 +78,7 @@ class CollectiveTimer(TorchDispatchMode):
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         synchronize(self.device)
-        elapsed = time.perf_counter() - start
+        end = time.perf_counter()
         if func.__name__.startswith("wait_tensor"):
             axis = self._pending.pop(id(args[0]), None)
         else:
@@ -80,7 +86,8 @@ class CollectiveTimer(TorchDispatchMode):
             if isinstance(out, torch.Tensor):
                 self._pending[id(out)] = axis or "other"
             self.count[axis or "other"] += 1
-        self.seconds[axis or "other"] += elapsed
+        self.seconds[axis or "other"] += end - start
+        timeline.record(func.__name__.split(".")[0], axis or "other", start, end, track=f"{axis or 'other'} collectives")
         return out
 
 
@@ -93,6 +100,9 @@ class CommunicationMonitor(Callback):
         profile_every: every this many steps, time tensor-parallel collectives (>= 1).
         measure_link: measure the data-parallel link and each compression mode's sync time at the start of training.
         log_every_n_steps: rank-local metrics every this many steps (default: the Trainer's).
+        trace: also write ``trace.json``, a Chrome trace of the last ``trace_steps`` steps (Perfetto,
+            ``chrome://tracing``): one process per rank, a track per kind of work.
+        trace_steps: how many of the last training steps the trace keeps (>= 1).
     """
 
     def __init__(
@@ -102,14 +112,18 @@ class CommunicationMonitor(Callback):
         profile_every: int = 50,
         measure_link: bool = True,
         log_every_n_steps: Optional[int] = None,
+        trace: bool = False,
+        trace_steps: int = 500,
     ) -> None:
-        for name, value in (("gather_every", gather_every), ("profile_every", profile_every)):
+        for name, value in (("gather_every", gather_every), ("profile_every", profile_every), ("trace_steps", trace_steps)):
             check_int(name, value, note="optimizer steps")
         check_int("log_every_n_steps", log_every_n_steps, allowed=(None,), note="None: the Trainer's")
         self.dirpath = dirpath
         self.gather_every, self.profile_every = gather_every, profile_every
         self.measure_link = measure_link
         self.log_every_n_steps = log_every_n_steps
+        self.trace, self.trace_steps = trace, trace_steps
+        self._trace_steps: deque[list[TraceEvent]] = deque(maxlen=trace_steps)  # this rank's step events
         self.profile: Optional[RunProfile] = None
         self.windows: list[dict[str, Any]] = []  # rank 0: {"step": int, "ranks": [per-rank means]}
         self._window = _Window()
@@ -126,6 +140,7 @@ class CommunicationMonitor(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.windows, self._window, self._total, self._bubbles = [], _Window(), _Window(), []
+        self._trace_steps.clear()
         self._cursor = Telemetry.of(trainer).records_since(0)[1]
         context = self._context = parallel_context(trainer)
         dims, engine = context.dims, context.data_parallel
@@ -208,6 +223,7 @@ class CommunicationMonitor(Callback):
             synced = record.optimizer_step and self._meta["dp"] > 1
             comm, sent, payload = record.sync_wait, self._ddp_bytes() if synced else 0.0, 4.0 * self._meta["gradient_numel"] * synced
             gather = scatter = 0.0
+        bubble = self._context.pipeline.bubble * record.compute if self._context.pipeline is not None else 0.0
         values = {
             "step": record.data_wait + record.duration,
             "compute": record.compute,
@@ -219,7 +235,13 @@ class CommunicationMonitor(Callback):
             "memory_mb": _peak_memory_mb(trainer.strategy.root_device),
             "dp_gather": gather,
             "dp_scatter": scatter,
+            "pp_bubble": bubble,
+            "checkpoint_stall": record.stalls.get("checkpoint", 0.0),
+            "snapshot_stall": record.stalls.get("snapshot", 0.0),
+            "outer_sync": record.stalls.get("outer_sync", 0.0),
         }
+        if self.trace:
+            self._trace_steps.append(step_events(record, comm))
         if timer is not None:  # a profiled step: only its collective time is kept
             tp_seconds = sum(s for axis, s in timer.seconds.items() if axis != "dp")
             self._window.add_profiled(tp_seconds)
@@ -268,21 +290,62 @@ class CommunicationMonitor(Callback):
         self._meta["model_state_mb"] = _held_state_mb(pl_module, trainer.optimizers)
         self.profile = RunProfile(**self._meta, ranks=[dict(zip(RANK_FIELDS, row.tolist())) for row in totals])
         out = Path(self.dirpath or os.path.join(trainer.log_dir or trainer.default_root_dir, "monitor"))  # collective
+        trace = _gather_objects(self._trace_events()) if self.trace else None  # collective
         if not trainer.is_global_zero:
             return
-        advice = advise(self.profile)
+        record = {"profile": self.profile.to_json(), "windows": self.windows, **({"trace": trace} if trace else {})}
         out.mkdir(parents=True, exist_ok=True)
-        record = {"profile": self.profile.to_json(), "windows": self.windows}
         (out / "monitor.json").write_text(json.dumps(record, indent=1))
-        (out / "report.html").write_text(render_html(self.profile, self.windows, advice))
-        lines = [summary_table(self.profile), "", "Advice:" if advice else "Advice: none (nothing found to gain >= 10%)."]
+        written = write_report(out, record)
+        findings = check(self.profile)
+        advice = [f.advice for f in findings if f.advice is not None]
+        lines = [summary_table(self.profile), "", "Advice:" if advice else f"Advice: none ({len(findings)} rules checked, nothing predicted to gain >= 10%)."]
         lines += [f"  - {item}" for item in advice]
-        rank_zero_info("\n".join(lines) + f"\nReport: {out / 'report.html'}")
+        rank_zero_info("\n".join(lines) + "\n" + ", ".join(f"{kind}: {path}" for kind, path in written.items()))
+
+    def _trace_events(self) -> list[TraceEvent]:
+        """This rank's step events, and the timeline's spans since the first step kept."""
+        events = [event for step in self._trace_steps for event in step]
+        if not events:
+            return events
+        since = min(e[3] for e in events)
+        training = threading.current_thread().name
+        for span in timeline.ending_within(since - wall_clock(0.0), time.perf_counter()):
+            track = "training" if span.track == training else span.track
+            events.append((track, span.name, span.category, wall_clock(span.start), span.end - span.start))
+        return events
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._stop_timer()
         Telemetry.release(trainer)
+
+
+def step_events(record: StepRecord, dp_comm: float) -> list[TraceEvent]:
+    """A step's spans on the training track, and its data-parallel synchronization window on the ``dp collectives``
+    track: first bucket launched to last reduced, placed to end where the step stopped waiting for it."""
+    start = wall_clock(record.start)
+    synced = start + record.compute + record.sync_wait
+    events: list[TraceEvent] = [
+        ("training", "data wait", "data", start - record.data_wait, record.data_wait),
+        ("training", f"step {record.step}: forward + backward", "compute", start, record.compute),
+        ("training", "dp sync (exposed)", "dp", start + record.compute, record.sync_wait),
+        ("training", "optimizer step + callbacks", "optimizer", synced, start + record.duration - synced),
+    ]
+    if dp_comm > 0:
+        events.append(("dp collectives", "gradient synchronization", "dp", synced - dp_comm, dp_comm))
+    return [e for e in events if e[4] > 0]
+
+
+def _gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (a list indexed by global rank); collective when a process group is up."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 class _Window:

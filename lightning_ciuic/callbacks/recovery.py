@@ -64,6 +64,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_ciuic.comm.vote import StepVote
+from lightning_ciuic.timeline import timeline
 from lightning_ciuic.callbacks.train_loader import add_train_loader_transform, remove_train_loader_transform
 from lightning_ciuic.checkpoint.snapshot import (
     COMPRESSIONS,
@@ -331,6 +332,7 @@ class SnapshotRecovery(Callback):
             self.store.drop(step)
             rank_zero_warn(f"SnapshotRecovery: no step-{step} snapshot ({problem or 'a problem on another rank'}); kept the older ones.")
         self.snapshot_seconds += time.perf_counter() - started
+        timeline.record("snapshot", "snapshot", started)
 
     @staticmethod
     def _local_world(trainer: Trainer) -> int:

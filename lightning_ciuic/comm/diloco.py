@@ -44,6 +44,7 @@ from lightning_ciuic.comm.compression import GradientCompression
 from lightning_ciuic.comm.data_parallel import DataParallel, broadcast_from_first
 from lightning_ciuic.comm.grad_sync import SyncStats
 from lightning_ciuic.tensors import local_tensor
+from lightning_ciuic.timeline import timeline
 from lightning_ciuic.validation import check_choice, check_int
 
 OUTER_COMPRESSION = ("none", "fp16", "bf16", "int8", "nf4")
@@ -174,6 +175,7 @@ class DiLoCoEngine(DataParallel):
         self._stats.bytes_sent += sent
         self._stats.bytes_reduced += pseudo.numel() * 4
         elapsed = time.perf_counter() - started  # blocking: all of it is waited for
+        timeline.record(f"outer sync (fragment {k})", "outer_sync", started)
         self._stats.add_comm(elapsed)
         self._stats.add_wait(elapsed)
 

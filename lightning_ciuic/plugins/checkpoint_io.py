@@ -39,6 +39,7 @@ from lightning_ciuic.comm.groups import close_group
 from lightning_ciuic.checkpoint.dcp import ChunkedReader, ChunkedWriter, load_full, save_full
 from lightning_ciuic.checkpoint.incremental import LATEST, MANIFEST, CheckpointCatalog, ChunkStore, CorruptCheckpointError
 from lightning_ciuic.checkpoint.storage import Storage, page_aligned_empty
+from lightning_ciuic.timeline import timeline
 
 Compression = Literal["zstd", "none"]
 T = TypeVar("T")
@@ -178,11 +179,16 @@ class ChunkedCheckpointIO(CheckpointIO):
         if pending is not None:
             pending.result()
 
+    def _stalled(self, start: float) -> None:
+        """Training waited from ``start`` until now (the previous write, then staging)."""
+        timeline.record("checkpoint staging", "checkpoint", start)
+        self.last_stall_seconds = time.perf_counter() - start
+
     def _submit(self, job: Callable[[], None]) -> None:
         self.wait()  # at most one in flight; raises a previous background error here
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ciuic-checkpoint", initializer=_lowest_priority)
-        self._pending = self._executor.submit(job)
+        self._pending = self._executor.submit(_timed_write, job)
 
     def checkpoint_group(self) -> dist.ProcessGroup:
         """A gloo group of all ranks for the background DCP collectives (created on first use, collectively)."""
@@ -200,7 +206,7 @@ class ChunkedCheckpointIO(CheckpointIO):
         start = time.perf_counter()
         self.wait()
         staged = self._stage(checkpoint)
-        self.last_stall_seconds = time.perf_counter() - start
+        self._stalled(start)
         name, extra = self.name_of(path), {"step": checkpoint.get("global_step", 0), "epoch": checkpoint.get("epoch", 0)}
         self._submit(lambda: save_full(self.store, name, staged, self.max_keep, extra))
 
@@ -209,7 +215,7 @@ class ChunkedCheckpointIO(CheckpointIO):
         start = time.perf_counter()
         self.wait()
         staged = self._stage(state)
-        self.last_stall_seconds = time.perf_counter() - start
+        self._stalled(start)
         writer = ChunkedWriter(self.store, self.name_of(path), self.max_keep, extra)
         group = self.checkpoint_group()
         self._submit(lambda: write(staged, writer, group))
@@ -245,3 +251,8 @@ class ChunkedCheckpointIO(CheckpointIO):
                 self._executor = None
             close_group(self._group)
             self._group = None
+
+
+def _timed_write(job: Callable[[], None]) -> None:
+    with timeline.span("checkpoint write", "checkpoint", track="checkpoint writer"):
+        job()

@@ -59,20 +59,38 @@ def test_yaml_round_trip(tmp_path):
     assert _cli(["--config", str(again)]).trainer.strategy.bucket_size_mb == 4.0
 
 
-def test_console_script_trains_the_main_job(tmp_path):
-    """`lightning-ciuic fit --config examples/configs/demo.yaml`, shortened: 4 processes, dp=2 x tp=2."""
+def test_console_script_trains_the_main_job_shows_the_pack_and_resumes(tmp_path):
+    """`lightning-ciuic fit --config examples/configs/demo.yaml`, shortened (4 processes, dp=2 x tp=2), run from an
+    empty folder: it trains, stays quiet, ends with the pack's summary, and the resume command it prints works."""
     command = [
-        sys.executable, "-m", "lightning_ciuic.cli", "fit", "--config", "examples/configs/demo.yaml",
-        "--trainer.max_steps=12", "--trainer.limit_val_batches=0", "--trainer.log_every_n_steps=2",
-        "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={tmp_path}",
+        sys.executable, "-m", "lightning_ciuic.cli", "fit", "--config", str(ROOT / "examples/configs/demo.yaml"),
+        "--trainer.limit_val_batches=0", "--trainer.log_every_n_steps=2", "--trainer.enable_progress_bar=false",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*command, "--trainer.max_steps=12"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    output = done.stderr + done.stdout
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "pp=1 x dp=2 x tp=2 (world size 4)" in done.stderr + done.stdout
+    assert "pp=1 x dp=2 x tp=2 (world size 4)" in output
     (metrics,) = Path(tmp_path).rglob("metrics.csv")
     losses = [float(r["train/loss"]) for r in csv.DictReader(metrics.open()) if r.get("train/loss")]
     assert len(losses) >= 5 and losses[-1] < losses[0] - 0.5, losses
+
+    assert "deprecated" not in output and "weights_only" not in output, output[-3000:]  # quiet by default
+    summary = done.stdout[done.stdout.index("Summary: 12 optimizer steps."):]
+    report = next(line for line in summary.splitlines() if line.startswith("- Communication report: "))
+    assert Path(report.split(": ")[1].split(";")[0]).is_file() and "trace.json" in report
+    assert "- Checkpoints in demo_logs/checkpoints" in summary and "-step=12 " in summary
+    assert "- Snapshots: every 50 steps" in summary
+    resume = next(line for line in summary.splitlines() if line.startswith("- Resume: "))
+    assert resume.split("   ")[0] == f"- Resume: lightning-ciuic fit --config {ROOT / 'examples/configs/demo.yaml'} --ckpt_path last"
+
+    # The end-of-training checkpoint counts epoch 0 as finished (Lightning's counters after a max_steps stop): allow
+    # a second epoch so the resumed run has steps left to take.
+    again = subprocess.run([*command, "--trainer.max_steps=14", "--trainer.max_epochs=2", "--ckpt_path", "last"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Restored all states from the checkpoint at demo_logs/checkpoints/latest" in again.stdout + again.stderr
+    assert "Summary: 14 optimizer steps." in again.stdout and "-step=14 " in again.stdout
 
 
 def test_shipped_pipeline_configs_parse():

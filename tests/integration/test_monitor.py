@@ -1,5 +1,6 @@
 """CommunicationMonitor on known synthetic workloads: injected delays in compute and in a collective show up
-where they belong, the report renders, and `lightning-ciuic advise` repeats the advice offline."""
+where they belong, stalls and tensor-parallel collectives too, the report renders, the Chrome trace holds every
+rank's spans, and `lightning-ciuic advise` repeats the advice offline."""
 
 import json
 from html.parser import HTMLParser
@@ -8,7 +9,8 @@ import pytest
 from lightning.pytorch import Trainer, seed_everything
 
 from examples.deepseek import DeepSeekMini
-from lightning_ciuic import CommunicationMonitor, HybridParallelStrategy
+from lightning_ciuic import AsyncCheckpointer, CommunicationMonitor, HybridParallelStrategy, SnapshotRecovery
+from lightning_ciuic.advice.trace import chrome_trace
 from lightning_ciuic.cli import main as cli_main
 from lightning_ciuic.testing import SlowGradientSync, SlowRank
 from tests.helpers import TINY_MODEL, loader
@@ -18,9 +20,10 @@ BATCH = 4
 
 def _fit(tmp_path, devices, strategy, callbacks, steps=8):
     seed_everything(7)
+    checkpointing = any(isinstance(c, AsyncCheckpointer) for c in callbacks)
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+        enable_checkpointing=checkpointing, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
         default_root_dir=tmp_path, callbacks=callbacks,
     )
     trainer.fit(DeepSeekMini(**TINY_MODEL), loader(steps * BATCH * devices, BATCH))
@@ -57,7 +60,7 @@ def test_injected_delays_land_in_compute_and_in_the_collective(tmp_path, capfd):
 
     report = _Tags()
     report.feed((tmp_path / "monitor" / "report.html").read_text())
-    assert report.svgs == ["breakdown", "heatmap", "bandwidth"] and report.rects > 10
+    assert report.svgs == ["chart breakdown", "chart heatmap", "chart bandwidth"] and report.rects > 10
     straggler = [line for line in capfd.readouterr().err.splitlines() if "slower than the others" in line]
     assert straggler and straggler[0].strip().startswith("- rank 1 is")
 
@@ -68,14 +71,33 @@ def test_injected_delays_land_in_compute_and_in_the_collective(tmp_path, capfd):
     assert "rank 1 is" in out and "DynamicDataBalancer" in out
 
 
-def test_tensor_parallel_collectives_are_timed_per_axis(tmp_path):
-    monitor = CommunicationMonitor(gather_every=4, profile_every=2, measure_link=False)
+def test_tensor_parallel_collectives_stalls_and_the_trace(tmp_path):
+    """dp 2 x tp 2 with snapshots and async checkpoints: tp collectives timed per axis, snapshot and checkpoint stalls
+    in the breakdown, and a Chrome trace with every rank's tracks and spans."""
+    monitor = CommunicationMonitor(gather_every=4, profile_every=2, measure_link=False, trace=True)
     strategy = HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn")
-    _, record = _fit(tmp_path, 4, strategy, [monitor])
+    callbacks = [monitor, SnapshotRecovery(snapshot_freq=3, store="memory"),
+                 AsyncCheckpointer(str(tmp_path / "ckpt"), every_n_train_steps=3, save_interval=None)]
+    _, record = _fit(tmp_path, 4, strategy, callbacks, steps=9)
     profile = record["profile"]
     assert (profile["dp"], profile["tp"], profile["dp_rank_of"]) == (2, 2, [0, 0, 1, 1])
     assert all(rank["tp_comm"] > 0 for rank in profile["ranks"])
     assert profile["bandwidth_bytes_per_s"] is None
+    # Snapshots at steps 3 and 6, checkpoints at 3 and 6 inside the measured steps (9 is after the last step).
+    assert all(rank["snapshot_stall"] > 0 and rank["checkpoint_stall"] > 0 for rank in profile["ranks"])
+
+    trace = json.loads((tmp_path / "monitor" / "trace.json").read_text())["traceEvents"]
+    assert trace == chrome_trace(record["trace"])["traceEvents"]  # what `lightning-ciuic report` writes again
+    processes = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    assert processes == {r: f"rank {r}" for r in range(4)}
+    for rank in range(4):
+        tracks = {e["tid"]: e["args"]["name"] for e in trace if e["name"] == "thread_name" and e["pid"] == rank}
+        spans = [(tracks[e["tid"]], e["name"], e["cat"]) for e in trace if e["ph"] == "X" and e["pid"] == rank]
+        assert sum(name.endswith("forward + backward") for track, name, _ in spans if track == "training") == 9
+        kinds = {(track, cat) for track, _, cat in spans}
+        assert {("training", "data"), ("training", "optimizer"), ("dp collectives", "dp"), ("tp collectives", "tp"),
+                ("training", "snapshot"), ("training", "checkpoint"), ("checkpoint writer", "checkpoint")} <= kinds, kinds
+        assert all(e["dur"] >= 0 for e in trace if e["ph"] == "X")
 
 
 def test_sharded_gathers_and_reduce_scatters_are_timed_and_counted(tmp_path, capfd):
