@@ -16,6 +16,11 @@ least ``min_speedup`` (10%): a healthy run gets no advice. Rules, each on per-ra
   the wait removed).
 * **pipeline bubble** (pipeline parallel): measured idle fraction above 20%; advises doubling
   ``num_microbatches`` (predicted from the schedule's ``(p-1)/(m+p-1)``).
+* **DiLoCo** (replicated data parallel, per-step synchronization): when even the best per-step compression leaves a
+  step at least ``1.25x`` slower than DiLoCo(``sync_every=32``) is predicted to be
+  (:func:`~lightning_ciuic.comm.auto.predicted_diloco_step_seconds`: the exposed sync removed, one uncompressed sync of
+  the model, ``U(none)``, every 32 steps) and DiLoCo's gain is 1.1x the best compression's or more. It changes the
+  optimisation (the advice says so, with the loss measured in ``benchmarks/diloco.py``): advice, never a switch.
 * **sharding** (replicated data parallel): peak memory at 80% of what a rank has (GPU memory, or the host's RAM
   per process) or more; advises ``data_parallel_shard_size=dp`` with the memory it predicts freed per rank (the
   parameters, gradients and optimizer state it holds, less a 1/dp share of them) and the all-gather traffic it
@@ -32,11 +37,12 @@ No Lightning imports.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
 from lightning_ciuic.advice.profile import RunProfile
-from lightning_ciuic.comm.auto import CANDIDATES, predicted_sync_seconds
+from lightning_ciuic.comm.auto import CANDIDATES, DILOCO_PAYS, DILOCO_SYNC_EVERY, predicted_diloco_step_seconds, predicted_sync_seconds
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ def check(profile: RunProfile, min_speedup: float = 1.10, straggler_threshold: f
         _data_loading(profile),
         _bubble(profile),
         _sharding(profile),
+        _diloco(profile),
     ]
     return [
         f if f.advice is None or f.advice.predicted_speedup >= min_speedup or f.advice.predicted_memory_mb else Finding(f.rule, f.checked)
@@ -94,11 +101,22 @@ def compression_speedups(profile: RunProfile) -> dict[str, float]:
     shows how much of the current mode's synchronization backward hid: ``U(current) - exposed``. A mode's
     exposed time is what its ``U`` leaves after that same hidden amount; if the run was slower than ``U``
     predicts, every ``U`` is scaled up by the same factor."""
-    if profile.dp < 2 or not profile.bandwidth_bytes_per_s or not profile.gradient_numel:
-        return {}
+    work = _sync_work(profile)
     step, exposed = profile.mean("step"), profile.mean("dp_exposed")
-    if step <= 0:
+    if work is None or step <= 0:
         return {}
+    current = work(profile.compression)
+    scale = max(1.0, exposed / current) if current > 0 else 1.0
+    absorbed = max(0.0, current * scale - exposed)
+    return {
+        mode: step / max(step - exposed + max(0.0, work(mode) * scale - absorbed), 1e-9) for mode in CANDIDATES
+    }
+
+
+def _sync_work(profile: RunProfile) -> Optional[Callable[[str], float]]:
+    """``U(mode)``: seconds to synchronize one step's gradient in ``mode``, measured at start or predicted."""
+    if profile.dp < 2 or not profile.bandwidth_bytes_per_s or not profile.gradient_numel:
+        return None
 
     def work(mode: str) -> float:
         if mode in profile.sync_s:
@@ -108,12 +126,7 @@ def compression_speedups(profile: RunProfile) -> dict[str, float]:
             profile.bandwidth_bytes_per_s, profile.codec_s_per_value.get(mode, 0.0),
         )
 
-    current = work(profile.compression)
-    scale = max(1.0, exposed / current) if current > 0 else 1.0
-    absorbed = max(0.0, current * scale - exposed)
-    return {
-        mode: step / max(step - exposed + max(0.0, work(mode) * scale - absorbed), 1e-9) for mode in CANDIDATES
-    }
+    return work
 
 
 def _compression(profile: RunProfile, min_speedup: float) -> Finding:
@@ -225,4 +238,34 @@ def _sharding(profile: RunProfile, tight: float = 0.80) -> Finding:
         1.0,
         "sharding",
         predicted_memory_mb=freed,
+    ))
+
+
+def _diloco(profile: RunProfile) -> Finding:
+    rule = "DiLoCo"
+    if profile.compression.startswith("diloco"):
+        return Finding(rule, f"not checked: the run already uses DiLoCo ({profile.compression})")
+    if profile.dp_shard > 1:
+        return Finding(rule, "not checked: sharded data parallelism")
+    work = _sync_work(profile)
+    step, exposed = profile.mean("step"), profile.mean("dp_exposed")
+    if work is None or step <= 0:
+        return Finding(rule, "not checked: needs data parallelism (dp >= 2) and the link measured at start (measure_link)")
+    best_mode, best = max(compression_speedups(profile).items(), key=lambda kv: kv[1])
+    diloco = step / max(predicted_diloco_step_seconds(step, exposed, work("none"), DILOCO_SYNC_EVERY), 1e-9)
+    checked = (
+        f"DiLoCo(sync_every={DILOCO_SYNC_EVERY}) predicted {diloco:.2f}x, best per-step compression {best_mode!r}"
+        f" {best:.2f}x (advised from {DILOCO_PAYS:.2f}x and 1.1x the compression's gain)"
+    )
+    if diloco < DILOCO_PAYS or diloco < 1.1 * best:
+        return Finding(rule, checked)
+    return Finding(rule, checked, Advice(
+        f"gradient sync is {exposed / step:.0%} of the step and the best per-step compression ({best_mode!r}) is"
+        f" predicted only {best:.2f}x: DiLoCo, synchronizing every {DILOCO_SYNC_EVERY} steps, is predicted"
+        f" {diloco:.2f}x. It changes the optimisation (benchmarks/diloco.py: +6% to +25% loss at equal tokens after"
+        " 300 steps): try it on a short run first",
+        f"strategy.diloco: {{class_path: lightning_ciuic.DiLoCo, init_args: {{sync_every: {DILOCO_SYNC_EVERY}}}}}"
+        f"   (HybridParallelStrategy(diloco=DiLoCo(sync_every={DILOCO_SYNC_EVERY})))",
+        diloco,
+        "diloco",
     ))

@@ -24,6 +24,9 @@ Contract (:class:`DiLoCo` is the configuration users pass; :class:`DiLoCoEngine`
   the same layout continues exactly; without this state (another world size) a new round starts from the loaded
   model.
 * ``stats``: outer syncs launched (one collective per fragment sync), bytes this rank sent, seconds they took.
+* :func:`~lightning_ciuic.comm.auto.predicted_diloco_step_seconds` predicts a per-step run's step under DiLoCo,
+  for the advisor and ``communication_compression="auto"``'s report (neither switches to it: it changes the
+  optimisation).
 
 No Lightning imports.
 """

@@ -11,7 +11,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from examples.deepseek import DeepSeekMini
-from lightning_ciuic import DiLoCo, HybridParallelStrategy, parallel_context
+from lightning_ciuic import CommunicationMonitor, DiLoCo, HybridParallelStrategy, parallel_context
 from lightning_ciuic.tensors import local_tensor
 from tests.helpers import PRECISION, TINY_MODEL, assert_state_close, assert_state_equal, loader, reference_training
 
@@ -110,10 +110,11 @@ def test_replicas_diverge_inside_a_round_agree_after_it_and_a_mid_round_resume_c
     assert json.loads((tmp_path / "b.json").read_text())["agree"] == [False, True]
 
 
-def test_int8_outer_gradients_in_two_fragments_keep_their_residuals(tmp_path):
+def test_int8_outer_gradients_in_two_fragments_keep_their_residuals_and_the_monitor_sees_them(tmp_path):
     steps = 4
+    monitor = CommunicationMonitor(dirpath=str(tmp_path / "monitor"), gather_every=2, measure_link=False)
     trained = _fit(
-        _diloco(sync_every=2, fragments=2, compression="int8"), _tiny(), steps, [ReplicasAgree(tmp_path / "r.json")]
+        _diloco(sync_every=2, fragments=2, compression="int8"), _tiny(), steps, [ReplicasAgree(tmp_path / "r.json"), monitor]
     )
     record = json.loads((tmp_path / "r.json").read_text())
     # Fragment 0 ends its rounds after steps 2 and 4, fragment 1 (staggered by one step) after steps 1 and 3, and
@@ -123,6 +124,10 @@ def test_int8_outer_gradients_in_two_fragments_keep_their_residuals(tmp_path):
     assert record["bytes"] < 0.3 * 5 / 2 * numel * 8  # int8 codes: about a quarter of float32, an eighth of float64
     assert record["residual_nonzero"]
     assert all(torch.isfinite(v).all() for v in trained.values())
+    # The monitor: the outer syncs of the measured steps (after the first two) as stalls of the step, their bytes.
+    profile = json.loads((tmp_path / "monitor" / "monitor.json").read_text())["profile"]
+    assert profile["compression"] == "diloco-int8"
+    assert all(rank["outer_sync"] > 0 and rank["dp_bytes"] > 0 for rank in profile["ranks"])
 
 
 def test_diloco_arguments_fail_at_construction_with_what_would_work():

@@ -3,7 +3,8 @@ when nothing is wrong."""
 
 import pytest
 
-from lightning_ciuic.advice import RANK_FIELDS, RunProfile, advise, compression_speedups
+from lightning_ciuic.advice import RANK_FIELDS, RunProfile, advise, check, compression_speedups
+from lightning_ciuic.comm.auto import AutoDecision
 from lightning_ciuic.comm.codecs import dense_codec
 
 CODEC = {"none": 0.0, "fp16": 2e-9, "int8": 8e-9, "nf4": 3e-8}
@@ -31,8 +32,8 @@ def test_slow_link_sync_dominated_step_recommends_compression_with_its_predicted
     # 1 Gbit/s link, 40 MB of gradients: sync 0.32 s of a 0.47 s step, 0.3 s of it exposed.
     ranks = [_rank(step=0.47, compute=0.15, dp_comm=0.32, dp_exposed=0.30) for _ in range(2)]
     profile = _profile(ranks, bandwidth_bytes_per_s=1.25e8)
-    (advice,) = advise(profile)
-    assert advice.rule == "compression" and "communication_compression" in advice.argument
+    (advice,) = [a for a in advise(profile) if a.rule == "compression"]
+    assert "communication_compression" in advice.argument
     # The prediction worked by hand: a mode's sync time U = latency per message + wire bytes over the link + codec
     # time (2 ranks: a ring sends each byte once; dense modes run one all-reduce per bucket, quantized ones an
     # all-to-all and an all-gather); backward hid U(none) - exposed of the measured sync, and hides as much of any
@@ -48,6 +49,36 @@ def test_slow_link_sync_dominated_step_recommends_compression_with_its_predicted
     assert advice.predicted_speedup == pytest.approx(speedup["int8"])
     assert compression_speedups(profile) == pytest.approx(speedup)
     assert speedup["int8"] > speedup["fp16"] > 1.3
+
+
+def test_diloco_is_advised_when_even_compression_leaves_the_step_sync_bound_and_says_what_it_costs():
+    # The slow-link run above: int8 is predicted about 1.5x, DiLoCo (the exposed sync removed, one uncompressed sync
+    # of the model every 32 steps) about 2.6x.
+    ranks = [_rank(step=0.47, compute=0.15, dp_comm=0.32, dp_exposed=0.30) for _ in range(2)]
+    profile = _profile(ranks, bandwidth_bytes_per_s=1.25e8)
+    sync_none = 2 * 2 * 1e-4 + 4 * 10_000_000 / 1.25e8
+    expected = 0.47 / (0.47 - 0.30 + sync_none / 32)
+    (advice,) = [a for a in advise(profile) if a.rule == "diloco"]
+    assert advice.predicted_speedup == pytest.approx(expected) and expected > 1.1 * max(compression_speedups(profile).values())
+    assert "sync_every: 32" in advice.argument and "changes the optimisation" in advice.summary
+    assert advise(profile)[0] == advice  # largest predicted gain first
+    # Where compression gets most of the way, DiLoCo's change of optimisation is not worth advising.
+    # 2 Gbit/s, most of the sync hidden: fp16 is predicted about 1.18x, DiLoCo about 1.19x, below its 1.25x.
+    ranks = [_rank(step=0.40, compute=0.30, dp_comm=0.16, dp_exposed=0.07) for _ in range(2)]
+    profile = _profile(ranks, bandwidth_bytes_per_s=2.5e8)
+    finding = next(f for f in check(profile) if f.rule == "DiLoCo")
+    assert finding.advice is None and "advised from 1.25x and 1.1x the compression's gain" in finding.checked
+    assert [a.rule for a in advise(profile)] == ["compression"]
+    already = _profile([_rank(step=0.47, dp_exposed=0.30) for _ in range(2)], bandwidth_bytes_per_s=1.25e8, compression="diloco-none")
+    assert not [a for a in advise(already) if a.rule in ("diloco", "compression")]
+
+
+def test_auto_says_when_diloco_would_pay_and_stays_silent_otherwise():
+    slow = AutoDecision("int8", 1e-4, 1.25e8, predicted_s={"none": 0.32, "int8": 0.16}, measured_s={"none": 0.47, "int8": 0.30})
+    assert slow.diloco_speedup() == pytest.approx(0.30 / (0.30 - 0.16 + 0.32 / 32))
+    assert "DiLoCo(sync_every=32) would pay" in slow.reason and "never picks it" in slow.reason
+    fast = AutoDecision("none", 1e-5, 5e9, predicted_s={"none": 0.004}, measured_s={"none": 0.2})
+    assert "DiLoCo" not in fast.reason
 
 
 def test_fast_link_does_not_recommend_compression():

@@ -81,7 +81,7 @@ def test_the_report_draws_every_part_with_axes_legend_scale_and_real_tables():
     assert "ms compute per step" in text  # the heatmap's scale
     assert "busbw = algbw x 2(n-1)/n" in text and "7.20 Gbit/s" in text  # bandwidth explained, link in both units
     assert page.rows["ranks"] == 1 + 4 and page.rows["parts"] == 1 + len(_PARTS) + 1
-    assert page.rows["checks"] == 1 + 5  # every rule, with what it checked
+    assert page.rows["checks"] == 1 + 6  # every rule, with what it checked
     assert "not checked: no pipeline parallelism" in text and "(advised from 1.15x)" in text
 
 
