@@ -3,9 +3,11 @@
 1. Speed (needs root: benchmarks/sim_cluster.py): two simulated nodes joined by a ``--rate`` link, one process each,
    the "large" model (8.6M parameters), batch ``--speed-batch`` x 64 bytes per rank (4: where the link, not the
    compute, sets DDP's pace). Variants: Lightning's ``DDPStrategy``,
-   ``DiLoCo(sync_every=H)`` and ``DiLoCo(sync_every=H, compression="int8")``, alternating for ``--rounds`` rounds.
+   ``DiLoCo(sync_every=H)``, ``DiLoCo(sync_every=H, compression="int8")``, Streaming DiLoCo's
+   ``fragments=4`` and ``fragments=4, overlap_steps=2``, alternating for ``--rounds`` rounds.
    Step time is the *mean* after warm-up (a sync step is slower than the others: the mean charges it), as a ratio
-   to DDP's in the same round; bytes this rank sent per step from each strategy's counters (DDP: the ring formula).
+   to DDP's in the same round; bytes this rank sent per step from each strategy's counters (DDP: the ring formula),
+   on average and at the peak (the most any one step sent: fragments spread a sync's bytes over the round).
 2. Loss (loopback): the example model for ``--loss-steps`` steps, DDP and ``DiLoCo(sync_every=H)``, same seed and
    data (equal tokens): mean training loss of the last 20 steps, DiLoCo against DDP.
 
@@ -47,6 +49,7 @@ def _strategy(variant: str, sync_every: int):
     return HybridParallelStrategy(diloco=DiLoCo(
         sync_every=int(settings.get("sync_every", sync_every)), compression="int8" if variant.endswith("int8") else "none",
         outer_lr=float(settings.get("outer_lr", 0.7)), outer_momentum=float(settings.get("outer_momentum", 0.9)),
+        fragments=int(settings.get("fragments", 1)), overlap_steps=int(settings.get("overlap_steps", 0)),
     ))
 
 
@@ -58,12 +61,25 @@ def worker(args: argparse.Namespace) -> None:
     from examples.deepseek import DeepSeekMini
 
     class Sent(Callback):
+        """Bytes this rank sent: in all, and the most in one step (DDP: the ring formula, the same every step)."""
+
+        def __init__(self) -> None:
+            self.before, self.peak = 0, 0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            engine = getattr(trainer.strategy, "data_parallel", None)
+            if engine is not None:
+                self.peak, self.before = max(self.peak, engine.stats.bytes_sent - self.before), engine.stats.bytes_sent
+
         def on_train_end(self, trainer, pl_module):
             engine = getattr(trainer.strategy, "data_parallel", None)
             numel = sum(p.numel() for p in pl_module.parameters())
             sent = engine.stats.bytes_sent if engine is not None else 4 * numel * trainer.global_step  # ring, 2 ranks
+            peak = self.peak if engine is not None else 4 * numel
             if trainer.is_global_zero:
-                Path(args.out + ".bytes").write_text(json.dumps({"bytes": sent, "steps": trainer.global_step, "params": numel}))
+                Path(args.out + ".bytes").write_text(
+                    json.dumps({"bytes": sent, "peak": peak, "steps": trainer.global_step, "params": numel})
+                )
 
     seed_everything(0)
     torch.set_num_threads(1)
@@ -113,7 +129,10 @@ def main() -> None:
     reason = available()
     if reason:
         raise SystemExit(f"benchmarks/diloco.py: {reason}")
-    variants = ["DDPStrategy", f"DiLoCo sync_every={h}", f"DiLoCo sync_every={h} int8"]
+    variants = [
+        "DDPStrategy", f"DiLoCo sync_every={h}", f"DiLoCo sync_every={h} int8", f"DiLoCo sync_every={h} fragments=4",
+        f"DiLoCo sync_every={h} fragments=4 overlap_steps=2",
+    ]
     results: dict[str, list[dict]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp, SimulatedCluster(nodes=2, rate=args.rate) as cluster:
         for _ in range(args.rounds):
@@ -129,9 +148,11 @@ def main() -> None:
         means = [statistics.fmean(r["times"][WARMUP:]) for r in results[variant]]
         ratios = [m / d for m, d in zip(means, ddp)]
         per_step = results[variant][-1]["bytes"] / results[variant][-1]["steps"]
+        peak = results[variant][-1]["peak"]
         rows.append(
             f"| {variant} | {statistics.median(means) * 1e3:.0f} | **{statistics.median(ratios):.2f}**"
             f" ({', '.join(f'{r:.2f}' for r in ratios)}) | {per_step / 1e6:.2f} ({per_step / ddp_bytes:.3f}) |"
+            f" {peak / 1e6:.2f} ({peak / ddp_bytes:.2f}) |"
         )
     ddp_loss, diloco_loss = (statistics.fmean(losses[v][-20:]) for v in variants[:2])
     command = " ".join(["sudo .venv/bin/python benchmarks/diloco.py", *sys.argv[1:]])
@@ -140,10 +161,11 @@ def main() -> None:
 Command: `{command}` ({describe_large()}, 2 simulated nodes on a {args.rate} link, one CPU process each, batch
 {args.speed_batch} x 64 bytes per rank, {args.steps} steps; mean step time after {WARMUP} warm-up steps (sync steps included), ratio to
 `DDPStrategy` in the same round, {args.rounds} alternating rounds, the median in bold and each round's in brackets;
-machine: {machine()}). Targets (issue): step time <= 0.40x DDP's, bytes <= 1/sync_every of DDP's.
+machine: {machine()}). Targets (issue): step time <= 0.40x DDP's, bytes <= 1/sync_every of DDP's. Peak: the most
+bytes one step sent (an overlapped sync's are counted at the step it lands, its traffic spread over the steps between).
 
-| variant | ms/step (mean) | step time / DDPStrategy: median (rounds) | MB sent per step per rank (share of DDP's) |
-|---|---|---|---|
+| variant | ms/step (mean) | step time / DDPStrategy: median (rounds) | MB sent per step per rank (share of DDP's) | peak MB in one step (share of DDP's step) |
+|---|---|---|---|---|
 """ + "\n".join(rows) + f"""
 
 Loss at equal tokens (the example model, batch 16 x 64 bytes per rank, {args.loss_steps} steps on loopback, same seed

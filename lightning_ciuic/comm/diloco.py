@@ -10,6 +10,11 @@ Contract (:class:`DiLoCo` is the configuration users pass; :class:`DiLoCoEngine`
   the start-of-round parameters; every replica then continues from the result, which starts the next round.
 * ``fragments=K`` (Streaming DiLoCo): the parameters are cut into K contiguous fragments of about equal size,
   each with its own round, staggered by ``sync_every / K`` steps, so one sync moves about 1/K of the model.
+* ``overlap_steps=τ`` (Streaming DiLoCo): a fragment's averaging is launched at the end of its round (on the reducer's
+  worker thread) and the replicas keep training; after the τ-th inner step since, it is waited for, the outer
+  optimizer steps, and the local fragment becomes ``merge_alpha * local + (1 - merge_alpha) * global`` (the steps
+  taken meanwhile are kept in part; ``merge_alpha=0`` drops them). The next round starts from the global values.
+  With ``τ=0`` the sync blocks and the global values replace the local ones (no local step was taken since).
 * ``compression``: ``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"nf4"`` for the averaged pseudo-gradients,
   through the replicated engine's reducer (:class:`~lightning_ciuic.comm.compression.GradientCompression`, on any
   device), with error feedback (``error_feedback``).
@@ -35,16 +40,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ciuic.comm.compression import GradientCompression
 from lightning_ciuic.comm.data_parallel import DataParallel, broadcast_from_first
+from lightning_ciuic.comm.groups import close_group, side_copy
 from lightning_ciuic.comm.grad_sync import SyncStats
 from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.timeline import timeline
@@ -63,10 +71,20 @@ class DiLoCo:
     fragments: int = 1
     compression: str = "none"
     error_feedback: bool = True
+    overlap_steps: int = 0
+    merge_alpha: float = 0.5
 
     def __post_init__(self) -> None:
         check_int("sync_every", self.sync_every, note="inner optimizer steps per round")
         check_int("fragments", self.fragments)
+        check_int("overlap_steps", self.overlap_steps, minimum=0, note="inner steps a fragment's sync overlaps")
+        if self.overlap_steps >= self.sync_every:
+            raise ValueError(
+                f"overlap_steps={self.overlap_steps} must be below sync_every={self.sync_every}: a fragment's sync must"
+                f" land before its next round ends; use overlap_steps <= {self.sync_every - 1}."
+            )
+        if not 0 <= self.merge_alpha < 1:
+            raise ValueError(f"merge_alpha must be in [0, 1) (the local share kept when an overlapped sync lands), got {self.merge_alpha}.")
         if self.fragments > self.sync_every:
             raise ValueError(
                 f"fragments={self.fragments} must not exceed sync_every={self.sync_every}: the fragments' rounds are"
@@ -110,6 +128,8 @@ class DiLoCoEngine(DataParallel):
         self.compression: Optional[GradientCompression] = None
         self._global_step = 0
         self._last_sync: list[int] = []  # per fragment: the optimizer step count at its last sync
+        self._in_flight: dict[int, tuple[Future, torch.Tensor, int, float]] = {}  # fragment -> (sent, average, launched at, t0)
+        self._sync_group: Optional[dist.ProcessGroup] = None
         self._fresh = True  # start-of-round values still to take from the model (after set-up or a plain load)
 
     def setup(self, module: nn.Module, mesh: DeviceMesh, stages: Sequence[nn.Module] = ()) -> None:
@@ -119,6 +139,9 @@ class DiLoCoEngine(DataParallel):
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.fragments = split_fragments([p.numel() for p in self.params], self.config.fragments)
         self.compression = GradientCompression(self.config.compression, error_feedback=self.config.error_feedback)
+        # Overlapped syncs run on the reducer's thread while training may use the dp group (a callback's gather, a
+        # vote): they get a group of their own, so each group's collectives keep one order on every rank.
+        self._sync_group = side_copy(self.group) if self.config.overlap_steps else self.group
         self._fresh = True
 
     # -- rounds ------------------------------------------------------------------------------------------------
@@ -148,39 +171,61 @@ class DiLoCoEngine(DataParallel):
         return []
 
     def after_optimizer_step(self) -> None:
-        """After the inner optimizer step of ``global_step``: sync each fragment whose round ends here."""
+        """After the inner optimizer step of ``global_step``: land each sync due now, launch each fragment whose
+        round ends here (and land it at once without overlap)."""
         done = self._global_step + 1
+        for k, (_, _, launched, _) in sorted(self._in_flight.items()):
+            if done - launched >= self.config.overlap_steps:
+                self._land(k)
         for k in range(len(self.fragments)):
             if (done - self._offset(k)) % self.config.sync_every == 0 and done > self._last_sync[k]:
-                self._sync(k, done)
+                self._launch(k, done)
+                if self.config.overlap_steps == 0:
+                    self._land(k)
 
     def finish(self) -> None:
+        for k in sorted(self._in_flight):
+            self._land(k, keep=0.0)  # the run ends: every replica ends with the global values
         for k in range(len(self.fragments)):
             if not self._fresh and self._global_step + 1 > self._last_sync[k]:
-                self._sync(k, self._global_step + 1)
+                self._launch(k, self._global_step + 1)
+                self._land(k)
 
     @torch.no_grad()
-    def _sync(self, k: int, done: int) -> None:
+    def _launch(self, k: int, done: int) -> None:
+        """Start averaging fragment ``k``'s pseudo-gradient on the reducer's thread; training goes on meanwhile."""
         assert self.compression is not None and self.group is not None
-        started = time.perf_counter()
         indices = self.fragments[k]
-        current = [local_tensor(self.params[i]) for i in indices]
-        pseudo = torch.cat([(self.start[i] - c).reshape(-1) for i, c in zip(indices, current)])
-        sent = self.compression.submit(f"fragment{k}", pseudo, [pseudo.shape], self.group).result()  # averaged in place
+        pseudo = torch.cat([(self.start[i] - local_tensor(self.params[i])).reshape(-1) for i in indices])
+        sent = self.compression.submit(f"fragment{k}", pseudo, [pseudo.shape], self._sync_group)  # averages in place
+        self._in_flight[k] = (sent, pseudo, done, time.perf_counter())
+        self._last_sync[k] = done
+
+    @torch.no_grad()
+    def _land(self, k: int, keep: Optional[float] = None) -> None:
+        """Wait for fragment ``k``'s average, take the outer step, merge the global values into the local ones (the
+        local share ``keep``: ``merge_alpha`` after an overlap, else 0)."""
+        sent, pseudo, _, launched_at = self._in_flight.pop(k)
+        waited_from = time.perf_counter()
+        sent_bytes = sent.result()
+        indices = self.fragments[k]
         for i, piece in zip(indices, pseudo.split([self.start[i].numel() for i in indices])):
             self.start[i].grad = piece.view_as(self.start[i])
         self.outer[k].step()
-        for i, c in zip(indices, current):
+        if keep is None:
+            keep = self.config.merge_alpha if self.config.overlap_steps else 0.0
+        for i in indices:
             self.start[i].grad = None
-            c.copy_(self.start[i])
-        self._last_sync[k] = done
+            local_tensor(self.params[i]).lerp_(self.start[i], 1.0 - keep)  # keep * local + (1 - keep) * global
+        now = time.perf_counter()
         self._stats.collectives += 1
-        self._stats.bytes_sent += sent
+        self._stats.bytes_sent += sent_bytes
         self._stats.bytes_reduced += pseudo.numel() * 4
-        elapsed = time.perf_counter() - started  # blocking: all of it is waited for
-        timeline.record(f"outer sync (fragment {k})", "outer_sync", started)
-        self._stats.add_comm(elapsed)
-        self._stats.add_wait(elapsed)
+        self._stats.add_comm(now - launched_at)  # launch to landing
+        self._stats.add_wait(now - waited_from)  # what training waited for
+        timeline.record(f"outer sync (fragment {k})", "outer_sync", waited_from, now)
+        if self.config.overlap_steps:
+            timeline.record(f"outer sync in flight (fragment {k})", "dp", launched_at, now, track="dp collectives")
 
     def track_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self.optimizers = list(optimizers)
@@ -206,7 +251,12 @@ class DiLoCoEngine(DataParallel):
     def state_dict(self) -> dict[str, torch.Tensor]:
         if self._fresh:
             return {}
+        for sent, _, _, _ in self._in_flight.values():  # saved averaged: a resumed run lands it on time
+            sent.result()
         state = {f"start.{i}": t for i, t in enumerate(self.start)}
+        for k, (_, average, launched, _) in self._in_flight.items():
+            state[f"in_flight.{k}.average"] = average
+            state[f"in_flight.{k}.launched"] = torch.tensor(float(launched))  # a host scalar, read back with int()
         state.update({f"current.{i}": local_tensor(p).detach() for i, p in enumerate(self.params)})
         for k, optimizer in enumerate(self.outer):
             for j, tensor in enumerate(optimizer.param_groups[0]["params"]):
@@ -241,6 +291,13 @@ class DiLoCoEngine(DataParallel):
                 if buffer is not None:
                     optimizer.state[tensor]["momentum_buffer"] = buffer.to(tensor).clone()
         self._last_sync = [int(state[f"last_sync.{k}"]) for k in range(len(self.fragments))]
+        self._in_flight = {}
+        for k in range(len(self.fragments)):
+            if f"in_flight.{k}.average" in state:
+                landed: Future = Future()
+                landed.set_result(0)  # its bytes were counted by the run that sent them
+                average = state[f"in_flight.{k}.average"].to(self.start[self.fragments[k][0]]).clone()
+                self._in_flight[k] = (landed, average, int(state[f"in_flight.{k}.launched"]), time.perf_counter())
         for o, optimizer in enumerate(self.optimizers):
             for i, p in enumerate(self.params):
                 for key in [k.rsplit(".", 1)[1] for k in state if k.startswith(f"inner.{o}.{i}.")]:
@@ -252,5 +309,10 @@ class DiLoCoEngine(DataParallel):
         self._fresh = False
 
     def close(self) -> None:
-        self.params, self.fragments, self.start, self.outer, self._last_sync = [], [], [], [], []
+        for sent, _, _, _ in self._in_flight.values():
+            sent.result()  # never leave the reducer's thread inside a collective
+        if self._sync_group is not None and self._sync_group is not self.group:
+            close_group(self._sync_group)
+        self._sync_group = None
+        self.params, self.fragments, self.start, self.outer, self._last_sync, self._in_flight = [], [], [], [], [], {}
         self._fresh = True

@@ -1,5 +1,8 @@
-"""Side process groups: a gloo group beside training's, for a component's own small collectives.
+"""Side process groups: a group beside training's, for a component's own collectives.
 
+:func:`side_copy` makes a second group with the ranks of ``group`` (collective over every process: each builds every
+such group, in the same order), for collectives that run on another thread while training uses ``group``: gloo and
+NCCL need every rank to issue a group's collectives in one order, which two threads sharing a group cannot promise.
 :func:`close_group` closes one together: every rank waits at a barrier first (a rank that leaves while a peer's gloo
 connection is open makes that peer abort), unless a peer may be gone after a failure, where a barrier could wait for
 it forever. No Lightning imports.
@@ -18,3 +21,17 @@ def close_group(group: Optional[dist.ProcessGroup], together: bool = True) -> No
     if together:
         dist.barrier(group=group)
     dist.destroy_process_group(group)
+
+
+def side_copy(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A new group of ``group``'s ranks, same backend; every process calls it (all such groups are made together)."""
+    mine = dist.get_process_group_ranks(group)
+    everyone: list[Optional[list[int]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    made = None
+    for ranks in sorted({tuple(r) for r in everyone if r is not None}):
+        new = dist.new_group(list(ranks), backend=dist.get_backend(group))
+        if list(ranks) == mine:
+            made = new
+    assert made is not None
+    return made

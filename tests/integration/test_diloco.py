@@ -34,17 +34,24 @@ class ReplicasAgree(Callback):
     """Rank 0 writes, per optimizer step, whether every data-parallel replica holds rank 0's parameters."""
 
     def __init__(self, path) -> None:
-        self.path, self.agree = str(path), []
+        self.path, self.agree, self.replicas = str(path), [], []
 
     @staticmethod
-    def _agree(trainer, pl_module) -> bool:
+    def _replicas(trainer, pl_module) -> torch.Tensor:
         flat = torch.cat([local_tensor(p).detach().reshape(-1) for p in pl_module.parameters()])
         copies = [torch.empty_like(flat) for _ in range(2)]
         dist.all_gather(copies, flat, group=parallel_context(trainer).dp_group)
-        return all(torch.equal(c, copies[0]) for c in copies)
+        return torch.stack(copies)
+
+    @classmethod
+    def _agree(cls, trainer, pl_module) -> bool:
+        copies = cls._replicas(trainer, pl_module)
+        return torch.equal(copies[0], copies[1])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.agree.append(self._agree(trainer, pl_module))
+        copies = self._replicas(trainer, pl_module)
+        self.agree.append(torch.equal(copies[0], copies[1]))
+        self.replicas.append(copies)
 
     def on_train_end(self, trainer, pl_module):
         self.engine = trainer.strategy.data_parallel  # closed before on_fit_end; its counters stay readable
@@ -54,6 +61,7 @@ class ReplicasAgree(Callback):
     def on_fit_end(self, trainer, pl_module):  # after the strategy's on_train_end, where DiLoCo's last sync runs
         final = self._agree(trainer, pl_module)
         if trainer.is_global_zero:
+            torch.save(torch.stack(self.replicas), self.path + ".replicas.pt")  # [step, replica, parameters]
             stats = self.engine.stats
             with open(self.path, "w") as f:
                 json.dump({
@@ -130,6 +138,38 @@ def test_int8_outer_gradients_in_two_fragments_keep_their_residuals_and_the_moni
     assert all(rank["outer_sync"] > 0 and rank["dp_bytes"] > 0 for rank in profile["ranks"])
 
 
+def test_an_overlapped_sync_lands_overlap_steps_later_and_a_resume_in_flight_continues_exactly(tmp_path):
+    # Rounds of 2 steps, each sync overlapping 1 inner step: launched after steps 2, 4, 6, landed after 3, 5 and at
+    # the end of fit. With a plain outer SGD step (lr 1, no momentum) the global values are the replicas' mean at the
+    # launch; merge_alpha=0 makes every replica take them, dropping the overlapped step.
+    steps, epoch = 6, 4
+    straight_record = tmp_path / "a.json"
+    config = dict(sync_every=2, overlap_steps=1, outer_lr=1.0, outer_momentum=0.0)
+    saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    _fit(_diloco(**config, merge_alpha=0.0), _tiny(SGDMini), steps, [saves, ReplicasAgree(straight_record)], root=tmp_path,
+         steps_per_epoch=epoch)
+    record = json.loads(straight_record.read_text())
+    replicas = torch.load(str(straight_record) + ".replicas.pt")
+    assert record["agree"] == [False, False, True, False, True, False] and record["final"]
+    assert record["collectives"] == 3
+    for launch, land in ((1, 2), (3, 4)):  # 0-based step indices
+        torch.testing.assert_close(replicas[land, 0], replicas[launch].mean(0), rtol=0, atol=1e-15)
+
+    # merge_alpha=0.5 keeps half of the overlapped step: replicas differ after a landing, and end equal.
+    kept = tmp_path / "b.json"
+    _fit(_diloco(**config, merge_alpha=0.5), _tiny(SGDMini), steps, [ReplicasAgree(kept)], root=tmp_path, steps_per_epoch=epoch)
+    record = json.loads(kept.read_text())
+    assert not any(record["agree"]) and record["final"]
+
+    # The checkpoint after step 4 holds the sync launched there, still to land: a resumed run lands it on time.
+    resumed_record = tmp_path / "c.json"
+    straight = torch.load(str(straight_record) + ".replicas.pt")
+    _fit(_diloco(**config, merge_alpha=0.0), _tiny(SGDMini), steps, [ReplicasAgree(resumed_record)],
+         ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt"), root=tmp_path, steps_per_epoch=epoch)
+    resumed = torch.load(str(resumed_record) + ".replicas.pt")
+    assert torch.equal(resumed, straight[4:])
+
+
 def test_diloco_arguments_fail_at_construction_with_what_would_work():
     with pytest.raises(ValueError, match=r"sync_every must be an integer >= 1 \(inner optimizer steps per round\), got 0"):
         DiLoCo(sync_every=0)
@@ -139,6 +179,10 @@ def test_diloco_arguments_fail_at_construction_with_what_would_work():
         DiLoCo(outer_momentum=1.0)
     with pytest.raises(ValueError, match="compression='topk' is not one of 'none', 'fp16', 'bf16', 'int8', 'nf4'"):
         DiLoCo(compression="topk")
+    with pytest.raises(ValueError, match=r"overlap_steps=4 must be below sync_every=4.*use overlap_steps <= 3"):
+        DiLoCo(sync_every=4, overlap_steps=4)
+    with pytest.raises(ValueError, match=r"merge_alpha must be in \[0, 1\).*got 1.0"):
+        DiLoCo(overlap_steps=1, merge_alpha=1.0)
     with pytest.raises(ValueError, match=r"communication_compression='int8' compresses every step's gradient sync.* DiLoCo\(compression=...\)"):
         HybridParallelStrategy(communication_compression="int8", diloco=DiLoCo())
     with pytest.raises(ValueError, match="DiLoCo's workers are whole replicas"):
