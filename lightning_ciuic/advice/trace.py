@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 TraceEvent = tuple[str, str, str, float, float]  # (track, name, category, start in epoch seconds, duration in seconds)
-_TRACK_ORDER = ("training", "dp collectives", "tp collectives", "pp collectives", "checkpoint writer")
+_TRACK_ORDER = ("training", "pp stages", "dp collectives", "tp collectives", "pp collectives", "checkpoint writer")
 
 
 def chrome_trace(events_by_rank: Sequence[Sequence[Sequence[Any]]]) -> dict[str, Any]:

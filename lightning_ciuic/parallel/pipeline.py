@@ -22,7 +22,9 @@ Contract:
   only. A schedule is built per (mode, batch shape), because stages size their receive buffers from the
   first batch they see.
 * The runner times each stage's compute and reports ``bubble``: the fraction of the step this rank spent
-  not computing (waiting for its neighbours), to compare with :func:`theoretical_bubble`.
+  not computing (waiting for its neighbours), to compare with :func:`theoretical_bubble`. The compute chunks and
+  the gaps between them (sends, receives, waits) go to :data:`lightning_ciuic.timeline.timeline` (the monitor's
+  Chrome trace).
 
 No Lightning imports.
 """
@@ -41,6 +43,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.utils.checkpoint import checkpoint
 
+from lightning_ciuic.timeline import timeline
 from lightning_ciuic.validation import check_int
 
 PipelineScheduleName = Literal[
@@ -98,6 +101,22 @@ def stage_ids_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int, schedule
     if SCHEDULES[schedule].placement == "v":
         return [pp_rank, 2 * pp_size - 1 - pp_rank]
     return [pp_rank + k * pp_size for k in range(stages_per_rank)]
+
+
+PIPELINE_COMPUTE = "pp_compute"  # timeline category of a stage's forward / backward chunk
+
+
+def _record_waits(start: float, end: float) -> None:
+    """On the timeline's ``pp collectives`` track: the gaps of the schedule's step between this rank's compute chunks,
+    where it sent, received and waited for its neighbours (the bubble)."""
+    chunks = [s for s in timeline.ending_within(start, end) if s.category == PIPELINE_COMPUTE]
+    edge = start
+    for chunk in chunks:
+        if chunk.start > edge:
+            timeline.record("pp send / receive / wait", "pp", edge, chunk.start, track="pp collectives")
+        edge = max(edge, chunk.end)
+    if end > edge:
+        timeline.record("pp send / receive / wait", "pp", edge, end, track="pp collectives")
 
 
 def theoretical_bubble(pp_size: int, num_microbatches: int) -> float:
@@ -299,6 +318,7 @@ class _Stage(PipelineStage):
             return method(*args, **kwargs)
         finally:
             self._compute_clock[0] += time.perf_counter() - start
+            timeline.record(f"stage {self.stage_index} {method.__name__}", PIPELINE_COMPUTE, start, track="pp stages")
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(super().forward_one_chunk, *args, **kwargs)
@@ -410,9 +430,11 @@ class PipelineRunner:
         self._clock[0] = 0.0
         start = time.perf_counter()
         result = call()
-        self.step_seconds = time.perf_counter() - start
+        end = time.perf_counter()
+        self.step_seconds = end - start
         self.busy_seconds = self._clock[0]
         self.bubble = max(0.0, 1.0 - self.busy_seconds / self.step_seconds) if self.step_seconds > 0 else 0.0
+        _record_waits(start, end)
         return result
 
     def run(self, inputs: torch.Tensor, targets: Any, train: bool = True, loss_divisor: float = 1.0) -> torch.Tensor:

@@ -121,6 +121,19 @@ def test_sharded_gathers_and_reduce_scatters_are_timed_and_counted(tmp_path, cap
     assert "sharded over dp_shard=2: parameter all-gathers" in capfd.readouterr().err
 
 
+def test_pipeline_stages_and_their_waits_are_in_the_trace(tmp_path):
+    monitor = CommunicationMonitor(gather_every=4, measure_link=False, trace=True)
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, start_method="spawn")
+    _, record = _fit(tmp_path, 2, strategy, [monitor], steps=4)
+    assert record["profile"]["pp"] == 2 and all(rank["pp_bubble"] > 0 for rank in record["profile"]["ranks"])
+    for events in record["trace"]:
+        chunks = [e for e in events if e[0] == "pp stages"]
+        waits = [e for e in events if e[0] == "pp collectives"]
+        # 2 micro-batches x (forward + backward) per step, 4 steps; every rank waits for its neighbour somewhere
+        assert sum(name.endswith("forward_one_chunk") for _, name, *_ in chunks) == 8, chunks
+        assert waits and all(cat == "pp" and duration > 0 for _, _, cat, _, duration in waits)
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="gather_every must be an integer >= 1"):
         CommunicationMonitor(gather_every=0)
