@@ -26,6 +26,7 @@ No Lightning imports.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -124,34 +125,56 @@ def tree_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, codec: Codec) -> 
     return transmitted, sent
 
 
-def quantized_reduce_scatter(chunks: torch.Tensor, group: dist.ProcessGroup, codec: Codec) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``chunks`` (world, n) float32: row ``j`` goes to rank ``j``. Each row is encoded once, the rows are exchanged
-    in one all-to-all, and this rank sums in float32 what everyone sent it. Returns (that sum, the rows as
-    encoded-then-decoded here, bytes sent)."""
-    world, n = chunks.shape
-    encoded = [codec.encode(row) for row in chunks]
-    piece = encoded[0].numel()
-    transmitted = torch.stack([codec.decode(e, n) for e in encoded])
-    received = torch.empty(piece * world, dtype=torch.uint8, device=chunks.device)
-    dist.all_to_all_single(received, torch.cat(encoded), group=group)
-    summed = torch.stack([codec.decode(part, n) for part in received.split(piece)]).sum(0)
-    return summed, transmitted, (world - 1) * piece
+def quantized_reduce_scatter(
+    chunks: Sequence[torch.Tensor], group: dist.ProcessGroup, codec: Codec, numel: int | None = None, transmitted: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """``chunks``: one 1-D tensor per rank of the group, each of at most ``numel`` values (default: the first's
+    length; shorter ones count as zero-padded), row ``j`` for rank ``j``. Each row is encoded once into one send
+    buffer, the rows are exchanged in one all-to-all, and this rank adds up in float32 what everyone sent it.
+    Returns (that sum, the rows as encoded-then-decoded here as a (world, numel) tensor if ``transmitted`` else
+    ``None``, bytes sent). No tensor of the whole input's size is made besides the two byte buffers."""
+    world = len(chunks)
+    numel = chunks[0].numel() if numel is None else numel
+    device = chunks[0].device
+    piece = codec.nbytes(numel)
+    encoded = torch.empty(piece * world, dtype=torch.uint8, device=device)
+    for row, out in zip(chunks, encoded.split(piece)):
+        codec.encode_into(row, out, numel)
+    sent_rows = None
+    if transmitted:
+        sent_rows = torch.empty(world, numel, dtype=torch.float32, device=device)
+        for out, row in zip(encoded.split(piece), sent_rows):
+            codec.decode_into(out, numel, row)
+    received = torch.empty_like(encoded)
+    dist.all_to_all_single(received, encoded, group=group)
+    summed = torch.empty(numel, dtype=torch.float32, device=device)
+    for j, part in enumerate(received.split(piece)):
+        codec.decode_into(part, numel, summed, accumulate=j > 0)
+    return summed, sent_rows, (world - 1) * piece
 
 
-def quantized_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, codec: Codec) -> tuple[torch.Tensor, int]:
-    """All-to-all reduce-scatter of encoded chunks, float32 sum, one re-encode, all-gather."""
+def quantized_allreduce_(
+    x: torch.Tensor, group: dist.ProcessGroup, codec: Codec, transmitted: bool = True
+) -> tuple[torch.Tensor | None, int]:
+    """All-to-all reduce-scatter of encoded chunks, float32 sum, one re-encode, all-gather, decoded straight into
+    ``x``. ``transmitted=False`` (no error feedback) skips decoding this rank's own contribution (returns None)."""
     world = dist.get_world_size(group)
-    padded, chunk = _chunks(x, world, codec.block)
     if world == 1:
-        transmitted = codec.roundtrip(padded)[: x.numel()]
-        x.copy_(transmitted)
-        return transmitted, 0
-    summed, transmitted, sent = quantized_reduce_scatter(padded.view(world, chunk), group, codec)
-    mine = codec.encode(summed / world)
+        sent_back = codec.roundtrip(x)
+        x.copy_(sent_back)
+        return sent_back, 0
+    flat = x.view(-1)
+    chunk = math.ceil(flat.numel() / (world * codec.block)) * codec.block
+    rows = [flat[j * chunk : (j + 1) * chunk] for j in range(world)]  # views; the last ones may be short or empty
+    summed, sent_rows, sent = quantized_reduce_scatter(rows, group, codec, chunk, transmitted)
+    mine = codec.encode(summed.div_(world))
     gathered = torch.empty(mine.numel() * world, dtype=torch.uint8, device=x.device)
     dist.all_gather_single(gathered, mine, group=group)
-    x.copy_(torch.cat([codec.decode(part, chunk) for part in gathered.split(mine.numel())])[: x.numel()])
-    return transmitted.flatten()[: x.numel()], sent + (world - 1) * mine.numel()
+    for row, part in zip(rows, gathered.split(mine.numel())):
+        if row.numel():
+            codec.decode_into(part, chunk, row)
+    own = None if sent_rows is None else sent_rows.view(-1)[: flat.numel()]
+    return own, sent + (world - 1) * mine.numel()
 
 
 def topk_allreduce_(x: torch.Tensor, group: dist.ProcessGroup, topk: TopK) -> tuple[torch.Tensor, int]:

@@ -11,13 +11,17 @@ Contract of ``GradientCompression(mode, ...)``, called per bucket as ``reducer(k
   implementations; ``"native"`` (what ``"auto"`` resolves to) is the backend's own all-reduce. Quantized,
   top-k and PowerSGD modes have their own collectives: ``"ring"``/``"tree"`` with them (or with mode
   ``"auto"``, which may choose int8 or nf4) is an error.
-* With ``error_feedback=True`` every lossy mode keeps, per bucket, what compression dropped and adds it
-  to the next step's gradient. Residuals and PowerSGD's warm-start ``Q`` are in :meth:`state_dict`.
+* ``error_feedback`` keeps, per bucket, what compression dropped and adds it to the next step's gradient:
+  ``None`` (default) for ``int8``, ``nf4``, ``topk`` and ``powersgd`` but not the 16-bit casts, whose error
+  is 2^-11 (fp16) / 2^-8 (bf16) of each value (:func:`feedback_applies`); ``True`` for every lossy mode;
+  ``False`` for none. Residuals and PowerSGD's warm-start ``Q`` are in :meth:`state_dict`.
 * For the first ``warmup_steps`` optimizer steps (``set_step``) buckets go uncompressed.
 * The reduction runs on one background thread (collectives in bucket order, overlapping backward);
-  the returned object's ``wait(timeout)`` returns the bytes this rank sent. Uncompressed buckets with the
-  backend's algorithm (warm-up steps, or ``"auto"`` choosing ``none``) take the synchronizer's own async
-  path instead, so they cost exactly what ``communication_compression="none"`` costs.
+  the returned object's ``wait(timeout)`` returns the bytes this rank sent. With the backend's algorithm,
+  uncompressed buckets (warm-up steps, or ``"auto"`` choosing ``none``) take the synchronizer's own async
+  path instead, so they cost exactly what ``communication_compression="none"`` costs, and 16-bit casts
+  without error feedback are the backend's async all-reduce of the cast bucket (what torch's
+  ``fp16_compress_hook`` does): no thread, one cast each way.
 
 No Lightning imports.
 """
@@ -52,6 +56,38 @@ COMPRESSION_MODES: tuple[str, ...] = get_args(CompressionMode)
 ALGORITHMS: tuple[str, ...] = get_args(AllReduceAlgorithm)
 RING_TREE_MODES = ("none", "fp16", "bf16")  # the modes our ring and tree all-reduces carry
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def feedback_applies(error_feedback: bool | None, mode: str) -> bool:
+    """Whether ``mode``'s buckets keep error feedback under the ``error_feedback`` setting (module docstring):
+    a 16-bit cast only when asked for (``True``), the other lossy modes unless turned off (``False``)."""
+    if mode == "none":
+        return False
+    return error_feedback is True if mode in _HALF else error_feedback is not False
+
+
+class _CastReduction:
+    """A bucket's 16-bit all-reduce in flight on the backend; ``wait`` writes the average back into the bucket."""
+
+    def __init__(self, work: dist.Work, wire: torch.Tensor, buffer: torch.Tensor, nbytes: int) -> None:
+        self.work, self.wire, self.buffer, self.nbytes = work, wire, buffer, nbytes
+
+    def wait(self, timeout: timedelta) -> int:
+        self.work.wait(timeout)
+        self.buffer.copy_(self.wire)
+        return self.nbytes
+
+    def done(self) -> bool:
+        return self.work.is_completed()
+
+
+def cast_mean_all_reduce(buffer: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype) -> PendingReduction:
+    """Average ``buffer`` over ``group`` in ``dtype`` with the backend's async all-reduce: divide in the bucket's
+    precision, cast once, all-reduce SUM, cast back on ``wait`` (bytes counted as a ring all-reduce)."""
+    size = dist.get_world_size(group)
+    wire = buffer.div_(size).to(dtype)
+    work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _CastReduction(work, wire, buffer, 2 * (size - 1) * wire.numel() * wire.element_size() // size)
 
 
 class _FutureReduction:
@@ -93,7 +129,8 @@ class CompressionConfig:
     * ``mode``: ``communication_compression`` (``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"nf4"``,
       ``"topk"``, ``"powersgd"``, ``"auto"``);
     * ``compression_ratio``: the fraction ``"topk"`` keeps; ``powersgd_rank``: PowerSGD's rank;
-    * ``error_feedback``: carry what a lossy mode dropped into the next step's gradient;
+    * ``error_feedback``: carry what a lossy mode dropped into the next step's gradient (``None``: for every
+      lossy mode but the 16-bit casts; see :func:`feedback_applies`);
     * ``warmup_steps``: ``compression_warmup_steps``, optimizer steps synchronized uncompressed first;
     * ``algorithm``: ``allreduce_algorithm``, ``"auto"`` (the backend's) or our ``"ring"``/``"tree"``;
     * ``auto_recheck_steps``: how often ``"auto"`` decides again.
@@ -102,7 +139,7 @@ class CompressionConfig:
     mode: CompressionMode = "none"
     compression_ratio: float = 0.01
     powersgd_rank: int = 4
-    error_feedback: bool = True
+    error_feedback: bool | None = None
     warmup_steps: int = 0
     algorithm: AllReduceAlgorithm = "auto"
     auto_recheck_steps: int = 500
@@ -110,6 +147,10 @@ class CompressionConfig:
     def __post_init__(self) -> None:
         validate_compression(self.mode, self.compression_ratio, self.powersgd_rank, self.warmup_steps, self.algorithm)
         check_int("auto_recheck_steps", self.auto_recheck_steps)
+
+    def feedback_for(self, mode: str) -> bool:
+        """Whether ``mode`` keeps error feedback under this config."""
+        return feedback_applies(self.error_feedback, mode)
 
     @property
     def exact_mean(self) -> bool:
@@ -135,7 +176,7 @@ class GradientCompression:
         mode: CompressionMode = "none",
         compression_ratio: float = 0.01,
         powersgd_rank: int = 4,
-        error_feedback: bool = True,
+        error_feedback: bool | None = None,
         warmup_steps: int = 0,
         algorithm: AllReduceAlgorithm = "auto",
     ) -> None:
@@ -143,7 +184,8 @@ class GradientCompression:
         self.requested_mode = mode
         self.mode = "none" if mode == "auto" else mode
         self.algorithm = "native" if algorithm == "auto" else algorithm
-        self.error_feedback = ErrorFeedback() if error_feedback else None
+        self.feedback_setting = error_feedback
+        self.error_feedback = ErrorFeedback() if error_feedback is not False else None
         self.warmup_steps = warmup_steps
         self.topk = TopK(compression_ratio)
         self.powersgd = PowerSGD(powersgd_rank)
@@ -163,8 +205,12 @@ class GradientCompression:
         return "none" if self.step < self.warmup_steps else self.mode
 
     def __call__(self, key: str, buffer: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup) -> PendingReduction:
-        if self.active_mode == "none" and self.algorithm == "native":  # the uncompressed path: async, no thread
-            return mean_all_reduce(key, buffer, shapes, group)
+        mode = self.active_mode
+        if self.algorithm == "native":  # the backend's async paths, no thread
+            if mode == "none":
+                return mean_all_reduce(key, buffer, shapes, group)
+            if mode in _HALF and not feedback_applies(self.feedback_setting, mode):
+                return cast_mean_all_reduce(buffer, group, _HALF[mode])
         return _FutureReduction(self.submit(key, buffer, shapes, group))
 
     def submit(self, key: str, buffer: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup) -> Future:
@@ -183,8 +229,8 @@ class GradientCompression:
         elif mode == "topk":
             chosen = lambda key, work, shapes, group: topk_allreduce_(work, group, self.topk)  # noqa: E731
         elif mode in ("int8", "nf4"):
-            codec = dense_codec(mode)
-            chosen = lambda key, work, shapes, group: quantized_allreduce_(work, group, codec)  # noqa: E731
+            codec, feedback = dense_codec(mode), feedback_applies(self.feedback_setting, mode)
+            chosen = lambda key, work, shapes, group: quantized_allreduce_(work, group, codec, feedback)  # noqa: E731
         elif algorithm in ("ring", "tree"):
             collective = ring_allreduce_ if algorithm == "ring" else tree_allreduce_
             if mode == "none":  # uncompressed: the bucket's own dtype on the wire (float64 stays exact)
@@ -201,13 +247,12 @@ class GradientCompression:
         self, key: str, buffer: torch.Tensor, shapes: list[torch.Size], group: dist.ProcessGroup, mode: str, collective: Collective
     ) -> int:
         """Average ``buffer`` in place with ``collective`` (``mode``'s); returns bytes sent. Runs on the worker thread."""
-        feedback = self.error_feedback if mode != "none" else None
-        compensated = feedback.compensate(key, buffer) if feedback else buffer
-        work = compensated.clone() if feedback else buffer  # the collectives overwrite their input
-        transmitted, sent = collective(key, work, shapes, group)
+        feedback = self.error_feedback if feedback_applies(self.feedback_setting, mode) else None
         if feedback is not None:
-            feedback.update(key, compensated, transmitted)
-            buffer.copy_(work)
+            feedback.compensate_(key, buffer)
+        transmitted, sent = collective(key, buffer, shapes, group)
+        if feedback is not None:
+            feedback.settle(key, transmitted)
         return sent
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -78,7 +78,7 @@ class ReduceScatterComm(compat.FSDPReduceScatter):
         gradient = input_tensor.float()
         if self.error_feedback and self.residual is not None:
             gradient += self.residual.to(gradient.device)  # restored from a checkpoint on the CPU: moved once
-        summed, transmitted, sent = quantized_reduce_scatter(gradient.view(world, -1), group, self.codec)
+        summed, transmitted, sent = quantized_reduce_scatter(gradient.view(world, -1), group, self.codec, transmitted=self.error_feedback)
         if self.error_feedback:
             self.residual = gradient - transmitted.view(-1)
         if op == dist.ReduceOp.AVG:

@@ -63,7 +63,7 @@ class GradientQuantizer:
 
     MODES = {16: "fp16", 8: "int8", 4: "nf4"}
 
-    def __init__(self, bits: int = 8, error_feedback: bool = True) -> None:
+    def __init__(self, bits: int = 8, error_feedback: Optional[bool] = None) -> None:
         if bits not in self.MODES:
             raise ValueError(f"GradientQuantizer(bits={bits!r}): use one of {sorted(self.MODES)} (16=fp16, 8=int8, 4=nf4).")
         self.bits = bits

@@ -114,7 +114,9 @@ class HybridParallelStrategy(ParallelStrategy):
             ``auto_recheck_steps`` optimizer steps), or a ``GradientQuantizer(bits=...)``.
         compression_ratio: fraction of values ``"topk"`` keeps.
         powersgd_rank: rank of PowerSGD's approximation.
-        error_feedback: add what compression dropped to the next step's gradient (recommended).
+        error_feedback: add what compression dropped to the next step's gradient. ``None`` (default): for
+            ``int8``, ``nf4``, ``topk`` and ``powersgd``, not for the 16-bit casts (their error is 2^-11 / 2^-8
+            of each value); ``True``: for every lossy mode; ``False``: never.
         compression_warmup_steps: optimizer steps synchronized uncompressed before compression starts.
         allreduce_algorithm: ``"auto"`` (the backend's all-reduce), ``"ring"`` or ``"tree"`` (ours, for
             ``none``/``fp16``/``bf16``).
@@ -154,7 +156,7 @@ class HybridParallelStrategy(ParallelStrategy):
         communication_compression: Union[CompressionMode, GradientQuantizer] = "none",
         compression_ratio: float = 0.01,
         powersgd_rank: int = 4,
-        error_feedback: bool = True,
+        error_feedback: bool | None = None,
         compression_warmup_steps: int = 0,
         allreduce_algorithm: AllReduceAlgorithm = "auto",
         auto_recheck_steps: int = 500,
@@ -405,7 +407,7 @@ class HybridParallelStrategy(ParallelStrategy):
         reduce_dtype = _REDUCE_DTYPES.get(mode, torch.float32 if param_dtype is not None else None)
         return dataclasses.replace(
             self.sharding_config, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-            gradient_codec=mode if mode in _SHARDED_CODECS else None, error_feedback=self.compression_config.error_feedback,
+            gradient_codec=mode if mode in _SHARDED_CODECS else None, error_feedback=self.compression_config.feedback_for(mode),
         )
 
     def _close_data_parallel(self) -> None:

@@ -4,7 +4,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from datetime import timedelta
+
 from lightning_ciuic.comm.codecs import TopK, dense_codec
+from lightning_ciuic.comm.compression import GradientCompression
 from lightning_ciuic.comm.collectives import (
     native_allreduce_,
     quantized_allreduce_,
@@ -88,8 +91,65 @@ def _powersgd(rank, world):
     _identical_everywhere(y)
 
 
+def _quantized_is_exactly_two_roundings(rank, world):
+    """The fused int8 path equals, bit for bit, its definition computed here from every rank's data: each rank's
+    chunk j encoded once and decoded, summed in rank order in float32, divided, encoded once, decoded. Also for a
+    tensor so short that the last ranks' chunks are empty, and without the transmitted copy."""
+    codec = dense_codec("int8")
+    for numel in (N, 10):
+        data = [torch.randn(numel, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
+        chunk = -(-numel // (world * codec.block)) * codec.block
+        padded = [torch.cat([d, torch.zeros(chunk * world - numel)]).view(world, chunk) for d in data]
+        expected = []
+        for j in range(world):
+            summed = codec.roundtrip(padded[0][j])
+            for r in range(1, world):
+                summed = summed + codec.roundtrip(padded[r][j])
+            expected.append(codec.roundtrip(summed / world))
+        expected = torch.cat(expected)[:numel]
+        for want_transmitted in (True, False):
+            x = data[rank].clone()
+            transmitted, _ = quantized_allreduce_(x, dist.group.WORLD, codec, transmitted=want_transmitted)
+            assert torch.equal(x, expected), (numel, want_transmitted)
+            if want_transmitted:
+                assert torch.equal(transmitted, codec.roundtrip(padded[rank].reshape(-1))[:numel])
+            else:
+                assert transmitted is None
+
+
+def _reducer_error_feedback(rank, world):
+    """fp16 by default: the backend's async all-reduce of the cast bucket, no residual kept; fp16 with
+    error_feedback=True and int8 by default: the residual is exactly what this rank's encoding dropped."""
+    group = dist.group.WORLD
+    g = _data(rank)
+    reducer = GradientCompression("fp16")
+    x = g.clone()
+    pending = reducer("b", x, [x.shape], group)
+    assert type(pending).__name__ == "_CastReduction", "fp16 without error feedback takes the backend's async path"
+    pending.wait(timedelta(seconds=60))
+    # w casts and w - 1 fp16 additions, each rounding by <= 2^-11 of a magnitude <= sum_r |g_r| / w, plus
+    # fp16's subnormal spacing 2^-24 per rounding
+    magnitude = sum(_data(r).abs() for r in range(world)) / world
+    bound = (2 * world - 1) * (2 ** -11 * magnitude + 2 ** -24)
+    assert ((x - _exact(world)).abs() <= bound).all()
+    assert not reducer.error_feedback.residuals
+    for mode, feedback, dropped in (("fp16", True, lambda v: v - v.half().float()), ("int8", None, None)):
+        reducer = GradientCompression(mode, error_feedback=feedback)
+        x = g.clone()
+        reducer("b", x, [x.shape], group).wait(timedelta(seconds=60))
+        if dropped is None:
+            codec = dense_codec("int8")
+            chunk = -(-N // (world * codec.block)) * codec.block
+            own = codec.roundtrip(torch.cat([g, torch.zeros(chunk * world - N)]))[:N]
+            dropped = lambda v: v - own  # noqa: E731
+        assert torch.equal(reducer.error_feedback.residuals["b"], dropped(g)), mode
+        reducer.close()
+
+
 def _collectives_then_powersgd(rank, world):
     _check_all(rank, world)
+    _quantized_is_exactly_two_roundings(rank, world)
+    _reducer_error_feedback(rank, world)
     _powersgd(rank, world)
 
 

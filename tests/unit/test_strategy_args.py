@@ -108,3 +108,14 @@ def test_shard_size_that_does_not_divide_the_data_parallel_size_fails_before_pro
     strategy = HybridParallelStrategy(data_parallel_shard_size=3)
     with pytest.raises(ValueError, match=r"data_parallel_shard_size=3 must divide the data-parallel size 4 .* use one of \[1, 2, 4\]"):
         Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
+
+
+@pytest.mark.parametrize(
+    "error_feedback, expected",
+    [(None, {"fp16": False, "bf16": False, "int8": True, "nf4": True, "topk": True, "powersgd": True, "none": False}),
+     (True, {"fp16": True, "bf16": True, "int8": True, "nf4": True, "topk": True, "powersgd": True, "none": False}),
+     (False, {"fp16": False, "bf16": False, "int8": False, "nf4": False, "topk": False, "powersgd": False, "none": False})],
+)
+def test_error_feedback_is_opt_in_for_the_16_bit_casts_only(error_feedback, expected):
+    config = HybridParallelStrategy(communication_compression="auto", error_feedback=error_feedback).compression_config
+    assert {mode: config.feedback_for(mode) for mode in expected} == expected
