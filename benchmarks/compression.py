@@ -35,8 +35,9 @@ from benchmarks.common import MODELS, machine, median_after_warmup, write_sectio
 from benchmarks.sim_cluster import SimulatedCluster, available, run_two_nodes  # noqa: E402
 from lightning_ciuic.comm.auto import CANDIDATES, SETTLE_STEPS, TRIAL_STEPS  # noqa: E402
 
-OURS = ["none", "fp16", "bf16", "int8", "nf4", "topk", "powersgd", "powersgd rank 16", "auto"]
-DDP_VARIANTS = ["DDPStrategy", "DDP + torch fp16 hook", "DDP + torch PowerSGD hook"]
+OURS = ["none", "fp16", "fp16 feedback 1", "bf16", "int8", "nf4", "topk", "powersgd", "powersgd rank 16", "auto"]
+HOOK = "DDP + torch fp16 hook"
+DDP_VARIANTS = ["DDPStrategy", HOOK, "DDP + torch PowerSGD hook"]
 WARMUP = 5
 AUTO_TRIAL = SETTLE_STEPS + len(CANDIDATES) * TRIAL_STEPS
 LOSS_VARIANTS = ["none", "fp16", "bf16", "int8", "nf4", "topk", "topk warm-up 20", "powersgd", "powersgd warm-up 20",
@@ -56,6 +57,7 @@ def _strategy(variant: str):
     return HybridParallelStrategy(
         communication_compression=mode, compression_ratio=0.01, powersgd_rank=settings.get("rank", 4),
         compression_warmup_steps=settings.get("warm-up", 0),
+        error_feedback=bool(settings["feedback"]) if "feedback" in settings else None,
     )
 
 
@@ -155,14 +157,15 @@ def summarize(result: dict) -> tuple[float, float | None]:
     return step, per_step
 
 
-def speed_section(rate: str, steps: int, workdir: Path, batch_size: int, rounds: int) -> str:
-    """Every variant once per round, ``rounds`` alternating rounds; ratios to DDPStrategy paired within a round,
-    the median over rounds in bold and each round's in brackets."""
-    results: dict[str, list[dict]] = {v: [] for v in DDP_VARIANTS + OURS}
+def speed_section(rate: str, steps: int, workdir: Path, batch_size: int, rounds: int, variants: list[str]) -> str:
+    """Every variant once per round, ``rounds`` alternating rounds; ratios to DDPStrategy (and to DDP with torch's
+    fp16 hook, when it ran) paired within a round, the median over rounds in bold and each round's in brackets."""
+    variants = ["DDPStrategy"] + [v for v in DDP_VARIANTS + OURS if v in variants and v != "DDPStrategy"]
+    results: dict[str, list[dict]] = {v: [] for v in variants}
     failures: dict[str, str] = {}
     with SimulatedCluster(nodes=2, rate=rate) as cluster:
         for _ in range(rounds):
-            for variant in DDP_VARIANTS + OURS:
+            for variant in variants:
                 if variant in failures:
                     continue
                 try:
@@ -172,28 +175,36 @@ def speed_section(rate: str, steps: int, workdir: Path, batch_size: int, rounds:
                 except RuntimeError as err:  # reported in the table, not hidden
                     failures[variant] = str(err)
     ddp_steps = [summarize(r)[0] for r in results["DDPStrategy"]]
+    hook = HOOK if results.get(HOOK) and HOOK not in failures else None
+    hook_steps = [summarize(r)[0] for r in results[hook]] if hook else []
     params = results["DDPStrategy"][0]["params"]
     fp32_bytes = 4 * params  # a ring all-reduce of float32 sends 2 (w-1)/w = 1x the gradient per rank at w=2
     rows = []
-    for variant in DDP_VARIANTS + OURS:
+    for variant in variants:
         if variant in failures:
-            rows.append(f"| {variant} | failed | {failures[variant]} | |")
+            rows.append(f"| {variant} | failed | {failures[variant]} | |" + (" |" if hook else ""))
             continue
         measured = [summarize(r) for r in results[variant]]
-        ratios = [step / ddp for (step, _), ddp in zip(measured, ddp_steps)]
         sent = measured[-1][1]
         share = "" if sent is None else f"{sent / 1e6:.2f} MB ({sent / fp32_bytes:.1%})"
-        rows.append(
-            f"| {variant} | {statistics.median(s for s, _ in measured) * 1e3:.0f} | **{statistics.median(ratios):.2f}**"
-            f" ({', '.join(f'{r:.2f}' for r in ratios)}) | {share} |"
-        )
+        columns = [_paired(measured, ddp_steps)] + ([_paired(measured, hook_steps)] if hook else [])
+        rows.append(f"| {variant} | {statistics.median(s for s, _ in measured) * 1e3:.0f} | {' | '.join(columns)} | {share} |")
     auto_runs = results.get("auto") or [{}]
     auto_reason = auto_runs[-1].get("auto", [""])[0] if auto_runs[-1].get("auto") else ""
     return (
         f"### Speed on a simulated {rate} link ({params / 1e6:.2f}M-parameter model, batch {batch_size} x 64 bytes per rank, {rounds} rounds)\n\n"
-        f"| variant | ms/step (median) | step time / DDPStrategy: median (rounds) | bytes sent per step per rank (share of fp32) |\n"
-        f"|---|---|---|---|\n" + "\n".join(rows) + f"\n\n`auto` said (last round): {auto_reason}"
+        f"| variant | ms/step (median) | step time / DDPStrategy: median (rounds) |"
+        + (" step time / DDP + torch fp16 hook: median (rounds) |" if hook else "")
+        + " bytes sent per step per rank (share of fp32) |\n"
+        + f"|---|---|---|{'---|' if hook else ''}---|\n" + "\n".join(rows)
+        + (f"\n\n`auto` said (last round): {auto_reason}" if auto_reason else "")
     )
+
+
+def _paired(measured: list[tuple[float, float | None]], reference: list[float]) -> str:
+    """Step time over the reference's in the same round: the median in bold, each round's in brackets."""
+    ratios = [step / ref for (step, _), ref in zip(measured, reference)]
+    return f"**{statistics.median(ratios):.2f}** ({', '.join(f'{r:.2f}' for r in ratios)})"
 
 
 def main() -> None:
@@ -209,6 +220,9 @@ def main() -> None:
     parser.add_argument("--loopback-rounds", type=int, default=3, help="alternating none/auto pairs on loopback")
     parser.add_argument("--speed-rounds", type=int, default=2, help="alternating rounds of every variant per speed run")
     parser.add_argument("--parts", nargs="+", choices=["speed", "loss"], default=["speed", "loss"])
+    parser.add_argument("--variants", nargs="+", choices=DDP_VARIANTS + OURS, default=DDP_VARIANTS + OURS,
+                        help="speed runs: the variants to run (DDPStrategy always runs: the ratios' reference)")
+    parser.add_argument("--section", default="compression", help="speed: the docs/benchmarks.md section written")
     parser.add_argument("--sgd-lr", type=float, default=0.1, help="LR of the loss comparison under SGD with momentum 0.9")
     parser.add_argument("--sgd", action="store_true", help="worker: train with SGD (momentum 0.9, --sgd-lr) instead of AdamW")
     parser.add_argument("--out", default="")
@@ -233,36 +247,44 @@ def speed_part(args: argparse.Namespace, workdir: Path) -> None:
         sections.append(f"### Speed on a simulated cluster\n\nSkipped: {reason}.")
     for pair in [] if reason else args.speed_runs:
         rate, batch_size = pair.split(":")
-        sections.append(speed_section(rate, args.steps, workdir, int(batch_size), args.speed_rounds))
+        sections.append(speed_section(rate, args.steps, workdir, int(batch_size), args.speed_rounds, args.variants))
 
-    rounds = []  # alternating pairs: one pair's ratio moves by several percent on this machine
+    rounds = []  # alternating pairs: one pair's ratio moves by several percent on this machine (0 rounds: none)
     for _ in range(args.loopback_rounds):
         pair = {v: run(v, "large", args.steps + (AUTO_TRIAL if v == "auto" else 0), workdir, None)
                 for v in ("none", "auto")}
         rounds.append((summarize(pair["none"])[0], summarize(pair["auto"])[0], pair["auto"]))
+    if rounds:
+        sections.append(_loopback_section(rounds))
+    body = "\n\n".join(sections)
+    title = "Compressed gradient synchronization" if args.section == "compression" else "Dense codecs against torch's DDP fp16 hook"
+    write_section(
+        args.section,
+        f"""
+## {title} on a simulated 2-node cluster
+
+Command: `.venv/bin/python {' '.join(['benchmarks/compression.py', *sys.argv[1:]])}`
+(2 processes, one per network namespace, 1 intra-op thread each, gloo, `num_nodes=2`; both "nodes" share this
+machine's 2 cores, so codec time competes with compute as it would not on two real nodes; median step time after {WARMUP} warm-up steps, for `auto` after its {AUTO_TRIAL}-step trial of the candidates; machine: {machine()}). Targets at 1 Gbit/s: int8 step time
+<= 0.45x DDPStrategy, bytes <= 27% of fp32 (nf4 <= 15%, top-k 1% <= 3%); fp16 no slower than DDP + torch's fp16
+hook, int8 <= 0.85x of it; auto <= 1.05x uncompressed on loopback.
+
+{body}
+""",
+    )
+
+
+def _loopback_section(rounds: list[tuple[float, float, dict]]) -> str:
+    """``auto`` against uncompressed on loopback: the median ratio of the alternating pairs."""
     ratios = [auto / none for none, auto, _ in rounds]
     none_step, auto_step, last = rounds[-1]
-    sections.append(
-        f"### Fast link (loopback), {args.loopback_rounds} alternating rounds\n\n"
+    return (
+        f"### Fast link (loopback), {len(rounds)} alternating rounds\n\n"
         f"auto / uncompressed step time, median of rounds: **{statistics.median(ratios):.2f}** (target <= 1.05; rounds: "
         + ", ".join(f"{ratio:.2f}" for ratio in ratios)
         + f"). Last round: uncompressed {none_step * 1e3:.0f} ms/step, auto {auto_step * 1e3:.0f} ms/step.\n\n"
         "`auto` chose, per round: " + ", ".join(", ".join(r["auto_modes"]) for _, _, r in rounds)
         + f". It said in the last round: {last['auto'][0] if last['auto'] else ''}"
-    )
-    body = "\n\n".join(sections)
-    write_section(
-        "compression",
-        f"""
-## Compressed gradient synchronization on a simulated 2-node cluster
-
-Command: `.venv/bin/python benchmarks/compression.py --parts speed --steps {args.steps} --speed-runs {' '.join(args.speed_runs)} --speed-rounds {args.speed_rounds} --loopback-rounds {args.loopback_rounds}`
-(2 processes, one per network namespace, 1 intra-op thread each, gloo, `num_nodes=2`; both "nodes" share this
-machine's 2 cores, so codec time competes with compute as it would not on two real nodes; median step time after {WARMUP} warm-up steps, for `auto` after its {AUTO_TRIAL}-step trial of the candidates; machine: {machine()}). Targets at 1 Gbit/s: int8 step time
-<= 0.45x DDPStrategy, bytes <= 27% of fp32 (nf4 <= 15%, top-k 1% <= 3%); auto <= 1.05x uncompressed on loopback.
-
-{body}
-""",
     )
 
 
