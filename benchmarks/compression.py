@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -263,7 +264,7 @@ def speed_part(args: argparse.Namespace, workdir: Path) -> None:
         f"""
 ## {title} on a simulated 2-node cluster
 
-Command: `.venv/bin/python {' '.join(['benchmarks/compression.py', *sys.argv[1:]])}`
+Command: `.venv/bin/python {shlex.join(['benchmarks/compression.py', *sys.argv[1:]])}`
 (2 processes, one per network namespace, 1 intra-op thread each, gloo, `num_nodes=2`; both "nodes" share this
 machine's 2 cores, so codec time competes with compute as it would not on two real nodes; median step time after {WARMUP} warm-up steps, for `auto` after its {AUTO_TRIAL}-step trial of the candidates; machine: {machine()}). Targets at 1 Gbit/s: int8 step time
 <= 0.45x DDPStrategy, bytes <= 27% of fp32 (nf4 <= 15%, top-k 1% <= 3%); fp16 no slower than DDP + torch's fp16
