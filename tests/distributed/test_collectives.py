@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from datetime import timedelta
 
+from lightning_ciuic.comm import collectives
 from lightning_ciuic.comm.codecs import TopK, dense_codec
 from lightning_ciuic.comm.compression import GradientCompression
 from lightning_ciuic.comm.collectives import (
@@ -94,7 +95,8 @@ def _powersgd(rank, world):
 def _quantized_is_exactly_two_roundings(rank, world):
     """The fused int8 path equals, bit for bit, its definition computed here from every rank's data: each rank's
     chunk j encoded once and decoded, summed in rank order in float32, divided, encoded once, decoded. Also for a
-    tensor so short that the last ranks' chunks are empty, and without the transmitted copy."""
+    tensor so short that the last ranks' chunks are empty, without the transmitted copy, and pipelined in parts
+    (blocks start at the same offsets, so parts change nothing)."""
     codec = dense_codec("int8")
     for numel in (N, 10):
         data = [torch.randn(numel, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
@@ -107,12 +109,17 @@ def _quantized_is_exactly_two_roundings(rank, world):
                 summed = summed + codec.roundtrip(padded[r][j])
             expected.append(codec.roundtrip(summed / world))
         expected = torch.cat(expected)[:numel]
-        for want_transmitted in (True, False):
+        for want_transmitted, part_values in ((True, None), (False, None), (True, 1024), (False, 1024)):
+            if part_values:  # pipelined in parts of 1024 values: 3 parts of N, with their own padding
+                monkeypatch = pytest.MonkeyPatch()
+                monkeypatch.setattr(collectives, "PIPELINE_VALUES", part_values)
             x = data[rank].clone()
             transmitted, _ = quantized_allreduce_(x, dist.group.WORLD, codec, transmitted=want_transmitted)
-            assert torch.equal(x, expected), (numel, want_transmitted)
+            if part_values:
+                monkeypatch.undo()
+            assert torch.equal(x, expected), (numel, want_transmitted, part_values)
             if want_transmitted:
-                assert torch.equal(transmitted, codec.roundtrip(padded[rank].reshape(-1))[:numel])
+                assert torch.equal(transmitted, codec.roundtrip(data[rank]))
             else:
                 assert transmitted is None
 
