@@ -37,6 +37,7 @@ from benchmarks.sim_cluster import SimulatedCluster, available, run_two_nodes  #
 from lightning_ciuic.comm.auto import CANDIDATES, SETTLE_STEPS, TRIAL_STEPS  # noqa: E402
 
 OURS = ["none", "fp16", "fp16 feedback 1", "bf16", "int8", "nf4", "topk", "powersgd", "powersgd rank 16", "auto"]
+NO_SYNC = "no gradient sync"  # the floor: the same two processes, replicas never synchronised (DiLoCo that never syncs)
 HOOK = "DDP + torch fp16 hook"
 DDP_VARIANTS = ["DDPStrategy", HOOK, "DDP + torch PowerSGD hook"]
 WARMUP = 5
@@ -53,6 +54,10 @@ def _strategy(variant: str):
 
     if variant in DDP_VARIANTS:
         return DDPStrategy()
+    if variant == NO_SYNC:
+        from lightning_ciuic import DiLoCo
+
+        return HybridParallelStrategy(diloco=DiLoCo(sync_every=10**9))
     mode, *options = variant.split(" ")  # e.g. "topk warm-up 20", "powersgd rank 16"
     settings = dict(zip(options[::2], map(int, options[1::2])))
     return HybridParallelStrategy(
@@ -161,7 +166,7 @@ def summarize(result: dict) -> tuple[float, float | None]:
 def speed_section(rate: str, steps: int, workdir: Path, batch_size: int, rounds: int, variants: list[str]) -> str:
     """Every variant once per round, ``rounds`` alternating rounds; ratios to DDPStrategy (and to DDP with torch's
     fp16 hook, when it ran) paired within a round, the median over rounds in bold and each round's in brackets."""
-    variants = ["DDPStrategy"] + [v for v in DDP_VARIANTS + OURS if v in variants and v != "DDPStrategy"]
+    variants = ["DDPStrategy"] + [v for v in DDP_VARIANTS + OURS + [NO_SYNC] if v in variants and v != "DDPStrategy"]
     results: dict[str, list[dict]] = {v: [] for v in variants}
     failures: dict[str, str] = {}
     with SimulatedCluster(nodes=2, rate=rate) as cluster:
@@ -221,7 +226,7 @@ def main() -> None:
     parser.add_argument("--loopback-rounds", type=int, default=3, help="alternating none/auto pairs on loopback")
     parser.add_argument("--speed-rounds", type=int, default=2, help="alternating rounds of every variant per speed run")
     parser.add_argument("--parts", nargs="+", choices=["speed", "loss"], default=["speed", "loss"])
-    parser.add_argument("--variants", nargs="+", choices=DDP_VARIANTS + OURS, default=DDP_VARIANTS + OURS,
+    parser.add_argument("--variants", nargs="+", choices=DDP_VARIANTS + OURS + [NO_SYNC], default=DDP_VARIANTS + OURS,
                         help="speed runs: the variants to run (DDPStrategy always runs: the ratios' reference)")
     parser.add_argument("--section", default="compression", help="speed: the docs/benchmarks.md section written")
     parser.add_argument("--sgd-lr", type=float, default=0.1, help="LR of the loss comparison under SGD with momentum 0.9")
