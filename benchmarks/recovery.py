@@ -54,7 +54,12 @@ from lightning_ciuic.testing import FailAt  # noqa: E402
 
 _IMPORTED = time.time()
 CORPUS = ROOT / "examples" / "data" / "kjv_pentateuch.txt"
-MODELS = dict(MODELS, xl=dict(dim=768, moe_inter_dim=768, dense_inter_dim=2304, kv_lora_rank=192))
+MODELS = dict(
+    MODELS,
+    xl=dict(dim=768, moe_inter_dim=768, dense_inter_dim=2304, kv_lora_rank=192),
+    xxl=dict(dim=1280, moe_inter_dim=1280, dense_inter_dim=3840, kv_lora_rank=320),  # 91.8M parameters: 1.1 GB with AdamW
+)
+S3_OPTIONS = "CIUIC_BENCH_S3_OPTIONS"  # checkpoint_s3 runs: the fsspec storage options of the S3 endpoint, as JSON
 
 
 class Moments(Callback):
@@ -117,27 +122,38 @@ def job(args: argparse.Namespace) -> None:
     elif args.method == "checkpoint":
         callbacks.append(ModelCheckpoint(dirpath=args.dir, every_n_train_steps=args.every, save_top_k=0, save_last=True))
         ckpt_path = "last"
+    elif args.method == "checkpoint_s3":  # benchmarks/recovery_s3.py: the pack's checkpoints in an object store
+        from lightning_ciuic import AsyncCheckpointer
+
+        options = json.loads(os.environ[S3_OPTIONS])
+        callbacks.append(AsyncCheckpointer(args.dir, save_interval=None, every_n_train_steps=args.every, storage_options=options,
+                                           save_on_train_end=False))
+        ckpt_path = "last"
     if args.fault != "none":
         callbacks.append(FailAt(args.fault_step, args.fault, ranks=(1,)))
     trainer = Trainer(
         accelerator="cpu", devices=2, strategy=HybridParallelStrategy(), max_steps=args.steps, callbacks=callbacks,
-        logger=False, enable_checkpointing=args.method == "checkpoint", enable_progress_bar=False,
+        logger=False, enable_checkpointing=args.method.startswith("checkpoint"), enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0,
     )
     data = ByteCorpusDataModule(CORPUS, seq_len=128, batch_size=4)
     trainer.fit(DeepSeekMini(**MODELS[args.model]), data, ckpt_path=ckpt_path)
 
 
-def run(args: argparse.Namespace, method: str, fault: str, steps: int, directory: str) -> tuple[list[dict], float | None]:
-    """Launch a job; return rank 0's moment records (one per attempt that finished) and the fault time."""
+def run(
+    args: argparse.Namespace, method: str, fault: str, steps: int, directory: str, prefix: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> tuple[list[dict], float | None]:
+    """Launch a job (after ``prefix``, e.g. ``ip netns exec NS``, with ``env`` added); return rank 0's moment
+    records (one per attempt that finished) and the fault time."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
+        *prefix, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", __file__, "--job",
         "--method", method, "--fault", fault, "--steps", str(steps), "--every", str(args.every),
         "--fault-step", str(args.fault_step), "--model", args.model, "--dir", directory,
         "--run-id", f"bench-{os.getpid()}-{time.time_ns()}",
     ]
-    result = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=1200)
+    result = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), timeout=1800)
     output = result.stdout + result.stderr
     if result.returncode != 0:
         raise RuntimeError(f"{method}/{fault} run failed:\n{output[-4000:]}")
