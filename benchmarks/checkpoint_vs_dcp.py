@@ -10,13 +10,16 @@ data, in three set-ups users compare:
 
 For each, after one training step both save the same state (``{"model": ..., "optim": ...}`` from torch's
 ``get_state_dict``), 3 more steps, both save again. Bytes written are the growth of each one's directory (every
-file: chunks, manifests, DCP's ``.distcp`` files and metadata). Ours is ``save_full`` into a
-:class:`~lightning_ciuic.checkpoint.incremental.ChunkStore` as ``AsyncCheckpointer`` stores (BLAKE3-named chunks,
-zstd level 3, incremental); DCP's is ``torch.distributed.checkpoint.async_save`` of the same dictionary.
+file: chunks, manifests, DCP's ``.distcp`` files and metadata). Ours is DCP's ``save`` through our
+:class:`~lightning_ciuic.checkpoint.dcp.ChunkedWriter` into a :class:`~lightning_ciuic.checkpoint.incremental.ChunkStore`,
+the path ``AsyncCheckpointer`` takes under ``HybridParallelStrategy`` (BLAKE3-named chunks, zstd level 3,
+incremental); DCP's is ``torch.distributed.checkpoint.async_save`` of the same dictionary to its file system writer.
 
 Time to the first step after a restore (pre-training state): a fresh process builds the model and optimizer, then
-is timed from the start of the load to the end of one training step: ours (``load_full`` + ``load_state_dict``)
-against DCP's (``dcp.load`` into ``get_state_dict``'s skeleton + ``set_state_dict``), alternating, ``--rounds``
+is timed from the start of the load to the end of one training step: ours (``dcp.load`` through our
+:class:`~lightning_ciuic.checkpoint.dcp.ChunkedReader`, into the model's and optimizer's own tensors), ours as one
+whole state (``load_full``, what ``DDPStrategy`` checkpoints and exports use: new tensors, then copied in) and DCP's
+(``dcp.load`` from its files), each + ``set_state_dict`` and one step, alternating, ``--rounds``
 rounds, with the page cache dropped before each restore when this process may (root), so the files are read from
 disk as after a restart; the tables say which. Writes the ``checkpoint_vs_dcp`` section of docs/benchmarks.md.
 
@@ -43,7 +46,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 
 from benchmarks.common import machine, write_section  # noqa: E402
-from lightning_ciuic.checkpoint.dcp import load_full, save_full  # noqa: E402
+from lightning_ciuic.checkpoint.dcp import ChunkedReader, ChunkedWriter, load_full, save_full  # noqa: E402
 from lightning_ciuic.checkpoint.incremental import ChunkStore  # noqa: E402
 from lightning_ciuic.checkpoint.storage import Storage  # noqa: E402
 
@@ -103,11 +106,13 @@ def bytes_written(setup: str, args: argparse.Namespace, tmp: Path) -> dict:
                 train_step(model, optimizer, args.width)
         state = state_of(model, optimizer)
         before = directory_bytes(ours_dir) if ours_dir.exists() else 0
-        save_full(store, f"step{save}", state)
+        dcp.save(state, storage_writer=ChunkedWriter(store, f"step{save}"))
         result["ours"].append(directory_bytes(ours_dir) - before)
         before = directory_bytes(dcp_dir) if dcp_dir.exists() else 0
         dcp.async_save(state, checkpoint_id=str(dcp_dir / f"step{save}")).result()
         result["dcp"].append(directory_bytes(dcp_dir) - before)
+    if setup == "pre-training":  # the same state as one whole-state checkpoint (DDPStrategy's and export's format)
+        save_full(ChunkStore(Storage(str(tmp / "ours-whole")), "zstd", 3), "step1", state)
     result["state"] = sum(t.numel() * t.element_size() for t in _tensors(state))
     result["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad) / sum(p.numel() for p in model.parameters())
     return result
@@ -128,15 +133,14 @@ def restore(kind: str, path: str, args: argparse.Namespace) -> dict:
     """In this (fresh) process: seconds from the start of the load to the end of the first training step."""
     model, optimizer = build("pre-training", args.layers, args.width, args.rank)
     start = time.perf_counter()
-    if kind == "ours":
+    if kind == "ours, whole state":
         state = load_full(ChunkStore(Storage(path)), "step1")
-        loaded = time.perf_counter()
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         state = state_of(model, optimizer)
-        dcp.load(state, checkpoint_id=path + "/step1")
-        loaded = time.perf_counter()
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        reader = ChunkedReader(ChunkStore(Storage(path)), "step1") if kind == "ours" else None
+        dcp.load(state, checkpoint_id=None if reader else path + "/step1", storage_reader=reader)
+    loaded = time.perf_counter()
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     applied = time.perf_counter()
     train_step(model, optimizer, args.width)
     end = time.perf_counter()
@@ -169,12 +173,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP", "/var/tmp")) as tmp_name:
         tmp = Path(tmp_name)
         written = {setup: bytes_written(setup, args, tmp) for setup in SETUPS}
-        timings: dict[str, list[dict]] = {"ours": [], "dcp": []}
+        timings: dict[str, list[dict]] = {"ours": [], "ours, whole state": [], "dcp": []}
         cold = True
+        whole = tmp / "ours-whole"
         for _ in range(args.rounds):
-            for kind in ("ours", "dcp"):
+            for kind in timings:
                 cold = drop_page_cache() and cold
-                path = tmp / f"{kind}-pre-training"
+                path = whole if kind == "ours, whole state" else tmp / f"{kind}-pre-training"
                 out = subprocess.run(
                     [sys.executable, __file__, "--restore", f"{kind}:{path}", "--layers", str(args.layers), "--width",
                      str(args.width), "--rank", str(args.rank)], check=True, capture_output=True, text=True,
@@ -193,9 +198,12 @@ def main() -> None:
         values = [t[part] for t in timings[kind]]
         return f"{statistics.median(values):.2f} ({', '.join(f'{v:.2f}' for v in values)})"
 
-    ratios = [o["total"] / d["total"] for o, d in zip(timings["ours"], timings["dcp"])]
+    def ratios(kind: str) -> str:
+        values = [o["total"] / d["total"] for o, d in zip(timings[kind], timings["dcp"])]
+        return f"**{statistics.median(values):.2f}** (rounds {', '.join(f'{r:.2f}' for r in values)})"
+
     restore_rows = [
-        f"| {label} | {timing('ours', part)} | {timing('dcp', part)} |"
+        f"| {label} | {' | '.join(timing(kind, part) for kind in timings)} |"
         for label, part in (("load (read, verify, decompress)", "load"), ("into model and optimizer", "apply"),
                             ("first training step", "step"), ("total", "total"))
     ]
@@ -216,11 +224,11 @@ each one's directory, every file counted; machine: {machine()}).
 
 Time to the first training step after a restore of the pre-training state (a fresh process each, model and
 optimizer built before the clock starts; page cache {'dropped before each restore: files read from disk' if cold else 'not dropped (not root): files read from memory'};
-seconds, median of {args.rounds} alternating rounds with each round's in brackets): ours / DCP **{statistics.median(ratios):.2f}**
-(rounds {', '.join(f'{r:.2f}' for r in ratios)}).
+seconds, median of {args.rounds} alternating rounds with each round's in brackets): ours / DCP {ratios('ours')};
+ours as one whole state / DCP {ratios('ours, whole state')}.
 
-| part | ours (s) | DCP (s) |
-|---|---|---|
+| part | ours: DCP load through `ChunkedReader` (s) | ours: `load_full`, whole state (s) | DCP (s) |
+|---|---|---|---|
 """ + "\n".join(restore_rows) + "\n",
     )
     print("\n".join(rows + restore_rows))

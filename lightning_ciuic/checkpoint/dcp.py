@@ -49,6 +49,14 @@ def _tensor_bytes(tensor: torch.Tensor) -> Any:
     return tensor.view(-1).view(torch.uint8).numpy() if tensor.numel() else b""
 
 
+def _from_chunks(store: ChunkStore, item: ChunkedItem) -> torch.Tensor:
+    """A new CPU tensor holding ``item``, read straight from its verified chunks."""
+    tensor = torch.empty(item.shape, dtype=item.dtype)
+    if tensor.numel():
+        store.read_into(list(item.chunks), tensor)
+    return tensor
+
+
 def _done(value: Any) -> torch.futures.Future:
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(value)
@@ -142,19 +150,22 @@ class ChunkedReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         for request in plan.items:
             item = self.storage_data[request.storage_index]
-            raw = self.store.get(list(item.chunks))
             if request.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(request, io.BytesIO(raw))
+                planner.load_bytes(request, io.BytesIO(self.store.get(list(item.chunks))))
                 continue
             assert item.dtype is not None and item.shape is not None
-            tensor = torch.frombuffer(bytearray(raw), dtype=item.dtype) if raw else torch.empty(0, dtype=item.dtype)
-            tensor = tensor.reshape(item.shape)
-            for dim, (offset, length) in enumerate(zip(request.storage_offsets, request.lengths)):
-                tensor = tensor.narrow(dim, offset, length)  # the part of the saved tensor this request reads
             target = planner.resolve_tensor(request).detach()
-            if target.size() != tensor.size():
-                raise RuntimeError(f"{request.storage_index}: saved shard {tuple(tensor.size())} does not fit {tuple(target.size())}")
-            target.copy_(tensor)
+            whole = tuple(request.lengths) == item.shape and not any(request.storage_offsets)
+            if whole and target.device.type == "cpu" and target.dtype == item.dtype and target.is_contiguous() \
+                    and tuple(target.shape) == item.shape:
+                self.store.read_into(list(item.chunks), target)  # the common case: no intermediate copy
+            else:
+                tensor = _from_chunks(self.store, item)
+                for dim, (offset, length) in enumerate(zip(request.storage_offsets, request.lengths)):
+                    tensor = tensor.narrow(dim, offset, length)  # the part of the saved tensor this request reads
+                if target.size() != tensor.size():
+                    raise RuntimeError(f"{request.storage_index}: saved shard {tuple(tensor.size())} does not fit {tuple(target.size())}")
+                target.copy_(tensor)
             planner.commit_tensor(request, target)
         return _done(None)
 
@@ -213,10 +224,7 @@ def load_full(store: ChunkStore, name: str) -> dict[str, Any]:
 
         def fill(value: Any) -> Any:
             if isinstance(value, _TensorRef):
-                item = items[value.index]
-                raw = store.get(list(item.chunks))
-                flat = torch.frombuffer(bytearray(raw), dtype=item.dtype) if raw else torch.empty(0, dtype=item.dtype)
-                return flat.reshape(item.shape)
+                return _from_chunks(store, items[value.index])
             if isinstance(value, dict):
                 return {k: fill(v) for k, v in value.items()}
             if isinstance(value, (list, tuple)):

@@ -19,7 +19,8 @@ Contract:
   stored is referenced, not rewritten (incremental: unchanged tensors cost a hash, not a write), unless the
   store is made with ``incremental=False``.
 * :meth:`ChunkStore.get` reads, decompresses and re-hashes; any mismatch or truncation raises
-  :class:`CorruptCheckpointError` naming the file.
+  :class:`CorruptCheckpointError` naming the file. :meth:`ChunkStore.read_into` does the same straight into a
+  tensor's memory (no concatenation, no second copy).
 * A checkpoint exists once ``manifest.json`` does (written atomically, after every chunk and the metadata);
   a crash at any moment before leaves the earlier checkpoints untouched and loadable.
 * :meth:`CheckpointCatalog.retain` deletes the oldest checkpoints beyond ``max_keep`` (manifest first, so a
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import blake3
+import torch
 import zstandard
 
 from lightning_ciuic.checkpoint.storage import Storage
@@ -124,21 +126,36 @@ class ChunkStore:
         return chunks
 
     def get(self, chunks: list[str]) -> bytes:
-        parts = []
+        """The concatenated, verified contents of ``chunks``."""
+        return b"".join(self._verified(chunk) for chunk in chunks)
+
+    def read_into(self, chunks: list[str], out: torch.Tensor) -> None:
+        """Verify ``chunks`` and write their concatenated contents straight into the CPU tensor ``out`` (contiguous,
+        exactly as many bytes): a restore without intermediate copies."""
+        target = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        position = 0
         for chunk in chunks:
-            path = self._file(chunk)
-            try:
-                stored = self.storage.read(path)
-            except FileNotFoundError as err:
-                raise CorruptCheckpointError(f"chunk {self.storage.path(path)} is missing") from err
-            try:
-                raw = zstandard.ZstdDecompressor().decompress(stored) if chunk.endswith(".zst") else stored
-            except zstandard.ZstdError as err:
-                raise CorruptCheckpointError(f"chunk {self.storage.path(path)} is corrupted or truncated: {err}") from err
-            if not matches(raw, chunk.split(".")[0]):
-                raise CorruptCheckpointError(f"chunk {self.storage.path(path)} fails its checksum (corrupted or truncated)")
-            parts.append(raw)
-        return b"".join(parts)
+            raw = self._verified(chunk)
+            if position + len(raw) > len(target):
+                raise CorruptCheckpointError(f"chunk {self.storage.path(self._file(chunk))} overruns its tensor ({len(target)} bytes)")
+            target[position : position + len(raw)] = raw
+            position += len(raw)
+        if position != len(target):
+            raise CorruptCheckpointError(f"chunks {chunks[:1]}... hold {position} bytes, their tensor {len(target)}")
+
+    def _verified(self, chunk: str) -> bytes:
+        path = self._file(chunk)
+        try:
+            stored = self.storage.read(path)
+        except FileNotFoundError as err:
+            raise CorruptCheckpointError(f"chunk {self.storage.path(path)} is missing") from err
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(stored) if chunk.endswith(".zst") else stored
+        except zstandard.ZstdError as err:
+            raise CorruptCheckpointError(f"chunk {self.storage.path(path)} is corrupted or truncated: {err}") from err
+        if not matches(raw, chunk.split(".")[0]):
+            raise CorruptCheckpointError(f"chunk {self.storage.path(path)} fails its checksum (corrupted or truncated)")
+        return raw
 
     def all_chunks(self, temporary: bool = False) -> set[str]:
         """Ids of every stored chunk (with ``temporary``: the half-written files' paths instead)."""

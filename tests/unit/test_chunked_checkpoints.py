@@ -240,3 +240,18 @@ def test_command_line_lists_verifies_and_exports(tmp_path, capsys):
     with pytest.raises(SystemExit) as not_hf:
         cli_main(["checkpoint", "export", url, "step=1", str(tmp_path / "hf"), "--format", "hf"])
     assert not_hf.value.code == 2 and "--format hf needs a HuggingFaceCausalLM checkpoint" in capsys.readouterr().err
+
+
+def test_read_into_fills_a_tensor_from_verified_chunks_and_refuses_a_wrong_size(tmp_path):
+    store = ChunkStore(Storage(str(tmp_path)), chunk_bytes=64 * 1024)
+    saved = torch.randn(50_000, dtype=torch.float64)  # 400 kB: 7 chunks
+    chunks = store.put(saved.numpy().tobytes())
+    out = torch.empty(50_000, dtype=torch.float64)
+    store.read_into(chunks, out)
+    assert torch.equal(out, saved)
+    bf16 = torch.empty(200, 1000, dtype=torch.bfloat16)  # any dtype and shape of the same 400 kB
+    store.read_into(chunks, bf16)
+    assert torch.equal(bf16.reshape(-1).view(torch.float64), saved)
+    for wrong in (torch.empty(49_999, dtype=torch.float64), torch.empty(50_001, dtype=torch.float64)):
+        with pytest.raises(CorruptCheckpointError, match="bytes"):
+            store.read_into(chunks, wrong)
