@@ -149,7 +149,11 @@ class AsyncCheckpointer(ModelCheckpoint):
     @override
     def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
         latest = self.latest_checkpoint()
-        return {latest} if latest is not None else set()
+        if latest is None:
+            return set()
+        # Lightning checks the path with fsspec's default options: a store that needs storage_options is named by a
+        # process-local marker instead (ChunkedCheckpointIO.mark_latest); a plain path keeps its own name in the logs
+        return {self.io.mark_latest() if self.io.storage_options else latest}
 
     @override
     def state_dict(self) -> dict[str, Any]:

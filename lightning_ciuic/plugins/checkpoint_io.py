@@ -19,6 +19,7 @@ Contract:
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 import threading
 import time
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal, Optional, TypeVar
 
+import fsspec
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
@@ -116,6 +118,7 @@ class ChunkedCheckpointIO(CheckpointIO):
         if compression not in ("zstd", "none", None):
             raise ValueError(f"compression={compression!r}; use 'zstd' or 'none'.")
         self.url = str(url)
+        self.storage_options = dict(storage_options or {})
         codec = None if compression in ("none", None) else "zstd"
         self.store = ChunkStore(Storage(self.url, storage_options), codec, compression_level, incremental=incremental)
         self.catalog = CheckpointCatalog(self.store)
@@ -130,13 +133,28 @@ class ChunkedCheckpointIO(CheckpointIO):
     def manages(self, path: Any) -> bool:
         """Whether ``path`` is a checkpoint of this store (else a plain Lightning file)."""
         text = str(path)
-        return text in ("last", LATEST) or "/" not in text or text.startswith(self.url.rstrip("/") + "/")
+        return (text in ("last", LATEST, self.latest_marker) or "/" not in text
+                or text.startswith(self.url.rstrip("/") + "/"))
 
     # -- names ---------------------------------------------------------------------------------------
     @property
     def latest_url(self) -> str:
         """The pointer file ``"last"`` resolves to (what ``AsyncCheckpointer`` hands Lightning)."""
         return f"{self.url.rstrip('/')}/{LATEST}"
+
+    @property
+    def latest_marker(self) -> str:
+        """A process-local ``memory://`` path standing for this store's newest committed checkpoint (see
+        :meth:`mark_latest`)."""
+        return f"memory://lightning-ciuic/{hashlib.sha256(self.url.encode()).hexdigest()[:16]}/{LATEST}"
+
+    def mark_latest(self) -> str:
+        """Create :attr:`latest_marker` and return it. Lightning resolves ``ckpt_path="last"`` by checking the
+        candidate path with fsspec's default options, which cannot reach a store that needs ``storage_options``
+        (an S3 endpoint, credentials); the marker always exists where it is checked, and loading it means "the
+        newest committed checkpoint under :attr:`url`", with the same fallback as ``"last"``."""
+        fsspec.filesystem("memory").pipe(self.latest_marker, self.url.encode())
+        return self.latest_marker
 
     def candidates(self, path: Any) -> list[str]:
         """Checkpoint names to try for ``path``: for ``"last"`` (or the ``latest`` pointer) every committed

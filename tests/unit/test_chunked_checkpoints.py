@@ -196,6 +196,15 @@ def test_s3_through_a_real_s3_compatible_server():
         assert restored["trained"][0] == 2
         assert [m.name for m in io.catalog.manifests()] == ["step=2"]
         io.teardown()
+        # ckpt_path="last": Lightning checks the candidate with fsspec's default options, which cannot reach this
+        # endpoint; AsyncCheckpointer names a marker that it can check and that loads the newest checkpoint
+        from lightning.fabric.utilities.cloud_io import get_filesystem
+
+        callback = AsyncCheckpointer("s3://ckpt-bucket/run1", storage_options=options)
+        (marker,) = callback._find_last_checkpoints(trainer=None)
+        assert get_filesystem(marker).exists(marker) and callback.io.manages(marker)
+        assert callback.io.load_checkpoint(marker)["trained"][0] == 2
+        callback.io.teardown()
     finally:
         server.stop()
 
