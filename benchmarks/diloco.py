@@ -106,7 +106,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--speed-batch", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--loss-steps", type=int, default=300)
+    parser.add_argument("--loss-steps", type=int, default=300, help="0: no loss comparison")
+    parser.add_argument("--section", default="diloco", help="the docs/benchmarks.md section written")
     parser.add_argument(
         "--loss-only", nargs="*", default=None,
         help="only the loss part, for these DiLoCo variants (e.g. 'DiLoCo sync_every=16 outer_lr=1.0'); prints, writes nothing",
@@ -140,7 +141,7 @@ def main() -> None:
                 results[variant].append(run(variant, "large", args.steps, args.speed_batch, h, Path(tmp), cluster))
                 print(variant, statistics.fmean(results[variant][-1]["times"][WARMUP:]), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        losses = {v: run(v, "example", args.loss_steps, 16, h, Path(tmp), None)["losses"] for v in variants[:2]}
+        losses = {v: run(v, "example", args.loss_steps, 16, h, Path(tmp), None)["losses"] for v in variants[:2]} if args.loss_steps else {}
     ddp = [statistics.fmean(r["times"][WARMUP:]) for r in results["DDPStrategy"]]
     ddp_bytes = results["DDPStrategy"][-1]["bytes"] / results["DDPStrategy"][-1]["steps"]
     rows = []
@@ -154,9 +155,13 @@ def main() -> None:
             f" ({', '.join(f'{r:.2f}' for r in ratios)}) | {per_step / 1e6:.2f} ({per_step / ddp_bytes:.3f}) |"
             f" {peak / 1e6:.2f} ({peak / ddp_bytes:.2f}) |"
         )
-    ddp_loss, diloco_loss = (statistics.fmean(losses[v][-20:]) for v in variants[:2])
+    loss_line = ""
+    if losses:
+        ddp_loss, diloco_loss = (statistics.fmean(losses[v][-20:]) for v in variants[:2])
+        loss_line = f"""Loss at equal tokens (the example model, batch 16 x 64 bytes per rank, {args.loss_steps} steps on loopback, same seed
+and data; mean of the last 20 steps): DDP {ddp_loss:.4f}, DiLoCo sync_every={h} {diloco_loss:.4f}: **{diloco_loss / ddp_loss - 1:+.1%}**."""
     command = " ".join(["sudo .venv/bin/python benchmarks/diloco.py", *sys.argv[1:]])
-    write_section("diloco", f"""## DiLoCo on a slow link
+    write_section(args.section, f"""## DiLoCo on a {args.rate} link
 
 Command: `{command}` ({describe_large()}, 2 simulated nodes on a {args.rate} link, one CPU process each, batch
 {args.speed_batch} x 64 bytes per rank, {args.steps} steps; mean step time after {WARMUP} warm-up steps (sync steps included), ratio to
@@ -168,8 +173,7 @@ bytes one step sent (an overlapped sync's are counted at the step it lands, its 
 |---|---|---|---|---|
 """ + "\n".join(rows) + f"""
 
-Loss at equal tokens (the example model, batch 16 x 64 bytes per rank, {args.loss_steps} steps on loopback, same seed
-and data; mean of the last 20 steps): DDP {ddp_loss:.4f}, DiLoCo sync_every={h} {diloco_loss:.4f}: **{diloco_loss / ddp_loss - 1:+.1%}**.
+{loss_line}
 """)
 
 
