@@ -8,7 +8,9 @@ writable and removes what a dead save left behind. It saves every ``save_interva
 so), postpones a due save to the next step while the previous one is still being written (training never
 waits for storage), keeps ``max_keep`` checkpoints, saves once more at the end of training, and makes
 ``ckpt_path="last"`` resolve to the newest committed checkpoint (it is a ``ModelCheckpoint`` for Lightning's
-resolution of ``"last"``; none of ``ModelCheckpoint``'s own saving runs).
+resolution of ``"last"``; none of ``ModelCheckpoint``'s own saving runs). When ``fit`` fails (anything but
+Ctrl-C) the save in flight is abandoned before its next chunk and never commits: a peer that died cannot finish
+its part, and the restart should not wait for an upload.
 """
 
 from __future__ import annotations
@@ -132,7 +134,8 @@ class AsyncCheckpointer(ModelCheckpoint):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        pass
+        if not isinstance(exception, KeyboardInterrupt):  # Ctrl-C: every rank is alive, the save can still commit
+            self.io.abandon()
 
     def _save(self, trainer: Trainer) -> None:
         name = f"epoch={trainer.current_epoch}-step={trainer.global_step}"

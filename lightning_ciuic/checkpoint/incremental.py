@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -53,6 +54,10 @@ LATEST = "latest"  # a pointer file rewritten at every commit: what "last" resol
 
 class CorruptCheckpointError(RuntimeError):
     """Stored bytes do not match their checksum (truncated, corrupted or missing file)."""
+
+
+class SaveAbandoned(RuntimeError):
+    """A save stopped between chunks because :attr:`ChunkStore.abandon` was set; it never commits."""
 
 
 FORMAT = 2  # what this version writes; 1: BLAKE2b-128 digests (read and verified still)
@@ -87,6 +92,13 @@ class ChunkStore:
         self.incremental = incremental  # False: every chunk is written again, even if stored
         self.written_bytes = 0  # stored bytes actually written by this process (after compression)
         self._known: dict[str, str] = {}  # digest -> chunk id, for chunks this process saw stored
+        self.abandon = threading.Event()  # set: saves in progress stop before their next chunk (put)
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled into spawned ranks: a fresh event there
+        return {k: v for k, v in self.__dict__.items() if k != "abandon"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, abandon=threading.Event())
 
     @staticmethod
     def _file(chunk: str) -> str:
@@ -105,10 +117,13 @@ class ChunkStore:
         return "raw", piece
 
     def put(self, data: bytes | memoryview) -> list[str]:
-        """Store ``data``; returns its chunk ids (``<digest>.zst`` or ``<digest>.raw``) in order."""
+        """Store ``data``; returns its chunk ids (``<digest>.zst`` or ``<digest>.raw``) in order. Raises
+        :class:`SaveAbandoned` before the next chunk once :attr:`abandon` is set."""
         view = memoryview(data).cast("B")
         chunks = []
         for start in range(0, max(len(view), 1), self.chunk_bytes):
+            if self.abandon.is_set():
+                raise SaveAbandoned(f"save under {self.storage.url!r} abandoned (the run failed); it will not commit")
             piece = view[start : start + self.chunk_bytes]
             name = digest(piece)
             chunk = None

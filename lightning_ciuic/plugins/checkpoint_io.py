@@ -39,7 +39,7 @@ from typing_extensions import override
 
 from lightning_ciuic.comm.groups import close_group
 from lightning_ciuic.checkpoint.dcp import ChunkedReader, ChunkedWriter, load_full, save_full
-from lightning_ciuic.checkpoint.incremental import LATEST, MANIFEST, CheckpointCatalog, ChunkStore, CorruptCheckpointError
+from lightning_ciuic.checkpoint.incremental import LATEST, MANIFEST, CheckpointCatalog, ChunkStore, CorruptCheckpointError, SaveAbandoned
 from lightning_ciuic.checkpoint.storage import Storage, page_aligned_empty
 from lightning_ciuic.timeline import timeline
 
@@ -258,12 +258,23 @@ class ChunkedCheckpointIO(CheckpointIO):
         self.catalog.sweep_orphans()
 
     @override
+    def abandon(self) -> None:
+        """Stop the write in flight before its next chunk, never to commit (the run failed: a peer that died cannot
+        finish its part, and a restart should not wait for an upload). :meth:`teardown` then returns at once."""
+        self.store.abandon.set()
+
     def teardown(self) -> None:
-        """Collective when sharded saves were made: wait for the write in flight, then close the checkpoint
-        group together (a rank that leaves while a peer's gloo connection is open makes that peer abort)."""
+        """Collective when sharded saves were made: wait for the write in flight (or its abandonment), then close
+        the checkpoint group together (a rank that leaves while a peer's gloo connection is open makes that peer
+        abort)."""
+        abandoned = self.store.abandon.is_set()
         try:
             self.wait()
+        except (SaveAbandoned, CheckpointException, RuntimeError):
+            if not abandoned:  # an abandoned save fails by design (DCP gathers the error from every rank)
+                raise
         finally:
+            self.store.abandon.clear()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -264,3 +265,30 @@ def test_read_into_fills_a_tensor_from_verified_chunks_and_refuses_a_wrong_size(
     for wrong in (torch.empty(49_999, dtype=torch.float64), torch.empty(50_001, dtype=torch.float64)):
         with pytest.raises(CorruptCheckpointError, match="bytes"):
             store.read_into(chunks, wrong)
+
+
+def test_an_abandoned_save_stops_before_its_next_chunk_and_never_commits(tmp_path, monkeypatch):
+    io = ChunkedCheckpointIO(str(tmp_path))
+    io.store.chunk_bytes = 64 * 1024
+    written, original = [], io.store.storage.write_atomic
+
+    def slow_write(path, data):  # a slow link: 0.1 s per chunk of 64 kB
+        time.sleep(0.1)
+        written.append(path)
+        original(path, data)
+
+    monkeypatch.setattr(io.store.storage, "write_atomic", slow_write)
+    io.save_checkpoint({"x": torch.randn(400_000)}, "a")  # 1.6 MB: 25 chunks, 2.5 s of writing in the background
+    time.sleep(0.35)
+    start = time.monotonic()
+    callback = AsyncCheckpointer(str(tmp_path))
+    callback.io = io
+    callback.on_exception(None, None, RuntimeError("a peer died"))
+    io.teardown()  # returns after the chunk being written, not after all of them
+    assert time.monotonic() - start < 1.0 and len(written) < 10
+    assert io.catalog.manifests() == []  # never committed
+    io.save_checkpoint({"x": torch.ones(3)}, "b")  # the next run's saves are not abandoned
+    io.wait()
+    assert [m.name for m in io.catalog.manifests()] == ["b"]
+    callback.on_exception(None, None, KeyboardInterrupt())  # Ctrl-C: every rank is alive; the write may finish
+    assert not io.store.abandon.is_set()
