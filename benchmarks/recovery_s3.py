@@ -14,7 +14,7 @@ Rank 1 is killed with SIGKILL in step ``--fault-step``; the restarted attempt is
 ``benchmarks/recovery.py`` names (restart, imports, set-up, restore, first step). ``--rounds`` interleaved rounds,
 means. Writes the ``recovery_s3`` section of docs/benchmarks.md.
 
-    .venv/bin/python benchmarks/recovery_s3.py [--model xxl] [--every 10] [--fault-step 18] [--steps 19] [--rounds 2] [--rate 1gbit]
+    .venv/bin/python benchmarks/recovery_s3.py [--model xxl] [--every 10] [--fault-step 28] [--steps 29] [--rounds 2] [--rate 1gbit]
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="xxl", choices=sorted(MODELS))
     parser.add_argument("--every", type=int, default=10)
-    parser.add_argument("--fault-step", type=int, default=18)
-    parser.add_argument("--steps", type=int, default=19)
+    parser.add_argument("--fault-step", type=int, default=28)
+    parser.add_argument("--steps", type=int, default=29)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rate", default="1gbit")
     args = parser.parse_args()
