@@ -180,6 +180,20 @@ def restart_timeline(records: list[dict], fault_at: float, fault_step: int) -> d
     }
 
 
+def part_labels(fault_step: int) -> dict[str, str]:
+    """The parts of :func:`restart_timeline`, as the tables name them."""
+    return {
+        "restart": "fault -> restarted process starts (detection, stop, spawn)",
+        "imports": "Python imports (torch, Lightning, ...)",
+        "setup": "set-up up to on_fit_start (process group, model, strategy)",
+        "restore": "restore (on_fit_start -> on_train_start: the state and the data position)",
+        "first_step": "the first training step",
+        "to_training": "**fault -> training again (the first new step starts)**",
+        "to_first_step": "fault -> end of the first training step after recovery",
+        "to_caught_up": f"fault -> end of step {fault_step} again (lost steps recomputed)",
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--job", action="store_true")
@@ -254,18 +268,8 @@ def main() -> None:
     lost_restart = {m: sorted({row["steps_lost"] for row in rows}) for m, rows in timelines.items()}
     lost_rollback = {m: sorted({row["steps_lost"] for row in rows}) for m, rows in rollbacks.items()}
     model = describe(DeepSeekMini(**MODELS[args.model]), args.model)
-    parts = ("restart", "imports", "setup", "restore", "first_step", "to_training", "to_first_step", "to_caught_up")
-    labels = {
-        "restart": "fault -> restarted process starts (detection, stop, spawn)",
-        "imports": "Python imports (torch, Lightning, ...)",
-        "setup": "set-up up to on_fit_start (process group, model, strategy)",
-        "restore": "restore (on_fit_start -> on_train_start: the state and the data position)",
-        "first_step": "the first training step",
-        "to_training": "**fault -> training again (the first new step starts)**",
-        "to_first_step": "fault -> end of the first training step after recovery",
-        "to_caught_up": f"fault -> end of step {args.fault_step} again (lost steps recomputed)",
-    }
-    rows = [f"| {labels[p]} | {mean(snap, p):.2f} s | {mean(zstd, p):.2f} s | {mean(ckpt, p):.2f} s |" for p in parts]
+    rows = [f"| {label} | {mean(snap, p):.2f} s | {mean(zstd, p):.2f} s | {mean(ckpt, p):.2f} s |"
+            for p, label in part_labels(args.fault_step).items()]
     write_section(
         "recovery",
         f"""

@@ -11,8 +11,10 @@ capped at ``--rate``. State is saved every ``--every`` steps by
   zstd-compressed chunks, written in the background) and ``fit(ckpt_path="last")``, as a user would run it.
 
 Rank 1 is killed with SIGKILL in step ``--fault-step``; the restarted attempt is measured with the parts
-``benchmarks/recovery.py`` names (restart, imports, set-up, restore, first step). ``--rounds`` interleaved rounds,
-means. Writes the ``recovery_s3`` section of docs/benchmarks.md.
+``benchmarks/recovery.py`` names (restart, imports, set-up, restore, first step), and for the S3 runs when each
+checkpoint committed relative to the fault (a background save that has not committed by then is lost: the restart
+takes the one before). ``--rounds`` interleaved rounds, means; the ratios over the rounds that restored an S3
+checkpoint. Writes the ``recovery_s3`` section of docs/benchmarks.md.
 
     .venv/bin/python benchmarks/recovery_s3.py [--model xxl] [--every 10] [--fault-step 28] [--steps 29] [--rounds 2] [--rate 1gbit]
 """
@@ -31,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import describe, machine, write_section  # noqa: E402
-from benchmarks.recovery import MODELS, S3_OPTIONS, restart_timeline, run  # noqa: E402
+from benchmarks.recovery import MODELS, S3_OPTIONS, part_labels, restart_timeline, run  # noqa: E402
 from benchmarks.sim_cluster import SimulatedCluster, available  # noqa: E402
 from examples.deepseek import DeepSeekMini  # noqa: E402
 
@@ -58,6 +60,17 @@ def start_object_store(cluster: SimulatedCluster) -> tuple[subprocess.Popen, dic
     raise RuntimeError(f"the S3 server on {host}:{PORT} did not come up")
 
 
+def committed(cluster: SimulatedCluster, options: dict, url: str) -> list[tuple[int, float]]:
+    """(step, commit time) of every checkpoint committed under ``url``, as node 0 sees the store."""
+    code = (
+        "import json; from lightning_ciuic.checkpoint.incremental import CheckpointCatalog, ChunkStore;"
+        " from lightning_ciuic.checkpoint.storage import Storage;"
+        f" print(json.dumps([(m.step, m.created) for m in CheckpointCatalog(ChunkStore(Storage({url!r}, {options!r}))).manifests()]))"
+    )
+    out = subprocess.run(in_node(cluster, 0, sys.executable, "-c", code), capture_output=True, text=True, check=True)
+    return [tuple(pair) for pair in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="xxl", choices=sorted(MODELS))
@@ -71,41 +84,42 @@ def main() -> None:
     if reason:
         raise SystemExit(f"benchmarks/recovery_s3.py {reason}")
     timelines: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
+    landed: list[list[str]] = []  # per S3 run: each committed checkpoint's step and when it committed
     with tempfile.TemporaryDirectory() as tmp, SimulatedCluster(nodes=2, rate=args.rate) as cluster:
-        server, options = start_object_store(cluster)
-        try:
-            for round_ in range(args.rounds):
-                for method in METHODS:  # interleaved: the machine's drift hits both alike
-                    directory = f"s3://{BUCKET}/run-{round_}" if method == "checkpoint_s3" else f"{tmp}/{method}-{round_}"
-                    records, fault_at = run(args, method, "kill", args.steps, directory, prefix=tuple(in_node(cluster, 0)),
-                                            env={S3_OPTIONS: json.dumps(options)})
+        for round_ in range(args.rounds):
+            for method in METHODS:  # interleaved: the machine's drift hits both alike
+                env, server, url = {}, None, f"{tmp}/{method}-{round_}"
+                if method == "checkpoint_s3":  # a fresh server per run: moto keeps every object in memory
+                    server, options = start_object_store(cluster)
+                    env, url = {S3_OPTIONS: json.dumps(options)}, f"s3://{BUCKET}/run-{round_}"
+                try:
+                    records, fault_at = run(args, method, "kill", args.steps, url, prefix=tuple(in_node(cluster, 0)), env=env)
                     timelines[method].append(restart_timeline(records, fault_at, args.fault_step))
-                    print(method, timelines[method][-1], flush=True)
-        finally:
-            server.kill()
+                    if server is not None:
+                        landed.append([f"step {step}: {created - fault_at:+.0f} s" for step, created in committed(cluster, options, url)])
+                finally:
+                    if server is not None:
+                        server.kill()
+                        server.wait()
+                print(method, timelines[method][-1], landed[-1:] if server else "", flush=True)
+
+    restored = [i for i, t in enumerate(timelines["checkpoint_s3"]) if t["steps_lost"] < args.fault_step - 1]
 
     def mean(method: str, key: str) -> str:
         values = [t[key] for t in timelines[method]]
         return f"{statistics.fmean(values):.2f} s ({', '.join(f'{v:.2f}' for v in values)})"
 
-    labels = {
-        "restart": "fault -> restarted process starts (detection, stop, spawn)",
-        "imports": "Python imports (torch, Lightning, ...)",
-        "setup": "set-up up to on_fit_start (process group, model, strategy)",
-        "restore": "restore (on_fit_start -> on_train_start: the state and the data position)",
-        "first_step": "the first training step",
-        "to_training": "**fault -> training again (the first new step starts)**",
-        "to_first_step": "fault -> end of the first training step after recovery",
-        "to_caught_up": f"fault -> end of step {args.fault_step} again (lost steps recomputed)",
-    }
-    rows = [f"| {label} | {' | '.join(mean(m, key) for m in METHODS)} |" for key, label in labels.items()]
-    lost = {m: sorted({t["steps_lost"] for t in timelines[m]}) for m in METHODS}
+    rows = [f"| {label} | {' | '.join(mean(m, key) for m in METHODS)} |" for key, label in part_labels(args.fault_step).items()]
+    lost = {m: [t["steps_lost"] for t in timelines[m]] for m in METHODS}
 
     def ratio(key: str) -> str:
-        values = [s[key] / c[key] for s, c in zip(timelines["snapshot"], timelines["checkpoint_s3"])]
-        return f"**{statistics.fmean(values):.0%}** (rounds {', '.join(f'{v:.0%}' for v in values)})"
+        values = [timelines["snapshot"][i][key] / timelines["checkpoint_s3"][i][key] for i in restored]
+        if not values:
+            return "no round restored an S3 checkpoint"
+        return f"**{statistics.fmean(values):.0%}** (rounds that restored a checkpoint: {', '.join(f'{v:.0%}' for v in values)})"
 
     model = describe(DeepSeekMini(**MODELS[args.model]), args.model)
+    state_gb = sum(p.numel() for p in DeepSeekMini(**MODELS[args.model]).parameters()) * 12 / 1e9
     write_section(
         "recovery_s3",
         f"""
@@ -113,8 +127,8 @@ def main() -> None:
 
 Command: `.venv/bin/python benchmarks/recovery_s3.py --model {args.model} --every {args.every} --fault-step {args.fault_step} --steps {args.steps} --rounds {args.rounds} --rate {args.rate}`
 (simulated 2-node cluster: node 0 runs `torchrun --nproc-per-node=2 --max-restarts=1`, HybridParallelStrategy dp=2,
-{model} + AdamW, the state of each replica {sum(p.numel() for p in DeepSeekMini(**MODELS[args.model]).parameters()) * 12 / 1e9:.2f} GB (weights and two moments);
-node 1 runs moto's S3 server; the link between them capped at {args.rate} each way; state saved every {args.every} steps by
+{model} + AdamW, the state of each replica {state_gb:.2f} GB (weights and two moments); node 1 runs moto's S3 server
+(a fresh one per run); the link between them capped at {args.rate} each way; state saved every {args.every} steps by
 both; rank 1 killed in step {args.fault_step}; means of {args.rounds} interleaved rounds, each round's in brackets;
 machine: {machine()}).
 
@@ -126,7 +140,8 @@ machine: {machine()}).
 |---|---|
 | fault -> training again: snapshot / S3 checkpoint | {ratio('to_training')} (seed: an 80% cut, i.e. 20%) |
 | the restore alone: snapshot / S3 checkpoint | {ratio('restore')} |
-| steps lost (steps of the failed attempt the restored state does not hold; values seen) | snapshot {lost['snapshot']}, S3 checkpoint {lost['checkpoint_s3']} |
+| steps lost (steps of the failed attempt the restored state does not hold), per round | snapshot {lost['snapshot']}, S3 checkpoint {lost['checkpoint_s3']} ({args.fault_step - 1}: nothing restored) |
+| S3 checkpoints committed, per run (relative to the fault) | {'; '.join(', '.join(run) or 'none' for run in landed)} |
 """,
     )
 
