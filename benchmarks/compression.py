@@ -42,7 +42,7 @@ HOOK = "DDP + torch fp16 hook"
 DDP_VARIANTS = ["DDPStrategy", HOOK, "DDP + torch PowerSGD hook"]
 WARMUP = 5
 AUTO_TRIAL = SETTLE_STEPS + len(CANDIDATES) * TRIAL_STEPS
-LOSS_VARIANTS = ["none", "fp16", "bf16", "int8", "nf4", "topk", "topk warm-up 20", "powersgd", "powersgd warm-up 20",
+LOSS_VARIANTS = ["none", "fp16", "fp16 feedback 1", "bf16", "int8", "nf4", "topk", "topk warm-up 20", "powersgd", "powersgd warm-up 20",
                  "powersgd rank 16"]
 SGD_LOSS_VARIANTS = ["none", "int8", "nf4", "topk", "topk warm-up 20", "powersgd", "powersgd warm-up 20", "powersgd rank 16"]
 
@@ -228,7 +228,10 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", choices=["speed", "loss"], default=["speed", "loss"])
     parser.add_argument("--variants", nargs="+", choices=DDP_VARIANTS + OURS + [NO_SYNC], default=DDP_VARIANTS + OURS,
                         help="speed runs: the variants to run (DDPStrategy always runs: the ratios' reference)")
-    parser.add_argument("--section", default="compression", help="speed: the docs/benchmarks.md section written")
+    parser.add_argument("--section", default="compression",
+                        help="the docs/benchmarks.md section written (the loss part: <section>_loss)")
+    parser.add_argument("--loss-variants", nargs="+", default=None,
+                        help="loss: only these (and none), under AdamW (default: every mode under both optimizers)")
     parser.add_argument("--sgd-lr", type=float, default=0.1, help="LR of the loss comparison under SGD with momentum 0.9")
     parser.add_argument("--sgd", action="store_true", help="worker: train with SGD (momentum 0.9, --sgd-lr) instead of AdamW")
     parser.add_argument("--out", default="")
@@ -301,27 +304,30 @@ def _loss_table(losses: dict[str, list[float]]) -> str:
 
 
 def loss_part(args: argparse.Namespace, workdir: Path) -> None:
-    """The ``compression_loss`` section: the example model's loss per mode, under AdamW and under SGD."""
-    adamw = {v: run(v, "example", args.loss_steps, workdir, None)["losses"] for v in LOSS_VARIANTS}
+    """The ``compression_loss`` section: the example model's loss per mode, under AdamW and under SGD; with
+    ``--loss-variants``, those (and ``none``) under AdamW only, into ``<--section>_loss``."""
+    subset = args.loss_variants is not None
+    variants = ["none", *[v for v in args.loss_variants if v != "none"]] if subset else LOSS_VARIANTS
+    adamw = {v: run(v, "example", args.loss_steps, workdir, None)["losses"] for v in variants}
     sgd_args = ("--sgd", "--sgd-lr", str(args.sgd_lr))
-    sgd = {v: run(v, "example", args.loss_steps, workdir, None, extra_args=sgd_args)["losses"] for v in SGD_LOSS_VARIANTS}
+    sgd = {} if subset else {
+        v: run(v, "example", args.loss_steps, workdir, None, extra_args=sgd_args)["losses"] for v in SGD_LOSS_VARIANTS
+    }
+    sgd_part = f"\n### SGD with momentum 0.9, lr {args.sgd_lr}\n\n{_loss_table(sgd)}\n" if sgd else ""
     write_section(
-        "compression_loss",
+        f"{args.section}_loss",
         f"""
 ## Compressed gradient synchronization: loss after {args.loss_steps} steps
 
-Command: `.venv/bin/python benchmarks/compression.py --parts loss --loss-steps {args.loss_steps} --sgd-lr {args.sgd_lr}`
+Command: `.venv/bin/python {shlex.join(['benchmarks/compression.py', *sys.argv[1:]])}`
 (example model, 2 processes on loopback, batch 16 x 64 bytes per rank, same seed and data order, error feedback
-on; machine: {machine()}). Target: within 2% of uncompressed for int8, nf4 and PowerSGD, 5% for top-k.
+as each mode's default (on for int8, nf4, top-k, PowerSGD; off for fp16/bf16 unless "feedback 1");
+machine: {machine()}). Target: within 2% of uncompressed for int8, nf4 and PowerSGD, 5% for top-k.
 
 ### AdamW (the example model's optimizer: lr 3e-3, betas 0.9/0.95)
 
 {_loss_table(adamw)}
-
-### SGD with momentum 0.9, lr {args.sgd_lr}
-
-{_loss_table(sgd)}
-""",
+{sgd_part}""",
     )
 
 
