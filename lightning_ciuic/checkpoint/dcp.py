@@ -51,7 +51,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> Any:
 
 def _from_chunks(store: ChunkStore, item: ChunkedItem) -> torch.Tensor:
     """A new CPU tensor holding ``item``, read straight from its verified chunks."""
-    tensor = torch.empty(item.shape, dtype=item.dtype)
+    tensor = torch.empty(item.shape, dtype=item.dtype, device="cpu")  # a host tensor by contract: read from storage
     if tensor.numel():
         store.read_into(list(item.chunks), tensor)
     return tensor
