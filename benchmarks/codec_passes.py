@@ -11,7 +11,7 @@ with each variant, one bucket after another, and time the whole set (median of `
 * ``fp16``/``int8``/``nf4`` through :class:`~lightning_ciuic.comm.compression.GradientCompression` as training
   calls it (``reducer(key, bucket, shapes, group).wait()``), with error feedback as by default and the other way.
 
-Then, in one process, the passes of the int8 codec over one 25 MB bucket: encode, decode, decode-and-add.
+Then, in one process, the passes of the int8 and nf4 codecs over one 25 MB bucket: encode, decode, decode-and-add.
 Loopback moves bytes at memory speed, so the differences there are computation; on the capped link the wire time
 adds by each variant's bytes, and nothing else competes for the cores (``benchmarks/compression.py`` measures
 whole training steps). Writes the ``codec_passes`` section of docs/benchmarks.md.
@@ -99,20 +99,22 @@ def _worker(rounds: int, repeats: int, out: str) -> None:
 
 
 def codec_passes(repeats: int) -> dict[str, float]:
-    """Milliseconds per pass of the int8 codec over one 25 MB bucket, one thread."""
-    from lightning_ciuic.comm.codecs import BlockInt8
+    """Milliseconds per pass of the int8 and nf4 codecs over one 25 MB bucket, one thread."""
+    from lightning_ciuic.comm.codecs import dense_codec
 
     torch.set_num_threads(1)
-    codec, n = BlockInt8(), BUCKETS[1]
+    n = BUCKETS[1]
     x, out = torch.randn(n), torch.empty(n)
-    encoded = codec.encode(x)
-    passes = {
-        "encode (absmax, scale, round, store)": lambda: codec.encode_into(x, encoded, n),
-        "decode into a float32 buffer": lambda: codec.decode_into(encoded, n, out),
-        "decode and add (the all-to-all's sum)": lambda: codec.decode_into(encoded, n, out, accumulate=True),
-        "fp16 cast, for comparison": lambda: x.to(torch.float16),
-        "float32 copy, for comparison": lambda: out.copy_(x),
-    }
+    passes = {}
+    for name in ("int8", "nf4"):
+        codec = dense_codec(name)
+        encoded = codec.encode(x)
+        passes |= {
+            f"{name} encode (absmax, scale, quantize, store)": lambda c=codec, e=encoded: c.encode_into(x, e, n),
+            f"{name} decode into a float32 buffer": lambda c=codec, e=encoded: c.decode_into(e, n, out),
+            f"{name} decode and add (the all-to-all's sum)": lambda c=codec, e=encoded: c.decode_into(e, n, out, accumulate=True),
+        }
+    passes |= {"fp16 cast, for comparison": lambda: x.to(torch.float16), "float32 copy, for comparison": lambda: out.copy_(x)}
     result = {}
     for name, run in passes.items():
         times = []
@@ -174,7 +176,7 @@ variant's bytes add their wire time. Nothing else runs: in training the codec al
 |---|{'---|---|' * len(results)}
 """ + "\n".join(rows) + f"""
 
-The int8 codec's passes over one 25 MB bucket (one thread, median of {args.repeats}):
+The int8 and nf4 codecs' passes over one 25 MB bucket (one thread, median of {args.repeats}):
 
 | pass | ms | GB/s of float32 |
 |---|---|---|

@@ -6,9 +6,10 @@ exactly ``nbytes(x.numel())`` bytes, ``decode(data, numel)`` returns float32 aga
 not a multiple of ``block`` are zero-padded internally. The collectives use the allocation-free forms:
 ``encode_into(x, out, numel)`` encodes ``x`` as if zero-padded to ``numel`` values into ``out``
 (``nbytes(numel)`` bytes), ``decode_into(data, numel, out, accumulate)`` writes (or adds) the first
-``out.numel()`` of the ``numel`` values ``data`` encodes into ``out``. ``BlockInt8`` implements both in
-slices of :data:`CPU_SLICE` values on the CPU, so each slice's passes (absmax, scale, round, store) run in
-cache and no bucket-sized temporary is made; on other devices in one piece. Stated error bounds (tested):
+``out.numel()`` of the ``numel`` values ``data`` encodes into ``out``. ``BlockInt8`` and ``NF4`` (one base,
+``_BlockScaled``) implement both in slices of :data:`CPU_SLICE` values on the CPU, so each slice's passes
+(absmax, scale, quantize, store) run in cache and no bucket-sized temporary is made; on other devices in one
+piece. Stated error bounds (tested):
 
 * ``fp16``: relative error <= 2**-11 for normal-range values; ``bf16``: <= 2**-8.
 * ``int8``: per block of 256 values, absolute error <= absmax(block) / 254 (half a quantization step);
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -45,7 +47,8 @@ NF4_LEVELS = torch.tensor(
         0.7229568362236023, 1.0,
     ]
 )
-_NF4_MIDPOINTS = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
+_NF4_MIDPOINT_VALUES = ((NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2).tolist()  # float32 values, exactly
+_NF4_BYTE_LEVELS = torch.stack([NF4_LEVELS[torch.arange(256) >> 4], NF4_LEVELS[torch.arange(256) & 0x0F]], dim=1)  # byte -> its 2 levels
 
 
 class Codec(ABC):
@@ -100,14 +103,6 @@ class FullPrecision(Codec):
         return data.view(self.dtype)[:numel]
 
 
-def _padded_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    x = x.reshape(-1).float()
-    pad = (-x.numel()) % block
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad)])
-    return x.view(-1, block)
-
-
 class HalfPrecision(Codec):
     """Cast to a 16-bit float on the wire."""
 
@@ -130,18 +125,18 @@ class HalfPrecision(Codec):
         return f"HalfPrecision({self.dtype})"
 
 
-class BlockInt8(Codec):
-    """Symmetric int8 per block: ``q = round(x / scale)``, ``scale = absmax / 127``."""
+class _BlockScaled(Codec):
+    """Per-block codecs laid out as every block's float32 scale, then every block's codes (``code_bytes`` per
+    block). ``encode_into`` / ``decode_into`` work in slices of :data:`CPU_SLICE` values on the CPU (one piece on
+    other devices): each slice is read once, quantized in cache and written straight into the output. Subclasses
+    say how one slice's blocks become a scale per block and codes (``_quantize``) and back (``_dequantize``)."""
 
-    name = "int8"
-
-    def __init__(self, block: int = 256) -> None:
-        check_int("block", block)
-        self.block = block
+    block: int
+    code_bytes: int
 
     def nbytes(self, numel: int) -> int:
         blocks = math.ceil(numel / self.block)
-        return 4 * blocks + blocks * self.block
+        return 4 * blocks + blocks * self.code_bytes
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.nbytes(x.numel()), dtype=torch.uint8, device=x.device)
@@ -153,71 +148,85 @@ class BlockInt8(Codec):
         self.decode_into(data, numel, out)
         return out
 
-    def _layout(self, data: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(scales, int8 values as rows of ``block``, rows per slice) of an encoding of ``numel`` values."""
+    def _slices(self, data: torch.Tensor, numel: int) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """(first value, last value, scales, codes) of each slice of an encoding of ``numel`` values."""
         blocks = math.ceil(numel / self.block)
+        scales, codes = data[: 4 * blocks].view(torch.float32), data[4 * blocks :].view(blocks, self.code_bytes)
         rows = max(1, CPU_SLICE // self.block) if data.device.type == "cpu" else blocks
-        return data[: 4 * blocks].view(torch.float32), data[4 * blocks :].view(torch.int8).view(blocks, self.block), rows
+        for first in range(0, blocks, rows):
+            last = min(first + rows, blocks)
+            yield first * self.block, last * self.block, scales[first:last], codes[first:last]
 
     def encode_into(self, x: torch.Tensor, out: torch.Tensor, numel: int) -> None:
-        scales, q, rows = self._layout(out, numel)
-        for first in range(0, q.shape[0], rows):
-            last = min(first + rows, q.shape[0])
-            values = x[first * self.block : last * self.block].float()
-            if values.numel() < (last - first) * self.block:  # the end of x (or past it): zeros
-                values = torch.cat([values, values.new_zeros((last - first) * self.block - values.numel())])
-            values = values.view(-1, self.block)
-            scale = torch.amax(values.abs(), dim=1).div_(127.0)
-            scales[first:last] = scale
-            inverse = scale.reciprocal().nan_to_num_(posinf=0.0)  # an all-zero block: scale 0, values 0
-            q[first:last].copy_(values.mul(inverse[:, None]).round_())  # |x| * 127 / absmax <= 127: no clamp
+        for start, end, scales, codes in self._slices(out, numel):
+            values = x[start:end].float()
+            if values.numel() < end - start:  # the end of x (or past it): zeros
+                values = torch.cat([values, values.new_zeros(end - start - values.numel())])
+            scales.copy_(self._quantize(values.view(-1, self.block), codes))
 
     def decode_into(self, data: torch.Tensor, numel: int, out: torch.Tensor, accumulate: bool = False) -> None:
-        scales, q, rows = self._layout(data, numel)
         flat = out.reshape(-1)
-        for first in range(0, q.shape[0], rows):
-            last = min(first + rows, q.shape[0])
-            target = flat[first * self.block : last * self.block]
+        for start, end, scales, codes in self._slices(data, numel):
+            target = flat[start:end]
             if target.numel() == 0:
                 break
-            values = q[first:last].float().mul_(scales[first:last, None]).view(-1)[: target.numel()]
+            values = self._dequantize(codes, scales).view(-1)[: target.numel()]
             target.add_(values) if accumulate else target.copy_(values)
 
+    @abstractmethod
+    def _quantize(self, blocks: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """Write the codes of ``blocks`` (rows of ``block`` values) into ``codes``; return each block's scale."""
+
+    @abstractmethod
+    def _dequantize(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """The values (rows of ``block``) that ``codes`` and ``scales`` encode."""
+
     def __repr__(self) -> str:
-        return f"BlockInt8(block={self.block})"
+        return f"{type(self).__name__}(block={self.block})"
 
 
-class NF4(Codec):
-    """4-bit NormalFloat per block: each value becomes the nearest of 16 levels times the block's absmax."""
+class BlockInt8(_BlockScaled):
+    """Symmetric int8 per block: ``q = round(x / scale)``, ``scale = absmax / 127``."""
+
+    name = "int8"
+
+    def __init__(self, block: int = 256) -> None:
+        check_int("block", block)
+        self.block = self.code_bytes = block
+
+    def _quantize(self, blocks: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        scale = torch.amax(blocks.abs(), dim=1).div_(127.0)
+        inverse = scale.reciprocal().nan_to_num_(posinf=0.0)  # an all-zero block: scale 0, values 0
+        codes.view(torch.int8).copy_(blocks.mul(inverse[:, None]).round_())  # |x| * 127 / absmax <= 127: no clamp
+        return scale
+
+    def _dequantize(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return codes.view(torch.int8).float().mul_(scales[:, None])
+
+
+class NF4(_BlockScaled):
+    """4-bit NormalFloat per block: each value becomes the nearest of 16 levels times the block's absmax; two
+    codes per byte (the first in the high nibble)."""
 
     name = "nf4"
 
     def __init__(self, block: int = 64) -> None:
         if block < 2 or block % 2:
             raise ValueError(f"block must be an even number >= 2, got {block}.")
-        self.block = block
+        self.block, self.code_bytes = block, block // 2
 
-    def nbytes(self, numel: int) -> int:
-        blocks = math.ceil(numel / self.block)
-        return 4 * blocks + blocks * self.block // 2
-
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        blocks = _padded_blocks(x, self.block)
+    def _quantize(self, blocks: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         scale = blocks.abs().amax(dim=1)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.bucketize(blocks / safe[:, None], _NF4_MIDPOINTS.to(blocks.device)).to(torch.uint8)
-        packed = (codes[:, 0::2] << 4) | codes[:, 1::2]
-        return torch.cat([scale.view(torch.uint8), packed.reshape(-1)])
+        normalized = blocks / torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
+        levels = torch.zeros(normalized.shape, dtype=torch.uint8, device=normalized.device)
+        for midpoint in _NF4_MIDPOINT_VALUES:  # the nearest level's index: how many midpoints lie below the value
+            levels.add_(normalized > midpoint)
+        torch.bitwise_or(levels[:, 0::2] << 4, levels[:, 1::2], out=codes)
+        return scale
 
-    def decode(self, data: torch.Tensor, numel: int) -> torch.Tensor:
-        blocks = math.ceil(numel / self.block)
-        scale = data[: 4 * blocks].view(torch.float32)
-        packed = data[4 * blocks :].view(blocks, self.block // 2)
-        codes = torch.stack([packed >> 4, packed & 0x0F], dim=-1).reshape(blocks, self.block).long()
-        return (NF4_LEVELS.to(data.device)[codes] * scale[:, None]).reshape(-1)[:numel]
-
-    def __repr__(self) -> str:
-        return f"NF4(block={self.block})"
+    def _dequantize(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        pairs = torch.index_select(_NF4_BYTE_LEVELS.to(codes.device), 0, codes.reshape(-1).to(torch.int32))
+        return pairs.view(codes.shape[0], self.block).mul_(scales[:, None])
 
 
 def dense_codec(name: str) -> Codec:

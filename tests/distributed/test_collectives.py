@@ -93,12 +93,11 @@ def _powersgd(rank, world):
 
 
 def _quantized_is_exactly_two_roundings(rank, world):
-    """The fused int8 path equals, bit for bit, its definition computed here from every rank's data: each rank's
+    """The fused int8 and nf4 paths equal, bit for bit, their definition computed here from every rank's data: each rank's
     chunk j encoded once and decoded, summed in rank order in float32, divided, encoded once, decoded. Also for a
     tensor so short that the last ranks' chunks are empty, without the transmitted copy, and pipelined in parts
     (blocks start at the same offsets, so parts change nothing)."""
-    codec = dense_codec("int8")
-    for numel in (N, 10):
+    for codec, numel in ((dense_codec(name), numel) for name in ("int8", "nf4") for numel in (N, 10)):
         data = [torch.randn(numel, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
         chunk = -(-numel // (world * codec.block)) * codec.block
         padded = [torch.cat([d, torch.zeros(chunk * world - numel)]).view(world, chunk) for d in data]

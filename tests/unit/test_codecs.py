@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from lightning_ciuic.comm.codecs import NF4, BlockInt8, ErrorFeedback, HalfPrecision, TopK, dense_codec
+from lightning_ciuic.comm.codecs import NF4, NF4_LEVELS, BlockInt8, ErrorFeedback, HalfPrecision, TopK, dense_codec
 from lightning_ciuic.comm.powersgd import PowerSGD
 
 
@@ -30,6 +30,21 @@ def test_nf4_error_bound_and_size(n):
     err = (codec.decode(data, n) - x).abs()
     blocks = torch.nn.functional.pad(x, (0, (-n) % 64)).view(-1, 64).abs().amax(1)
     assert (err <= 0.152 * blocks.repeat_interleave(64)[:n] + 1e-7).all()
+
+
+@pytest.mark.parametrize("n", [64, 65_536 + 100, 3 * 65_536])  # one block; past one CPU slice; three slices
+def test_nf4_is_the_nearest_level_times_absmax_across_slices(n):
+    codec, x = NF4(), _x(n, seed=n)
+    x[128:192] = 0.0  # an all-zero block stays zero
+    blocks = torch.nn.functional.pad(x, (0, (-n) % 64)).view(-1, 64)
+    absmax = blocks.abs().amax(1, keepdim=True)
+    normalized = blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    nearest = (normalized[..., None] - NF4_LEVELS).abs().argmin(-1)
+    expected = (NF4_LEVELS[nearest] * absmax).reshape(-1)[:n]
+    torch.testing.assert_close(codec.decode(codec.encode(x), n), expected, rtol=0, atol=0)
+    out = torch.ones(n)
+    codec.decode_into(codec.encode(x), n, out, accumulate=True)
+    torch.testing.assert_close(out, 1 + expected, rtol=0, atol=0)
 
 
 def test_wire_sizes_against_fp32():
