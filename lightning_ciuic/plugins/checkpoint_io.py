@@ -6,8 +6,8 @@ Contract:
   when ``path`` is a bare name, ``"last"``, or a path under the root (the last component names the
   checkpoint; a ``manifest.json`` URL works too). Any other path is Lightning's plain file, written and read
   by ``TorchCheckpointIO`` as before (Lightning's spawn launcher hands weights back that way).
-* Training stalls only for the *staging copy* of the state (tensors copied into CPU buffers kept between
-  saves, :class:`Stager`); hashing, compression and writing run on one background thread at the lowest CPU
+* Training stalls only for the *staging copy* of the state (tensors copied into host buffers kept between
+  saves, :class:`Stager`; from a GPU into pinned buffers on a side stream, so the host does not wait); hashing, compression and writing run on one background thread at the lowest CPU
   priority (``hashlib`` and ``zstandard`` release the GIL on large buffers). At most one save is in flight: a new save first waits for the previous one. An error of a
   background save is raised at the next save, load or at ``teardown``, never lost.
 * With ``HybridParallelStrategy`` every rank stages and writes its own shards through DCP (:meth:`save_sharded`,
@@ -63,35 +63,73 @@ def _first_line(err: BaseException) -> str:
 
 
 class Stager:
-    """Copies a state's tensors into private CPU buffers kept between saves (the training stall).
+    """Copies a state's tensors into private host buffers kept between saves (the training stall).
 
     Reusing the buffers avoids allocating and first-touching a fresh copy of the state at every save, which is
-    most of a plain clone's cost; the price is one resident CPU copy of the state. Buffers are page-aligned, so
-    local storage writes them with ``O_DIRECT`` (no copy into the page cache). A buffer is reused only after
+    most of a plain clone's cost; the price is one resident host copy of the state. A buffer is reused only after
     the save that read it has finished (the IO waits for it before staging again). DTensors are staged as
-    DTensors over their local shard."""
+    DTensors over their local shard.
+
+    * CPU tensors: page-aligned buffers, copied now, so local storage writes them with ``O_DIRECT`` (no copy into
+      the page cache).
+    * CUDA tensors: pinned buffers, copied asynchronously on a side stream that first waits for the current one;
+      the current stream then waits for the copies, so later kernels (the optimizer step) cannot change a tensor
+      before it is copied, and the host does not wait at all. :meth:`synchronize` (the background writer calls
+      it before reading) waits for the copies to land."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._streams: dict[torch.device, Any] = {}  # per CUDA device: the side stream copies run on
+        self._staging: set[torch.device] = set()  # CUDA devices the staging in progress copies from
+        self._copied: list[Any] = []  # CUDA events recorded after each device's copies of the last staging
 
-    def __call__(self, state: Any, path: tuple = ()) -> Any:
+    def __call__(self, state: Any) -> Any:
+        self._staging, self._copied = set(), []
+        staged = self._staged(state, ())
+        for device in self._staging:
+            stream = self._streams[device]
+            torch.cuda.current_stream(device).wait_stream(stream)
+            self._copied.append(stream.record_event())
+        return staged
+
+    def synchronize(self) -> None:
+        """Wait until the last staging's copies are in host memory (nothing to wait for on the CPU)."""
+        for event in self._copied:
+            event.synchronize()
+
+    def _staged(self, state: Any, path: tuple) -> Any:
         if isinstance(state, DTensor):
             local = self._copy(state.to_local(), path)
             return DTensor.from_local(local, state.device_mesh, state.placements, run_check=False, shape=state.shape, stride=state.stride())
         if isinstance(state, torch.Tensor):
             return self._copy(state, path)
         if isinstance(state, dict):
-            return {k: self(v, (*path, k)) for k, v in state.items()}
+            return {k: self._staged(v, (*path, k)) for k, v in state.items()}
         if type(state) in (list, tuple):
-            return type(state)(self(v, (*path, i)) for i, v in enumerate(state))
+            return type(state)(self._staged(v, (*path, i)) for i, v in enumerate(state))
         return copy.deepcopy(state)
 
     def _copy(self, tensor: torch.Tensor, path: tuple) -> torch.Tensor:
         tensor = tensor.detach()
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = self._buffers[path] = page_aligned_empty(tuple(tensor.shape), tensor.dtype)
-        return buffer.copy_(tensor)
+            buffer = self._buffers[path] = (
+                torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)  # a D2H copy's host side
+                if tensor.is_cuda else page_aligned_empty(tuple(tensor.shape), tensor.dtype)
+            )
+        if not tensor.is_cuda:
+            return buffer.copy_(tensor)
+        with torch.cuda.stream(self._side_stream(tensor.device)):
+            return buffer.copy_(tensor, non_blocking=True)
+
+    def _side_stream(self, device: torch.device) -> Any:
+        """``device``'s side stream, made to wait for the current stream before this staging's first copy."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        if device not in self._staging:
+            self._streams[device].wait_stream(torch.cuda.current_stream(device))
+            self._staging.add(device)
+        return self._streams[device]
 
 
 def _lowest_priority() -> None:
@@ -206,7 +244,7 @@ class ChunkedCheckpointIO(CheckpointIO):
         self.wait()  # at most one in flight; raises a previous background error here
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ciuic-checkpoint", initializer=_lowest_priority)
-        self._pending = self._executor.submit(_timed_write, job)
+        self._pending = self._executor.submit(_timed_write, self._stage.synchronize, job)
 
     def checkpoint_group(self) -> dist.ProcessGroup:
         """A gloo group of all ranks for the background DCP collectives (created on first use, collectively)."""
@@ -282,6 +320,8 @@ class ChunkedCheckpointIO(CheckpointIO):
             self._group = None
 
 
-def _timed_write(job: Callable[[], None]) -> None:
+def _timed_write(copied: Callable[[], None], job: Callable[[], None]) -> None:
+    """``job`` once the staged copies are in host memory (``copied`` waits for a GPU's), as a timeline span."""
     with timeline.span("checkpoint write", "checkpoint", track="checkpoint writer"):
+        copied()
         job()

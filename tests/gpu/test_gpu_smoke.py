@@ -21,6 +21,7 @@ from lightning_ciuic.comm.codecs import ErrorFeedback, TopK, dense_codec
 from lightning_ciuic.comm.timing import DeviceClock
 from lightning_ciuic.testing import FailAt
 from lightning_ciuic.parallel.grad_norm import total_grad_norm
+from lightning_ciuic.plugins.checkpoint_io import Stager
 from tests.helpers import TINY_MODEL, ReplicaReport, loader
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -46,6 +47,20 @@ def test_error_feedback_restored_on_the_cpu_follows_the_gradients():
     x = torch.zeros(4, device="cuda")
     feedback.compensate_("b", x)
     assert feedback.residuals["b"].device.type == "cuda" and x.tolist() == [1.0] * 4
+
+
+def test_checkpoint_staging_copies_into_pinned_memory_before_later_kernels_change_the_state():
+    state = {"w": torch.randn(4096, 4096, device="cuda"), "step": 7}
+    expected = state["w"].cpu()
+    stage = Stager()
+    staged = stage(state)
+    state["w"].mul_(0.0)  # the optimizer step right after the stall: ordered after the copy on the current stream
+    stage.synchronize()
+    assert staged["w"].device.type == "cpu" and staged["w"].is_pinned() and staged["step"] == 7
+    assert torch.equal(staged["w"], expected)
+    assert stage(state)["w"].data_ptr() == staged["w"].data_ptr()  # reused at the next save
+    stage.synchronize()
+    assert not staged["w"].any()
 
 
 def test_grad_norm_stays_on_the_gpu_and_device_clock_times_device_work():
