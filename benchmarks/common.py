@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import torch
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, LightningModule
 
 from lightning_ciuic.testing.ports import free_port  # noqa: F401  (the benchmarks import it from here)
 
@@ -27,6 +27,34 @@ MODELS = {
     "medium": dict(dim=256, moe_inter_dim=256, dense_inter_dim=768, kv_lora_rank=64),
     "large": dict(dim=384, moe_inter_dim=384, dense_inter_dim=1152, kv_lora_rank=96),
 }
+
+
+class ByteMLP(LightningModule):
+    """An 8M-parameter next-byte MLP (embedding, two hidden layers of ``hidden``, a byte head), AdamW as the example
+    model's: a model whose step is mostly its gradient's size on the wire, beside the example's attention and
+    experts. Takes ``ByteCorpusDataModule``'s batches."""
+
+    def __init__(self, dim: int = 256, hidden: int = 2560, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.lr = lr
+        self.net = torch.nn.Sequential(
+            torch.nn.Embedding(256, dim), torch.nn.Linear(dim, hidden), torch.nn.GELU(),
+            torch.nn.Linear(hidden, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 256),
+        )
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        return torch.nn.functional.cross_entropy(self.net(inputs).reshape(-1, 256), targets.reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95))
+
+
+def benchmark_model(name: str) -> LightningModule:
+    """``"mlp"``: :class:`ByteMLP`; otherwise the DeepSeekMini size ``name`` of :data:`MODELS`."""
+    from examples.deepseek import DeepSeekMini
+
+    return ByteMLP() if name == "mlp" else DeepSeekMini(**MODELS[name])
 
 
 def describe(model: torch.nn.Module, name: str) -> str:

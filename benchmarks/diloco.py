@@ -1,7 +1,7 @@
 """DiLoCo against DDPStrategy on a simulated slow link, side by side.
 
 1. Speed (needs root: benchmarks/sim_cluster.py): two simulated nodes joined by a ``--rate`` link, one process each,
-   the "large" model (8.6M parameters), batch ``--speed-batch`` x 64 bytes per rank (4: where the link, not the
+   the "large" model (8.6M parameters; ``--speed-model mlp``: an 8M-parameter MLP, ``benchmarks.common.ByteMLP``), batch ``--speed-batch`` x 64 bytes per rank (4: where the link, not the
    compute, sets DDP's pace). Variants: Lightning's ``DDPStrategy``,
    ``DiLoCo(sync_every=H)``, ``DiLoCo(sync_every=H, compression="int8")``, Streaming DiLoCo's
    ``fragments=4`` and ``fragments=4, overlap_steps=2``, alternating for ``--rounds`` rounds.
@@ -9,13 +9,15 @@
    to DDP's in the same round; bytes this rank sent per step from each strategy's counters (DDP: the ring formula),
    on average and at the peak (the most any one step sent: fragments spread a sync's bytes over the round).
 2. Loss (loopback): the example model for ``--loss-steps`` steps, DDP and ``DiLoCo(sync_every=H)``, same seed and
-   data (equal tokens): mean training loss of the last 20 steps, DiLoCo against DDP.
+   data (equal tokens): the validation loss after training (the whole held-out split, DiLoCo's final sync done) and
+   the mean training loss of the last 20 steps, DiLoCo against DDP.
 
 Writes the ``diloco`` section of docs/benchmarks.md.
 
     sudo .venv/bin/python benchmarks/diloco.py [--rate 1gbit] [--sync-every 16] [--steps 48] [--speed-batch 4]
         [--rounds 2] [--loss-steps 300]
-    .venv/bin/python benchmarks/diloco.py --loss-only "DiLoCo sync_every=16 outer_lr=1.0" ...   (loss sweep, prints)
+    .venv/bin/python benchmarks/diloco.py --loss-only "DiLoCo sync_every=16 outer_lr=1.0" ... --section diloco_loss
+        (loss sweep: DDP and each variant, one run each)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -31,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from benchmarks.common import MODELS, StepTimer, describe, machine, write_section  # noqa: E402
+from benchmarks.common import StepTimer, benchmark_model, describe, machine, write_section  # noqa: E402
 from benchmarks.sim_cluster import SimulatedCluster, available, run_two_nodes  # noqa: E402
 
 WARMUP = 5
@@ -58,7 +61,6 @@ def worker(args: argparse.Namespace) -> None:
     from lightning.pytorch import Callback, Trainer, seed_everything
 
     from examples.data import ByteCorpusDataModule
-    from examples.deepseek import DeepSeekMini
 
     class Sent(Callback):
         """Bytes this rank sent: in all, and the most in one step (DDP: the ring formula, the same every step)."""
@@ -88,15 +90,65 @@ def worker(args: argparse.Namespace) -> None:
         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, callbacks=[StepTimer(args.out), Sent()],
     )
-    trainer.fit(DeepSeekMini(**MODELS[args.model]), ByteCorpusDataModule(seq_len=64, batch_size=args.batch_size))
+    module, data = benchmark_model(args.model), ByteCorpusDataModule(seq_len=64, batch_size=args.batch_size)
+    trainer.fit(module, data)
+    if args.validate and trainer.is_global_zero:  # after fit: DiLoCo's final sync has made the replicas equal
+        Path(args.out + ".val").write_text(json.dumps({"val_loss": validation_loss(module, data)}))
 
 
-def run(variant: str, model: str, steps: int, batch: int, sync_every: int, workdir: Path, cluster) -> dict:
+def validation_loss(module, data) -> float:
+    """Mean cross-entropy of ``module`` over the whole held-out split (every window, token-weighted)."""
+    import torch
+
+    module.eval()
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for inputs, targets in data.val_dataloader():
+            total += float(module.pipeline_loss(module(inputs), targets)) * targets.numel()
+            tokens += targets.numel()
+    return total / tokens
+
+
+def run(variant: str, model: str, steps: int, batch: int, sync_every: int, workdir: Path, cluster, validate: bool = False) -> dict:
     out = workdir / f"{variant.replace(' ', '_')}-{model}-{steps}.json"
     argv = [sys.executable, __file__, "--worker", "--variant", variant, "--model", model, "--steps", str(steps),
-            "--batch-size", str(batch), "--sync-every", str(sync_every), "--out", str(out)]
+            "--batch-size", str(batch), "--sync-every", str(sync_every), "--out", str(out)] + ["--validate"] * validate
     run_two_nodes(argv, cluster)
-    return {**json.loads(out.read_text()), **json.loads(Path(str(out) + ".bytes").read_text())}
+    result = {**json.loads(out.read_text()), **json.loads(Path(str(out) + ".bytes").read_text())}
+    return {**result, **json.loads(Path(str(out) + ".val").read_text())} if validate else result
+
+
+def loss_at_equal_tokens(variant: str, steps: int, sync_every: int, workdir: Path) -> tuple[float, float]:
+    """(mean training loss of the last 20 steps, validation loss after training) of the example model on loopback."""
+    result = run(variant, "example", steps, 16, sync_every, workdir, None, validate=True)
+    return statistics.fmean(result["losses"][-20:]), result["val_loss"]
+
+
+def loss_sweep(variants: list[str], steps: int, sync_every: int, section: str) -> None:
+    """DDP and each DiLoCo variant for ``steps`` steps on loopback, same seed and data; writes ``section``."""
+    losses = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant in ["DDPStrategy", *variants]:
+            losses[variant] = loss_at_equal_tokens(variant, steps, sync_every, Path(tmp))
+            print(f"LOSS {variant}: train {losses[variant][0]:.4f} validation {losses[variant][1]:.4f}", flush=True)
+    ddp_train, ddp_val = losses["DDPStrategy"]
+    rows = [
+        f"| {variant} | {val:.4f} | **{val / ddp_val - 1:+.1%}** | {train:.4f} | {train / ddp_train - 1:+.1%} |"
+        for variant, (train, val) in losses.items()
+    ]
+    command = shlex.join([".venv/bin/python", "benchmarks/diloco.py", *sys.argv[1:]])
+    write_section(section, f"""## DiLoCo's loss at equal tokens
+
+Command: `{command}` (the {describe(benchmark_model("example"), "example")} model, 2 ranks on loopback, batch 16 x 64
+bytes per rank, {steps} steps, same seed and data for every variant, AdamW inner optimizer at the model's lr; one
+run each; machine: {machine()}). Validation loss: the whole held-out split after training (DiLoCo's final sync
+done); training loss: the mean of the last 20 steps. Target (issue): validation loss within 3% of DDP's.
+Variants name DiLoCo's arguments (`int8`: compressed outer gradients); unnamed ones are the defaults
+(`sync_every` {sync_every}, `outer_lr` 0.7, `outer_momentum` 0.9).
+
+| variant | validation loss | against DDP | training loss | against DDP |
+|---|---|---|---|---|
+""" + "\n".join(rows) + "\n")
 
 
 def main() -> None:
@@ -105,28 +157,26 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=16)
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--speed-batch", type=int, default=4)
+    parser.add_argument("--speed-model", default="large", choices=["large", "mlp"], help="the model of the speed part")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--loss-steps", type=int, default=300, help="0: no loss comparison")
     parser.add_argument("--section", default="diloco", help="the docs/benchmarks.md section written")
     parser.add_argument(
         "--loss-only", nargs="*", default=None,
-        help="only the loss part, for these DiLoCo variants (e.g. 'DiLoCo sync_every=16 outer_lr=1.0'); prints, writes nothing",
+        help="only the loss part, for these DiLoCo variants (e.g. 'DiLoCo sync_every=16 outer_lr=1.0'); writes --section",
     )
     parser.add_argument("--worker", action="store_true", help="internal: one rank of one run")
     parser.add_argument("--variant", default="DDPStrategy")
     parser.add_argument("--model", default="large")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--out", default="")
+    parser.add_argument("--validate", action="store_true", help="internal: rank 0 writes the validation loss after fit")
     args = parser.parse_args()
     if args.worker:
         return worker(args)
     h = args.sync_every
     if args.loss_only is not None:  # a sweep of the loss at equal tokens against DDP, on loopback
-        with tempfile.TemporaryDirectory() as tmp:
-            for variant in ["DDPStrategy", *args.loss_only]:
-                loss = statistics.fmean(run(variant, "example", args.loss_steps, 16, h, Path(tmp), None)["losses"][-20:])
-                print(f"LOSS {variant}: {loss:.4f}", flush=True)
-        return
+        return loss_sweep(args.loss_only, args.loss_steps, h, args.section)
     reason = available()
     if reason:
         raise SystemExit(f"benchmarks/diloco.py: {reason}")
@@ -138,10 +188,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, SimulatedCluster(nodes=2, rate=args.rate) as cluster:
         for _ in range(args.rounds):
             for variant in variants:
-                results[variant].append(run(variant, "large", args.steps, args.speed_batch, h, Path(tmp), cluster))
+                results[variant].append(run(variant, args.speed_model, args.steps, args.speed_batch, h, Path(tmp), cluster))
                 print(variant, statistics.fmean(results[variant][-1]["times"][WARMUP:]), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        losses = {v: run(v, "example", args.loss_steps, 16, h, Path(tmp), None)["losses"] for v in variants[:2]} if args.loss_steps else {}
+        losses = {v: loss_at_equal_tokens(v, args.loss_steps, h, Path(tmp)) for v in variants[:2]} if args.loss_steps else {}
     ddp = [statistics.fmean(r["times"][WARMUP:]) for r in results["DDPStrategy"]]
     ddp_bytes = results["DDPStrategy"][-1]["bytes"] / results["DDPStrategy"][-1]["steps"]
     rows = []
@@ -157,13 +207,15 @@ def main() -> None:
         )
     loss_line = ""
     if losses:
-        ddp_loss, diloco_loss = (statistics.fmean(losses[v][-20:]) for v in variants[:2])
+        (ddp_train, ddp_val), (diloco_train, diloco_val) = (losses[v] for v in variants[:2])
         loss_line = f"""Loss at equal tokens (the example model, batch 16 x 64 bytes per rank, {args.loss_steps} steps on loopback, same seed
-and data; mean of the last 20 steps): DDP {ddp_loss:.4f}, DiLoCo sync_every={h} {diloco_loss:.4f}: **{diloco_loss / ddp_loss - 1:+.1%}**."""
+and data): validation loss after training (the whole held-out split) DDP {ddp_val:.4f}, DiLoCo sync_every={h}
+{diloco_val:.4f}: **{diloco_val / ddp_val - 1:+.1%}** (target within 3%); training loss, mean of the last 20 steps,
+DDP {ddp_train:.4f}, DiLoCo {diloco_train:.4f}: {diloco_train / ddp_train - 1:+.1%}."""
     command = " ".join(["sudo .venv/bin/python benchmarks/diloco.py", *sys.argv[1:]])
     write_section(args.section, f"""## DiLoCo on a {args.rate} link
 
-Command: `{command}` ({describe_large()}, 2 simulated nodes on a {args.rate} link, one CPU process each, batch
+Command: `{command}` ({describe(benchmark_model(args.speed_model), args.speed_model)}, 2 simulated nodes on a {args.rate} link, one CPU process each, batch
 {args.speed_batch} x 64 bytes per rank, {args.steps} steps; mean step time after {WARMUP} warm-up steps (sync steps included), ratio to
 `DDPStrategy` in the same round, {args.rounds} alternating rounds, the median in bold and each round's in brackets;
 machine: {machine()}). Targets (issue): step time <= 0.40x DDP's, bytes <= 1/sync_every of DDP's. Peak: the most
@@ -175,12 +227,6 @@ bytes one step sent (an overlapped sync's are counted at the step it lands, its 
 
 {loss_line}
 """)
-
-
-def describe_large() -> str:
-    from examples.deepseek import DeepSeekMini
-
-    return describe(DeepSeekMini(**MODELS["large"]), "large")
 
 
 if __name__ == "__main__":

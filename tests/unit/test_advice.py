@@ -60,7 +60,7 @@ def test_diloco_is_advised_when_even_compression_leaves_the_step_sync_bound_and_
     expected = 0.47 / (0.47 - 0.30 + sync_none / 32)
     (advice,) = [a for a in advise(profile) if a.rule == "diloco"]
     assert advice.predicted_speedup == pytest.approx(expected) and expected > 1.1 * max(compression_speedups(profile).values())
-    assert "sync_every: 32" in advice.argument and "changes the optimisation" in advice.summary
+    assert "sync_every: 32, outer_lr: 1.0, outer_momentum: 0.0" in advice.argument and "changes the optimisation" in advice.summary
     assert advise(profile)[0] == advice  # largest predicted gain first
     # Where compression gets most of the way, DiLoCo's change of optimisation is not worth advising.
     # 2 Gbit/s, most of the sync hidden: fp16 is predicted about 1.18x, DiLoCo about 1.19x, below its 1.25x.
