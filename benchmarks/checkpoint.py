@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -49,7 +50,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from benchmarks.common import machine, write_section  # noqa: E402
 from lightning_ciuic import AsyncCheckpointer  # noqa: E402
 from lightning_ciuic.checkpoint.dcp import load_full, save_full  # noqa: E402
-from lightning_ciuic.checkpoint.incremental import CheckpointCatalog, ChunkStore  # noqa: E402
+from lightning_ciuic.checkpoint.incremental import CHUNK_BYTES, CheckpointCatalog, ChunkStore, digest  # noqa: E402
 from lightning_ciuic.checkpoint.storage import Storage  # noqa: E402
 from lightning_ciuic.plugins.checkpoint_io import Stager, _lowest_priority  # noqa: E402
 
@@ -173,6 +174,39 @@ def background_throughput(state: dict, url: str, mode: str, step) -> float:
     return steps / (time.perf_counter() - start)
 
 
+def _thread_cpu() -> tuple[float, float]:
+    """(user, system) CPU seconds this thread has used."""
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return usage.ru_utime, usage.ru_stime
+
+
+def save_cpu_parts(state: dict, url: str, repeats: int) -> dict[str, float]:
+    """CPU seconds of one save's parts, measured in this thread on an otherwise idle machine (medians of
+    ``repeats``, each into a new store so every chunk is written): the staging copy into buffers already allocated
+    (training's stall), hashing every chunk alone, and the whole background write (``save_full``: hashing, the zstd
+    sample, O_DIRECT writes), split into user and system time. Where training keeps every core busy, this CPU
+    time is what the save takes from training at the least: the floor of its whole cost."""
+    stage = Stager()
+    stage(state)  # the first save allocates the staging buffers; later saves copy into them
+    parts: dict[str, list[float]] = {"staging": [], "hashing": [], "write user": [], "write system": []}
+    for repeat in range(repeats):
+        user, system = _thread_cpu()
+        staged = stage(state)
+        parts["staging"].append(sum(_thread_cpu()) - user - system)
+        user, system = _thread_cpu()
+        for _, tensor in _tensors(staged):
+            view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            for start in range(0, len(view), CHUNK_BYTES):
+                digest(view[start : start + CHUNK_BYTES])
+        parts["hashing"].append(sum(_thread_cpu()) - user - system)
+        user, system = _thread_cpu()
+        save_full(ChunkStore(Storage(f"{url}/{repeat}")), "cpu", staged)
+        after_user, after_system = _thread_cpu()
+        parts["write user"].append(after_user - user)
+        parts["write system"].append(after_system - system)
+    return {part: statistics.median(values) for part, values in parts.items()}
+
+
 @dataclass
 class Round:
     """One side-by-side round: no checkpointing, ModelCheckpoint, AsyncCheckpointer (O_DIRECT, as shipped, and
@@ -278,6 +312,9 @@ def main() -> None:
 
         step()
         state = {k: v.clone() for k, v in model.state_dict().items()}
+        full_state = {"model": state, "optimizer": optimizer.state_dict()}
+        cpu = save_cpu_parts(full_state, f"{tmp}/cpu", repeats=3)
+        cpu_total = cpu["staging"] + cpu["write user"] + cpu["write system"]
         rates: dict[str, list[float]] = {"thread": [], "process": []}
         for repeat in range(args.rounds):  # alternating; each against the mean of solo runs just before and after it
             for mode in rates:
@@ -308,6 +345,10 @@ def main() -> None:
         f" last background write included) / saves made (rounds: {', '.join(f'{r.per_save / r.mc_per_save:.0%}' for r in rounds)}) |"
         f" ModelCheckpoint {mc_per_save:.2f} s, AsyncCheckpointer {per_save:.2f} s: **{per_save / mc_per_save:.0%}** of ModelCheckpoint's"
         f" (seed: 53%, i.e. 47% less) |",
+        f"| CPU time of one save on an idle machine (one thread, median of 3): the staging copy {cpu['staging']:.2f} s,"
+        f" the background write {cpu['write user'] + cpu['write system']:.2f} s (user {cpu['write user']:.2f} s, of which"
+        f" hashing every chunk {cpu['hashing']:.2f} s; system {cpu['write system']:.2f} s: O_DIRECT writes) | {cpu_total:.2f} s:"
+        f" **{cpu_total / mc_per_save:.0%}** of ModelCheckpoint's cost per save, the floor where training keeps every core busy |",
         f"| the whole {args.steps}-step run (run time - no-checkpoint run time) | ModelCheckpoint {median('mc_overhead'):.1f} s"
         f" ({last.saves} saves), AsyncCheckpointer {median('as_overhead'):.1f} s ({last.async_saves} saves, {last.postponed}"
         f" due steps postponed while one was in flight) |",
