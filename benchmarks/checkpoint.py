@@ -23,7 +23,7 @@ three run side by side in each of ``--rounds`` rounds, and the tables show the m
 
 Writes the ``checkpoint`` section of docs/benchmarks.md.
 
-    .venv/bin/python benchmarks/checkpoint.py [--steps 90] [--every 30] [--rounds 3]
+    .venv/bin/python benchmarks/checkpoint.py [--steps 90] [--every 30] [--rounds 3] [--threads 2] [--section checkpoint]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shlex
 import statistics
 import sys
 import tempfile
@@ -282,8 +283,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=90)
     parser.add_argument("--every", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3, help="side-by-side rounds; the table shows medians")
+    parser.add_argument(
+        "--threads", type=int, default=2,
+        help="training's intra-op threads (2: every core of this machine; 1: a core left to the writer, as a GPU host has)",
+    )
+    parser.add_argument("--section", default="checkpoint", help="the docs/benchmarks.md section written")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     state_bytes = 3 * sum(p.numel() for p in Wide().parameters()) * 4
     with tempfile.TemporaryDirectory() as tmp:
         rounds = [side_by_side(f"{tmp}/round{r}", args.steps, args.every) for r in range(args.rounds)]
@@ -383,12 +389,12 @@ def main() -> None:
         " an XOR and zstd over every changed byte to the background write, whose CPU is what costs throughput here"
     )
     write_section(
-        "checkpoint",
+        args.section,
         f"""
-## AsyncCheckpointer vs ModelCheckpoint (about 1 GB of state)
+## AsyncCheckpointer vs ModelCheckpoint (about 1 GB of state, training on {args.threads} of {os.cpu_count()} cores)
 
-Command: `.venv/bin/python benchmarks/checkpoint.py --steps {args.steps} --every {args.every} --rounds {args.rounds}`
-(one CPU process, 2 threads, local disk, zstd level 3, incremental; no checkpointing, ModelCheckpoint and
+Command: `{shlex.join([".venv/bin/python", "benchmarks/checkpoint.py", *sys.argv[1:]])}`
+(one CPU process, {args.threads} intra-op thread{"s" if args.threads > 1 else ""} on {os.cpu_count()} cores, local disk, zstd level 3, incremental; no checkpointing, ModelCheckpoint and
 AsyncCheckpointer side by side in each round, medians of {args.rounds} rounds; machine: {machine()}).
 
 | measure | result |
@@ -403,9 +409,10 @@ AsyncCheckpointer side by side in each round, medians of {args.rounds} rounds; m
   without either. fp32 chunks are stored raw: zstd shrinks them by only
   {1 - delta['adam']['plain'] / frozen['adam'][0]:.0%} (the frozen-Adam rows above: {delta['adam']['plain']:.1%} against {frozen['adam'][0]:.1%}).
 - Delta encoding against the previous checkpoint: {verdict}.
-- The cost per save includes, once per run, waiting at the end for the last background write: on this 2-core
-  machine training keeps every core busy, so the lowest-priority writer gets little CPU until training ends and
-  then finishes at full speed. With accelerators the host CPU is mostly idle and the write proceeds during training.
+- The cost per save includes, once per run, waiting at the end for the last background write{
+  ": training keeps every core busy here, so the lowest-priority writer gets little CPU until training ends and then"
+  " finishes at full speed" if args.threads >= (os.cpu_count() or 1) else
+  ": training leaves a core to the writer here, as an accelerator's host does, so the write proceeds during training"}.
 """,
     )
 

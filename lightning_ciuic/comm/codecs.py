@@ -48,7 +48,8 @@ NF4_LEVELS = torch.tensor(
     ]
 )
 _NF4_MIDPOINT_VALUES = ((NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2).tolist()  # float32 values, exactly
-_NF4_BYTE_LEVELS = torch.stack([NF4_LEVELS[torch.arange(256) >> 4], NF4_LEVELS[torch.arange(256) & 0x0F]], dim=1)  # byte -> its 2 levels
+_BYTES = torch.arange(256, device="cpu")  # a host table, like NF4_LEVELS: moved to the codes' device where used
+_NF4_BYTE_LEVELS = torch.stack([NF4_LEVELS[_BYTES >> 4], NF4_LEVELS[_BYTES & 0x0F]], dim=1)  # byte -> its 2 levels
 
 
 class Codec(ABC):
