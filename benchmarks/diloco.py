@@ -160,7 +160,9 @@ def main() -> None:
     parser.add_argument("--speed-model", default="large", choices=["large", "mlp"], help="the model of the speed part")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--loss-steps", type=int, default=300, help="0: no loss comparison")
-    parser.add_argument("--section", default="diloco", help="the docs/benchmarks.md section written")
+    parser.add_argument(
+        "--section", default=None, help="the docs/benchmarks.md section written (default: diloco; with --loss-only: diloco_loss)"
+    )
     parser.add_argument(
         "--loss-only", nargs="*", default=None,
         help="only the loss part, for these DiLoCo variants (e.g. 'DiLoCo sync_every=16 outer_lr=1.0'); writes --section",
@@ -176,7 +178,7 @@ def main() -> None:
         return worker(args)
     h = args.sync_every
     if args.loss_only is not None:  # a sweep of the loss at equal tokens against DDP, on loopback
-        return loss_sweep(args.loss_only, args.loss_steps, h, args.section)
+        return loss_sweep(args.loss_only, args.loss_steps, h, args.section or "diloco_loss")
     reason = available()
     if reason:
         raise SystemExit(f"benchmarks/diloco.py: {reason}")
@@ -213,7 +215,7 @@ and data): validation loss after training (the whole held-out split) DDP {ddp_va
 {diloco_val:.4f}: **{diloco_val / ddp_val - 1:+.1%}** (target within 3%); training loss, mean of the last 20 steps,
 DDP {ddp_train:.4f}, DiLoCo {diloco_train:.4f}: {diloco_train / ddp_train - 1:+.1%}."""
     command = " ".join(["sudo .venv/bin/python benchmarks/diloco.py", *sys.argv[1:]])
-    write_section(args.section, f"""## DiLoCo on a {args.rate} link
+    write_section(args.section or "diloco", f"""## DiLoCo on a {args.rate} link
 
 Command: `{command}` ({describe(benchmark_model(args.speed_model), args.speed_model)}, 2 simulated nodes on a {args.rate} link, one CPU process each, batch
 {args.speed_batch} x 64 bytes per rank, {args.steps} steps; mean step time after {WARMUP} warm-up steps (sync steps included), ratio to
