@@ -10,7 +10,8 @@ rank, about code neither we nor our users can change.
 Touch points:
 
 * Lightning: the launchers ``_SubprocessScriptLauncher`` / ``_MultiProcessingLauncher`` and its
-  ``_WorkerOutput`` (our strategy starts processes as ``DDPStrategy`` does); ``Strategy._reset_optimizers_and_schedulers``; the optimizer a
+  ``_WorkerOutput`` (our strategy starts processes as ``DDPStrategy`` does), with what it hands a spawned rank
+  (``_GlobalStateSnapshot``, ``_disable_module_memory_sharing``: ours hands a forkserver rank the same); ``Strategy._reset_optimizers_and_schedulers``; the optimizer a
   ``LightningOptimizer`` wraps (``_optimizer``); the fit loop's progress counters (epoch and batch position,
   optimizer-step totals, ``_batches_that_stepped``) that snapshots rewind; ``ModelCheckpoint._find_last_checkpoints``
   (what ``ckpt_path="last"`` resolves), which ``AsyncCheckpointer`` overrides.
@@ -52,6 +53,7 @@ __all__ = [
     "reset_optimizers_and_schedulers",
     "rewind_step_counters",
     "shift_batch_counters",
+    "spawn_handoff",
     "unwrap_optimizer",
 ]
 
@@ -102,6 +104,18 @@ def launchers() -> tuple[type, type, type]:
     from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 
     return _SubprocessScriptLauncher, _MultiProcessingLauncher, _WorkerOutput
+
+
+def spawn_handoff() -> tuple[type, Any]:
+    """What Lightning's launcher does for a ``spawn`` rank only, and ours for a ``forkserver`` rank too: the
+    ``_GlobalStateSnapshot`` (deterministic flags, random states) it restores in the rank, and
+    ``_disable_module_memory_sharing`` (a module pickled to a CPU rank arrives in shared memory; the rank clones it)."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import (
+        _disable_module_memory_sharing,
+        _GlobalStateSnapshot,
+    )
+
+    return _GlobalStateSnapshot, _disable_module_memory_sharing
 
 
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:

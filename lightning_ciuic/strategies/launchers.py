@@ -1,4 +1,4 @@
-"""Launchers of HybridParallelStrategy: Lightning's, with one difference for spawn/fork.
+"""Launchers of HybridParallelStrategy: Lightning's, with two differences for spawn/fork/forkserver.
 
 ``FullWeightsMultiProcessingLauncher`` is Lightning's multiprocessing launcher, except that the weights it
 hands back to the main process after ``fit`` are the full model: tensor-parallel DTensors are gathered on
@@ -7,17 +7,29 @@ parallelism the stages' parameters are gathered from the ``pp`` axis; a main-pro
 device (built with ``empty_init=True`` for sharding) is allocated to receive them. And a worker that finished leaves its
 process groups together with its peers before its process exits (:mod:`lightning_ciuic.parallel.shutdown`: a gloo
 worker thread still busy at interpreter exit aborts the process now and then).
+
+``forkserver`` ranks are forked from a server process that imported torch, Lightning and this pack once
+(:func:`preload_forkserver`): a launch of two ranks takes about 0.1 s where ``spawn`` takes 4-5 s on two cores,
+importing them again in every rank. A forked rank has the server's environment, standard streams and random state,
+not the caller's, so :class:`ForkserverHandoff` hands it the caller's, as a spawned rank inherits or gets them from
+Lightning: the environment (``PL_GLOBAL_SEED``, ``MASTER_PORT``, ...), stdout and stderr (file descriptors 1 and 2),
+the deterministic flags and random states; and the launcher unshares a CPU module from the caller's memory, as
+Lightning does under spawn. Not handed: what torch read once at import in the server (``ATEN_CPU_CAPABILITY``).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import sys
 import tempfile
+from multiprocessing import reduction
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from typing_extensions import override
@@ -28,16 +40,78 @@ from lightning_ciuic.parallel.shutdown import leave_process_groups
 
 
 _, MultiProcessingLauncher, WorkerOutput = compat.launchers()
+GlobalStateSnapshot, unshare_module_memory = compat.spawn_handoff()
+
+# What a forkserver imports once, before it forks any rank ("__main__": multiprocessing's default).
+FORKSERVER_PRELOAD = ("__main__", "torch", "torch.distributed", "lightning.pytorch", "lightning_ciuic")
+
+
+def preload_forkserver() -> None:
+    """Have this process's forkserver import :data:`FORKSERVER_PRELOAD` before it forks ranks. Takes effect when the
+    server starts: at the first forkserver launch of the process."""
+    multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+
+
+class ForkserverHandoff:
+    """What a forkserver rank takes over from the process that launched it, as a spawned rank inherits it: the
+    environment as it is now, stdout and stderr (the file descriptors, passed to the rank when it is launched), and
+    ``global_state`` (Lightning's deterministic flags and random states) where given. Made in the caller, pickled
+    with the rank's arguments; the rank calls :meth:`apply` first."""
+
+    def __init__(self, global_state: Any = None) -> None:
+        self.environ, self.global_state, self._streams = dict(os.environ), global_state, None
+
+    def __reduce__(self) -> tuple:
+        # reduction.DupFd while a rank is being launched: the descriptor travels with it, as multiprocessing's own
+        # connections do.
+        return _rebuilt_handoff, (self.environ, self.global_state, (reduction.DupFd(1), reduction.DupFd(2)))
+
+    def apply(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        if self._streams is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for target, stream in zip((1, 2), self._streams):
+                fd = stream.detach()
+                os.dup2(fd, target)
+                os.close(fd)
+            self._streams = None
+        if self.global_state is not None:
+            self.global_state.restore()
+
+
+def _rebuilt_handoff(environ: dict, global_state: Any, streams: tuple) -> ForkserverHandoff:
+    handoff = ForkserverHandoff.__new__(ForkserverHandoff)
+    handoff.environ, handoff.global_state, handoff._streams = environ, global_state, streams
+    return handoff
 
 
 class FullWeightsMultiProcessingLauncher(MultiProcessingLauncher):
-    """Lightning's spawn/fork launcher, except that the weights handed back to the main process are full
-    tensors (tensor-parallel DTensors are gathered on every rank first: the main process has no mesh), and
-    finished workers destroy their process groups together before exiting."""
+    """Lightning's spawn/fork/forkserver launcher, except that the weights handed back to the main process are
+    full tensors (tensor-parallel DTensors are gathered on every rank first: the main process has no mesh),
+    finished workers destroy their process groups together before exiting, and a forkserver rank gets the
+    caller's environment, streams and global state, as a spawned rank does."""
 
     @override
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        super()._wrapping_function(*args, **kwargs)
+    def launch(self, function: Any, *args: Any, trainer: Optional[Trainer] = None, **kwargs: Any) -> Any:
+        if self._start_method == "forkserver":
+            preload_forkserver()
+            # Lightning sets the port next, in this process; the rank must see it in the environment handed over.
+            os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)
+            self._handoff = ForkserverHandoff(GlobalStateSnapshot.capture())
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def _wrapping_function(
+        self, process_idx: int, trainer: Optional[Trainer], function: Any, args: Any, kwargs: Any,
+        return_queue: Any, global_states: Any = None,
+    ) -> None:
+        if self._start_method == "forkserver":
+            self._handoff.apply()
+            if isinstance(self._strategy.accelerator, CPUAccelerator):
+                args, kwargs = unshare_module_memory((args, kwargs))
+        super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
         leave_process_groups()
 
     @override

@@ -43,7 +43,7 @@ def _fit(strategy, devices, max_steps, url=None, ckpt_path=None):
 def _ciuic(dp, tp=1, shard=1, pp=1):
     return HybridParallelStrategy(
         data_parallel_size=dp, tensor_parallel_size=tp, data_parallel_shard_size=shard, pipeline_parallel_size=pp,
-        num_microbatches=2, start_method="spawn",
+        num_microbatches=2, start_method="forkserver",
     )
 
 

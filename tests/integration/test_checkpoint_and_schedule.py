@@ -44,7 +44,7 @@ def _tiny():
 
 
 def _trainer(tmp_path, max_steps, callbacks, **kwargs):
-    strategy = HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn")
+    strategy = HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="forkserver")
     return Trainer(
         strategy=strategy, accelerator="cpu", devices=4, max_steps=max_steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, callbacks=callbacks,
@@ -94,7 +94,7 @@ def test_loading_a_file_that_is_not_our_checkpoint_says_so(tmp_path):
     bogus = tmp_path / "model.ckpt"
     torch.save({"state_dict": {}}, bogus)
     trainer = Trainer(  # two processes: the check is the same on every rank, no need to start four
-        strategy=HybridParallelStrategy(start_method="spawn"), accelerator="cpu", devices=2, max_steps=1, logger=False,
+        strategy=HybridParallelStrategy(start_method="forkserver"), accelerator="cpu", devices=2, max_steps=1, logger=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, precision=PRECISION,
     )
     with pytest.raises(Exception, match="is not a HybridParallelStrategy checkpoint"):

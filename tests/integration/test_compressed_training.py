@@ -39,7 +39,7 @@ def _tiny():
 
 
 def _fit(tmp_path, module, steps=STEPS, callbacks=(), ckpt_path=None, logger=False, precision="32-true", **strategy_kwargs):
-    strategy = HybridParallelStrategy(data_parallel_size=2, start_method="spawn", **strategy_kwargs)
+    strategy = HybridParallelStrategy(data_parallel_size=2, start_method="forkserver", **strategy_kwargs)
     report = tmp_path / "report.json"
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, logger=logger, log_every_n_steps=1,

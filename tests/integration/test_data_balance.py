@@ -28,7 +28,7 @@ def _tiny() -> DeepSeekMini:
     return DeepSeekMini(**TINY_MODEL).double()
 
 
-@pytest.mark.parametrize("strategy", ["ciuic_spawn", "ddp_spawn"])
+@pytest.mark.parametrize("strategy", ["ciuic_forkserver", "ddp_spawn"])
 @pytest.mark.parametrize("rebalance_strategy", ["throughput", "gradient_aware"])
 def test_rebalanced_training_equals_single_process(strategy, rebalance_strategy):
     balancer = DynamicDataBalancer(monitoring_freq=2, rebalance_strategy=rebalance_strategy)
@@ -50,7 +50,7 @@ def test_rebalancing_on_the_dp_axis_of_a_dp_x_tp_mesh():
     """dp=2 x tp=2: both tensor-parallel ranks of replica 1 are slow; the replica's share shrinks, exactly."""
     module = _tiny()
     trainer = Trainer(
-        strategy=HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn"),
+        strategy=HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="forkserver"),
         accelerator="cpu", devices=4, max_steps=STEPS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.05, precision=PRECISION,
         callbacks=[DynamicDataBalancer(monitoring_freq=2, rebalance_strategy="throughput"), SlowRank([2, 3], 0.02)],
@@ -63,7 +63,7 @@ def test_rebalancing_on_the_dp_axis_of_a_dp_x_tp_mesh():
 
 def test_below_the_threshold_the_split_stays_even():
     trainer = Trainer(
-        strategy="ciuic_spawn", accelerator="cpu", devices=2, max_steps=4, logger=False, enable_checkpointing=False,
+        strategy="ciuic_forkserver", accelerator="cpu", devices=2, max_steps=4, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
         callbacks=[DynamicDataBalancer(monitoring_freq=2, imbalance_threshold=100.0), SlowRank([1], 0.02)],
     )
@@ -105,7 +105,7 @@ class Recorder(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-@pytest.mark.parametrize("strategy", ["ciuic_spawn", "ddp_spawn"])
+@pytest.mark.parametrize("strategy", ["ciuic_forkserver", "ddp_spawn"])
 def test_every_sample_once_per_epoch_across_a_mid_epoch_resume(tmp_path, strategy):
     n, batch = 48, 4  # 6 global batches of 8 per epoch
 

@@ -81,7 +81,7 @@ def _fit(strategy, module, steps, callbacks=(), ckpt_path=None, root=None, steps
 
 
 def _diloco(**kwargs):
-    return HybridParallelStrategy(data_parallel_size=2, diloco=DiLoCo(**kwargs), start_method="spawn")
+    return HybridParallelStrategy(data_parallel_size=2, diloco=DiLoCo(**kwargs), start_method="forkserver")
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)], ids=["dp2", "dp2xtp2", "dp2xpp2"])
@@ -91,7 +91,7 @@ def test_a_sync_every_step_with_plain_outer_sgd_is_data_parallel_training(tp, pp
     steps = 4
     strategy = HybridParallelStrategy(
         data_parallel_size=2, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
-        diloco=DiLoCo(sync_every=1, outer_lr=1.0, outer_momentum=0.0), start_method="spawn",
+        diloco=DiLoCo(sync_every=1, outer_lr=1.0, outer_momentum=0.0), start_method="forkserver",
     )
     trained = _fit(strategy, _tiny(SGDMini), steps, devices=2 * tp * pp)
     assert_state_close(trained, reference_training(lambda: _tiny(SGDMini), steps, PER_RANK_BATCH * 2), steps, lr=0.05)

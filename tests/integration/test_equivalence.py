@@ -36,9 +36,11 @@ def _fit(module: LightningModule, strategy, devices: int, dp: int, **trainer_kwa
 def test_layout_matches_single_process(dp, tp, clip, kernels, monkeypatch):
     """``kernels``: the ranks' ``ATEN_CPU_CAPABILITY`` (None: the machine's best, as the reference here uses), so
     the suite itself checks that the tolerance holds across kernel sets."""
-    if kernels is not None:
-        monkeypatch.setenv("ATEN_CPU_CAPABILITY", kernels)  # read by torch in each spawned rank
-    strategy = HybridParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp, start_method="spawn")
+    start_method = "forkserver"
+    if kernels is not None:  # read by torch at import in each rank: a forkserver's ranks have the server's
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", kernels)
+        start_method = "spawn"
+    strategy = HybridParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp, start_method=start_method)
     actual = _fit(_tiny(), strategy, dp * tp, dp, gradient_clip_val=clip)
     expected = reference_training(_tiny, STEPS, PER_RANK_BATCH * dp, clip=clip)
     assert_state_close(actual, expected, STEPS)
@@ -62,7 +64,7 @@ class CountForwards(Callback):
 def test_gradient_checkpointing_recomputes_each_block_and_trains_the_same(tmp_path):
     """Each pipeline block's activations are recomputed in backward: a sub-module of a block runs twice per step."""
     counter = CountForwards(tmp_path / "calls.json", "model.layers.0.attn")
-    strategy = HybridParallelStrategy(data_parallel_size=2, gradient_checkpointing=True, start_method="spawn")
+    strategy = HybridParallelStrategy(data_parallel_size=2, gradient_checkpointing=True, start_method="forkserver")
     actual = _fit(_tiny(), strategy, 2, 2, callbacks=[counter])
     assert json.loads((tmp_path / "calls.json").read_text()) == 2 * STEPS  # forward, and again in backward
     assert_state_close(actual, reference_training(_tiny, STEPS, PER_RANK_BATCH * 2), STEPS)
@@ -93,7 +95,7 @@ def _plain() -> PlainRegression:
 
 def test_ddp_module_trains_unchanged_under_ciuic():
     expected = reference_training(_plain, STEPS, PER_RANK_BATCH * 2)
-    ours = _fit(_plain(), "ciuic_spawn", 2, 2)
+    ours = _fit(_plain(), "ciuic_forkserver", 2, 2)
     ddp = _fit(_plain(), "ddp_spawn", 2, 2)
     assert_state_close(ours, expected, STEPS)
     assert_state_close(ours, ddp, STEPS)

@@ -122,7 +122,7 @@ def test_pretrained_weights_train_in_parallel_and_export_back_to_hugging_face(tm
     overrides = {k: v for k, v in CONFIGS[model_type].items() if k == "experts_implementation"}
     module = HuggingFaceCausalLM.from_pretrained(str(source), lr=1e-2, config=overrides).double()
     trainer = Trainer(
-        strategy=HybridParallelStrategy(**layout, num_microbatches=2, start_method="spawn"),
+        strategy=HybridParallelStrategy(**layout, num_microbatches=2, start_method="forkserver"),
         accelerator="cpu", devices=4, max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[AsyncCheckpointer(url, save_interval=None, every_n_train_steps=steps)], precision=PRECISION,
     )

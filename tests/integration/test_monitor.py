@@ -45,7 +45,7 @@ class _Tags(HTMLParser):
 def test_injected_delays_land_in_compute_and_in_the_collective(tmp_path, capfd):
     monitor = CommunicationMonitor(gather_every=2, measure_link=True)
     callbacks = [monitor, SlowRank([1], seconds_per_sample=0.03), SlowGradientSync([0], seconds=0.1)]
-    trainer, record = _fit(tmp_path, 2, HybridParallelStrategy(start_method="spawn"), callbacks)
+    trainer, record = _fit(tmp_path, 2, HybridParallelStrategy(start_method="forkserver"), callbacks)
 
     for key in ("step_ms", "compute_ms", "data_wait_ms", "dp_exposed_ms", "dp_comm_ms", "dp_bytes", "memory_mb",
                 "rank0/compute_ms", "rank1/compute_ms"):
@@ -75,7 +75,7 @@ def test_tensor_parallel_collectives_stalls_and_the_trace(tmp_path):
     """dp 2 x tp 2 with snapshots and async checkpoints: tp collectives timed per axis, snapshot and checkpoint stalls
     in the breakdown, and a Chrome trace with every rank's tracks and spans."""
     monitor = CommunicationMonitor(gather_every=4, profile_every=2, measure_link=False, trace=True)
-    strategy = HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="spawn")
+    strategy = HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="forkserver")
     callbacks = [monitor, SnapshotRecovery(snapshot_freq=3, store="memory"),
                  AsyncCheckpointer(str(tmp_path / "ckpt"), every_n_train_steps=3, save_interval=None)]
     _, record = _fit(tmp_path, 4, strategy, callbacks, steps=9)
@@ -102,7 +102,7 @@ def test_tensor_parallel_collectives_stalls_and_the_trace(tmp_path):
 
 def test_sharded_gathers_and_reduce_scatters_are_timed_and_counted(tmp_path, capfd):
     monitor = CommunicationMonitor(gather_every=4, measure_link=False)
-    strategy = HybridParallelStrategy(data_parallel_size=2, data_parallel_shard_size=2, start_method="spawn")
+    strategy = HybridParallelStrategy(data_parallel_size=2, data_parallel_shard_size=2, start_method="forkserver")
     _, record = _fit(tmp_path, 2, strategy, [monitor])
     profile = record["profile"]
     assert profile["dp_shard"] == 2
@@ -123,7 +123,7 @@ def test_sharded_gathers_and_reduce_scatters_are_timed_and_counted(tmp_path, cap
 
 def test_pipeline_stages_and_their_waits_are_in_the_trace(tmp_path):
     monitor = CommunicationMonitor(gather_every=4, measure_link=False, trace=True)
-    strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, start_method="spawn")
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, start_method="forkserver")
     _, record = _fit(tmp_path, 2, strategy, [monitor], steps=4)
     assert record["profile"]["pp"] == 2 and all(rank["pp_bubble"] > 0 for rank in record["profile"]["ranks"])
     for events in record["trace"]:

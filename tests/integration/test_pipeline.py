@@ -105,7 +105,7 @@ def test_every_schedule_matches_single_process(dp, tp, clip):
 
 def test_full_model_is_handed_back_after_spawn(tmp_path):
     """With start_method="spawn" the main process gets every stage's trained weights back, and the logged loss
-    is the true loss on every rank."""
+    is the true loss on every rank (the one test of spawn itself; the others fork from a preloaded forkserver)."""
     strategy = HybridParallelStrategy(pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2, start_method="spawn")
     state, losses = fit_pipelined(tmp_path, strategy, dp=2, steps=6)
     expected_losses: list[float] = []

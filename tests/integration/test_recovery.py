@@ -46,7 +46,7 @@ def _expected(batches: list[int]) -> dict[str, torch.Tensor]:
 
 
 def _ciuic(tp: int = 1, shard: int = 1) -> HybridParallelStrategy:
-    return HybridParallelStrategy(data_parallel_size=DP, tensor_parallel_size=tp, data_parallel_shard_size=shard, start_method="spawn")
+    return HybridParallelStrategy(data_parallel_size=DP, tensor_parallel_size=tp, data_parallel_shard_size=shard, start_method="forkserver")
 
 
 @pytest.mark.parametrize("layout", ["ciuic-dp2", "ciuic-dp2xtp2", "ciuic-fsdp2", "ddp"])

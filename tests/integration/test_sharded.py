@@ -52,7 +52,7 @@ class ShardSizes(Callback):
 def test_sharded_layout_matches_single_process(dp, shard, tp, pp, accumulate, clip, reshard):
     strategy = HybridParallelStrategy(
         data_parallel_size=dp, data_parallel_shard_size=shard, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-        num_microbatches=2, reshard_after_forward=reshard, start_method="spawn",
+        num_microbatches=2, reshard_after_forward=reshard, start_method="forkserver",
     )
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=dp * tp * pp, max_steps=STEPS, logger=False, gradient_clip_val=clip,
@@ -107,7 +107,7 @@ class SetupAllocations(Callback):
 
 
 def test_a_model_built_on_the_meta_device_is_materialised_shard_by_shard_and_trains_like_one_process(tmp_path):
-    strategy = HybridParallelStrategy(data_parallel_size=2, data_parallel_shard_size=2, start_method="spawn")
+    strategy = HybridParallelStrategy(data_parallel_size=2, data_parallel_shard_size=2, start_method="forkserver")
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
@@ -134,7 +134,7 @@ def test_a_model_built_on_the_meta_device_is_materialised_shard_by_shard_and_tra
 
 
 def test_a_meta_model_without_sharding_is_refused_with_what_would_work():
-    strategy = HybridParallelStrategy(data_parallel_size=1, start_method="spawn")
+    strategy = HybridParallelStrategy(data_parallel_size=1, start_method="forkserver")
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False)
     with torch.device("meta"):  # (Trainer.init_module(empty_init=True) builds on the meta device only when sharded)
         module = DeepSeekMini(**TINY_MODEL)
@@ -160,7 +160,7 @@ class ReduceScatterCount(Callback):
 def test_int8_gradient_reduce_scatter_and_weight_all_gather_run_in_every_unit():
     strategy = HybridParallelStrategy(
         data_parallel_size=2, data_parallel_shard_size=2, communication_compression="int8",
-        weight_all_gather_compression="int8", start_method="spawn",
+        weight_all_gather_compression="int8", start_method="forkserver",
     )
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
@@ -195,7 +195,7 @@ def test_bf16_mixed_precision_reaches_fsdp2_and_cpu_offload_on_a_cpu_run_is_refu
     """``precision="bf16-mixed"`` gathers and computes in bf16 and reduces in float32. ``fsdp_cpu_offload`` is for
     GPUs (FSDP2's offload needs an accelerator; on the CPU the shards are in host memory already)."""
     def trainer(**kwargs):
-        strategy = HybridParallelStrategy(data_parallel_size=2, data_parallel_shard_size=2, start_method="spawn", **kwargs)
+        strategy = HybridParallelStrategy(data_parallel_size=2, data_parallel_shard_size=2, start_method="forkserver", **kwargs)
         return Trainer(
             strategy=strategy, accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, precision="bf16-mixed", callbacks=[ShardingPolicies()],

@@ -27,6 +27,8 @@ def test_lightning_launchers_and_the_methods_ours_overrides():
     for method in ("_wrapping_function", "_collect_rank_zero_results", "get_extra_results"):
         assert callable(getattr(multiprocessing, method)), method
     assert worker_output._fields == ("best_model_path", "weights_path", "trainer_state", "trainer_results", "extra")
+    snapshot, unshare = compat.spawn_handoff()
+    assert callable(snapshot.capture) and callable(snapshot.restore) and callable(unshare)
 
 
 def test_optimizer_unwrapping_and_the_strategy_reset():

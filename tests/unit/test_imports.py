@@ -39,7 +39,7 @@ def test_every_floor_module_imports_with_lightning_blocked():
 def test_the_package_root_is_lazy_and_registers_the_strategy_names():
     from lightning.pytorch.strategies import StrategyRegistry
 
-    assert {"ciuic", "ciuic_spawn", "ciuic_fork"} <= set(StrategyRegistry.available_strategies())
+    assert {"ciuic", "ciuic_spawn", "ciuic_fork", "ciuic_forkserver"} <= set(StrategyRegistry.available_strategies())
     strategy = StrategyRegistry.get("ciuic_spawn")
     assert type(strategy) is lightning_ciuic.HybridParallelStrategy and strategy._start_method == "spawn"
     assert lightning_ciuic.GradientSyncOptimizer is lightning_ciuic.HybridParallelStrategy  # seed alias

@@ -9,7 +9,7 @@ from lightning_ciuic import HybridParallelStrategy
 
 
 def test_registered_names():
-    for name in ("ciuic", "ciuic_spawn", "ciuic_fork"):
+    for name in ("ciuic", "ciuic_spawn", "ciuic_fork", "ciuic_forkserver"):
         assert name in StrategyRegistry
     trainer = Trainer(strategy="ciuic_spawn", accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
     assert isinstance(trainer.strategy, HybridParallelStrategy)
@@ -35,7 +35,7 @@ def test_seed_names_stay_importable():
         ({"pipeline_schedule": "zbv_zero_bubble", "stages_per_rank": 3}, r"places exactly 2 stages per rank in a V; got stages_per_rank=3"),
         ({"num_microbatches": 0}, "num_microbatches must be an integer >= 1, got 0"),
         ({"process_group_backend": "nccl2"}, r"process_group_backend='nccl2' is not a torch.distributed backend; use one of \('gloo', 'nccl'"),
-        ({"start_method": "thread"}, "start_method='thread'; use 'popen', 'spawn' or 'fork'"),
+        ({"start_method": "thread"}, "start_method='thread'; use 'popen', 'spawn', 'fork' or 'forkserver'"),
         ({"bucket_size_mb": 0}, r"bucket_size_mb must be > 0, got 0 \(25.0 is a good default\)"),
         ({"sync_timeout": -1}, "sync_timeout must be a positive number of seconds, got -1"),
         ({"timeout": timedelta(0)}, "timeout must be a positive number of seconds"),

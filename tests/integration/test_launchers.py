@@ -1,0 +1,61 @@
+"""A forkserver rank starts as a spawned one would: the caller's environment, streams, random state and flags, and a
+module of its own (not the caller's memory)."""
+
+import json
+import multiprocessing.forkserver
+import os
+import sys
+
+import torch
+from lightning.pytorch import Callback, Trainer
+
+from examples.deepseek import DeepSeekMini
+from lightning_ciuic import HybridParallelStrategy
+from lightning_ciuic.strategies.launchers import preload_forkserver
+from tests.helpers import TINY_MODEL, loader
+
+
+class RecordRankStart(Callback):
+    """Rank 0 writes what it started with to ``path``: an environment variable, its first random draw, the
+    deterministic flag, whether its parameters live in shared memory; and says hello on stderr and stdout."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        if trainer.is_global_zero:
+            record = {
+                "variable": os.environ.get("CIUIC_HANDOFF_CHECK"),
+                "draw": torch.rand(1).item(),
+                "deterministic": torch.are_deterministic_algorithms_enabled(),
+                "shared": any(p.is_shared() for p in pl_module.parameters()),
+            }
+            with open(self.path, "w") as f:
+                json.dump(record, f)
+            print("rank 0 on stdout")
+            print("rank 0 on stderr", file=sys.stderr)
+
+
+def test_forkserver_rank_gets_the_callers_environment_streams_random_state_and_own_memory(tmp_path, monkeypatch, capfd):
+    preload_forkserver()
+    multiprocessing.forkserver.ensure_running()  # started before the variable is set (and capfd's files)
+    monkeypatch.setenv("CIUIC_HANDOFF_CHECK", "set after the forkserver started")
+    module = DeepSeekMini(**TINY_MODEL)
+    module.share_memory()  # what pickling to a rank does to a CPU module; the rank must clone it
+    trainer = Trainer(
+        strategy=HybridParallelStrategy(data_parallel_size=2, start_method="forkserver"), accelerator="cpu", devices=2,
+        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[RecordRankStart(tmp_path / "start.json")],
+    )
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch.manual_seed(11)
+        expected_draw = torch.rand(1).item()
+        torch.manual_seed(11)
+        trainer.fit(module, loader(4, 1))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    record = json.loads((tmp_path / "start.json").read_text())
+    assert record == {"variable": "set after the forkserver started", "draw": expected_draw, "deterministic": True, "shared": False}
+    out, err = capfd.readouterr()
+    assert "rank 0 on stdout" in out and "rank 0 on stderr" in err
