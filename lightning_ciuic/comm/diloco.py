@@ -8,8 +8,10 @@ Contract (:class:`DiLoCo` is the configuration users pass; :class:`DiLoCoEngine`
   replicas average their *pseudo-gradients* (the parameters at the start of the round minus the current ones)
   and an outer optimizer (torch's SGD, Nesterov momentum: ``outer_lr``, ``outer_momentum``) applies the average to
   the start-of-round parameters; every replica then continues from the result, which starts the next round.
-* ``fragments=K`` (Streaming DiLoCo): the parameters are cut into K contiguous fragments of about equal size,
-  each with its own round, staggered by ``sync_every / K`` steps, so one sync moves about 1/K of the model.
+* ``fragments=K`` (Streaming DiLoCo): the parameters, laid end to end in registration order, are cut into K
+  contiguous runs of equal length (:func:`split_fragments`; a parameter may span two fragments), each with its own
+  round, staggered by ``sync_every / K`` steps, so one sync moves 1/K of the model whatever the sizes of its
+  tensors.
 * ``overlap_steps=τ`` (Streaming DiLoCo): a fragment's averaging is launched at the end of its round (on the reducer's
   worker thread) and the replicas keep training; after the τ-th inner step since, it is waited for, the outer
   optimizer steps, and the local fragment becomes ``merge_alpha * local + (1 - merge_alpha) * global`` (the steps
@@ -97,19 +99,36 @@ class DiLoCo:
         check_choice("compression", self.compression, OUTER_COMPRESSION)
 
 
-def split_fragments(sizes: Sequence[int], fragments: int) -> list[list[int]]:
-    """Indices of ``sizes`` cut into ``fragments`` contiguous groups of about equal total (none empty while there
-    are at least as many entries)."""
-    total, groups, current, filled = sum(sizes), [], [], 0
-    for index, size in enumerate(sizes):
-        current.append(index)
-        filled += size
-        remaining_groups = fragments - len(groups) - 1
-        if remaining_groups and (filled >= total * (len(groups) + 1) / fragments or len(sizes) - index - 1 == remaining_groups):
-            groups.append(current)
-            current = []
-    groups.append(current)
-    return [g for g in groups if g]
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, start + length)`` of parameter ``param``, flattened."""
+
+    param: int
+    start: int
+    length: int
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This piece of ``tensor`` (a contiguous tensor of the parameter's shape): a flat view, written through."""
+        return tensor.view(-1)[self.start : self.start + self.length]
+
+
+def split_fragments(sizes: Sequence[int], fragments: int) -> list[list[Piece]]:
+    """Tensors of ``sizes`` elements laid end to end, cut into ``fragments`` contiguous runs of equal length (the
+    later ones one longer where the total does not divide): each run as the pieces of tensors it covers, in order.
+    Every element is in exactly one piece; a run is never empty while there are at least as many elements."""
+    total = sum(sizes)
+    bounds = [total * k // fragments for k in range(fragments + 1)]
+    firsts = [sum(sizes[:i]) for i in range(len(sizes))]
+    runs = []
+    for low, high in zip(bounds, bounds[1:]):
+        pieces = [
+            Piece(i, max(low, first) - first, min(high, first + size) - max(low, first))
+            for i, (first, size) in enumerate(zip(firsts, sizes))
+            if max(low, first) < min(high, first + size)
+        ]
+        if pieces:
+            runs.append(pieces)
+    return runs
 
 
 class DiLoCoEngine(DataParallel):
@@ -122,9 +141,9 @@ class DiLoCoEngine(DataParallel):
         self.optimizers: list[torch.optim.Optimizer] = []
         self._stats = SyncStats()
         self.params: list[nn.Parameter] = []
-        self.fragments: list[list[int]] = []
+        self.fragments: list[list[Piece]] = []
         self.start: list[torch.Tensor] = []  # start-of-round values, local shards
-        self.outer: list[torch.optim.SGD] = []  # one per fragment, over its start tensors
+        self.outer: list[torch.optim.SGD] = []  # one per fragment, over its pieces of the start tensors
         self.compression: Optional[GradientCompression] = None
         self._global_step = 0
         self._last_sync: list[int] = []  # per fragment: the optimizer step count at its last sync
@@ -137,7 +156,10 @@ class DiLoCoEngine(DataParallel):
         self.group = mesh.get_group()
         broadcast_from_first(module, mesh)
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.fragments = split_fragments([p.numel() for p in self.params], self.config.fragments)
+        for name, p in module.named_parameters():
+            if p.requires_grad and not local_tensor(p).is_contiguous():
+                raise ValueError(f"DiLoCo reads and writes parameters as flat views; {name} is not contiguous.")
+        self.fragments = split_fragments([local_tensor(p).numel() for p in self.params], self.config.fragments)
         self.compression = GradientCompression(self.config.compression, error_feedback=self.config.error_feedback)
         # Overlapped syncs run on the reducer's thread while training may use the dp group (a callback's gather, a
         # vote): they get a group of their own, so each group's collectives keep one order on every rank.
@@ -154,10 +176,14 @@ class DiLoCoEngine(DataParallel):
         self._fresh = False
 
     def _outer_optimizers(self) -> list[torch.optim.SGD]:
-        """One outer optimizer per fragment, over its start-of-round tensors."""
+        """One outer optimizer per fragment, over its pieces of the start-of-round tensors (views: its steps write
+        the start tensors)."""
         momentum = self.config.outer_momentum
         return [
-            torch.optim.SGD([self.start[i] for i in fragment], lr=self.config.outer_lr, momentum=momentum, nesterov=momentum > 0)
+            torch.optim.SGD(
+                [piece.of(self.start[piece.param]) for piece in fragment], lr=self.config.outer_lr, momentum=momentum,
+                nesterov=momentum > 0,
+            )
             for fragment in self.fragments
         ]
 
@@ -195,8 +221,7 @@ class DiLoCoEngine(DataParallel):
     def _launch(self, k: int, done: int) -> None:
         """Start averaging fragment ``k``'s pseudo-gradient on the reducer's thread; training goes on meanwhile."""
         assert self.compression is not None and self.group is not None
-        indices = self.fragments[k]
-        pseudo = torch.cat([(self.start[i] - local_tensor(self.params[i])).reshape(-1) for i in indices])
+        pseudo = torch.cat([piece.of(self.start[piece.param]) - self._local(piece) for piece in self.fragments[k]])
         sent = self.compression.submit(f"fragment{k}", pseudo, [pseudo.shape], self._sync_group)  # averages in place
         self._in_flight[k] = (sent, pseudo, done, time.perf_counter())
         self._last_sync[k] = done
@@ -208,15 +233,16 @@ class DiLoCoEngine(DataParallel):
         sent, pseudo, _, launched_at = self._in_flight.pop(k)
         waited_from = time.perf_counter()
         sent_bytes = sent.result()
-        indices = self.fragments[k]
-        for i, piece in zip(indices, pseudo.split([self.start[i].numel() for i in indices])):
-            self.start[i].grad = piece.view_as(self.start[i])
-        self.outer[k].step()
+        outer = self.outer[k]
+        starts = outer.param_groups[0]["params"]  # the fragment's pieces of the start tensors
+        for start, average in zip(starts, pseudo.split([t.numel() for t in starts])):
+            start.grad = average
+        outer.step()
         if keep is None:
             keep = self.config.merge_alpha if self.config.overlap_steps else 0.0
-        for i in indices:
-            self.start[i].grad = None
-            local_tensor(self.params[i]).lerp_(self.start[i], 1.0 - keep)  # keep * local + (1 - keep) * global
+        for piece, start in zip(self.fragments[k], starts):
+            start.grad = None
+            self._local(piece).lerp_(start, 1.0 - keep)  # keep * local + (1 - keep) * global
         now = time.perf_counter()
         self._stats.collectives += 1
         self._stats.bytes_sent += sent_bytes
@@ -226,6 +252,10 @@ class DiLoCoEngine(DataParallel):
         timeline.record(f"outer sync (fragment {k})", "outer_sync", waited_from, now)
         if self.config.overlap_steps:
             timeline.record(f"outer sync in flight (fragment {k})", "dp", launched_at, now, track="dp collectives")
+
+    def _local(self, piece: Piece) -> torch.Tensor:
+        """``piece`` of this rank's parameter (its local shard): a view, written through."""
+        return piece.of(local_tensor(self.params[piece.param]).data)
 
     def track_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self.optimizers = list(optimizers)
@@ -289,6 +319,13 @@ class DiLoCoEngine(DataParallel):
             for j, tensor in enumerate(optimizer.param_groups[0]["params"]):
                 buffer = state.get(f"momentum.{k}.{j}")
                 if buffer is not None:
+                    if buffer.shape != tensor.shape:
+                        raise ValueError(
+                            f"DiLoCo state: fragment {k}'s outer momentum {j} has shape {tuple(buffer.shape)}, this run's"
+                            f" piece {tuple(tensor.shape)}: it was saved with another fragment layout (another"
+                            f" `fragments`, or the whole-parameter split of earlier versions); resume with the same"
+                            f" `fragments`, or load the checkpoint without DiLoCo state (a new round starts)."
+                        )
                     optimizer.state[tensor]["momentum_buffer"] = buffer.to(tensor).clone()
         self._last_sync = [int(state[f"last_sync.{k}"]) for k in range(len(self.fragments))]
         self._in_flight = {}
@@ -296,7 +333,7 @@ class DiLoCoEngine(DataParallel):
             if f"in_flight.{k}.average" in state:
                 landed: Future = Future()
                 landed.set_result(0)  # its bytes were counted by the run that sent them
-                average = state[f"in_flight.{k}.average"].to(self.start[self.fragments[k][0]]).clone()
+                average = state[f"in_flight.{k}.average"].to(self.start[self.fragments[k][0].param]).clone()
                 self._in_flight[k] = (landed, average, int(state[f"in_flight.{k}.launched"]), time.perf_counter())
         for o, optimizer in enumerate(self.optimizers):
             for i, p in enumerate(self.params):
