@@ -4,7 +4,8 @@
    the "large" model (8.6M parameters; ``--speed-model mlp``: an 8M-parameter MLP, ``benchmarks.common.ByteMLP``), batch ``--speed-batch`` x 64 bytes per rank (4: where the link, not the
    compute, sets DDP's pace). Variants: Lightning's ``DDPStrategy``,
    ``DiLoCo(sync_every=H)``, ``DiLoCo(sync_every=H, compression="int8")``, Streaming DiLoCo's
-   ``fragments=4`` and ``fragments=4, overlap_steps=2``, alternating for ``--rounds`` rounds.
+   ``fragments=4`` and ``fragments=4, overlap_steps=2``, and ``sync_every=NO_SYNC`` (no sync inside the run: the
+   same processes' compute alone, the floor of every DiLoCo variant), alternating for ``--rounds`` rounds.
    Step time is the *mean* after warm-up (a sync step is slower than the others: the mean charges it), as a ratio
    to DDP's in the same round; bytes this rank sent per step from each strategy's counters (DDP: the ring formula),
    on average and at the peak (the most any one step sent: fragments spread a sync's bytes over the round).
@@ -38,6 +39,7 @@ from benchmarks.common import StepTimer, benchmark_model, describe, machine, wri
 from benchmarks.sim_cluster import SimulatedCluster, available, run_two_nodes  # noqa: E402
 
 WARMUP = 5
+NO_SYNC = 1_000_000  # a round longer than any run: no outer sync inside the timed steps (the last runs after them)
 
 
 def _strategy(variant: str, sync_every: int):
@@ -184,7 +186,7 @@ def main() -> None:
         raise SystemExit(f"benchmarks/diloco.py: {reason}")
     variants = [
         "DDPStrategy", f"DiLoCo sync_every={h}", f"DiLoCo sync_every={h} int8", f"DiLoCo sync_every={h} fragments=4",
-        f"DiLoCo sync_every={h} fragments=4 overlap_steps=2",
+        f"DiLoCo sync_every={h} fragments=4 overlap_steps=2", f"DiLoCo sync_every={NO_SYNC}",
     ]
     results: dict[str, list[dict]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp, SimulatedCluster(nodes=2, rate=args.rate) as cluster:
@@ -222,6 +224,8 @@ Command: `{command}` ({describe(benchmark_model(args.speed_model), args.speed_mo
 `DDPStrategy` in the same round, {args.rounds} alternating rounds, the median in bold and each round's in brackets;
 machine: {machine()}). Targets (issue): step time <= 0.40x DDP's, bytes <= 1/sync_every of DDP's. Peak: the most
 bytes one step sent (an overlapped sync's are counted at the step it lands, its traffic spread over the steps between).
+`sync_every={NO_SYNC}`: no outer sync inside the timed steps, the same processes computing alone: the floor of every
+DiLoCo variant here; a target below it is out of reach on this machine.
 
 | variant | ms/step (mean) | step time / DDPStrategy: median (rounds) | MB sent per step per rank (share of DDP's) | peak MB in one step (share of DDP's step) |
 |---|---|---|---|---|
