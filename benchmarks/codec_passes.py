@@ -3,11 +3,13 @@
 Two processes (gloo, 1 intra-op thread each), on loopback and on a simulated 2-node cluster with ``--rate`` links
 (``benchmarks/sim_cluster.py``, needs root), average the gradient of the benchmarks' "large" model
 (8.62M float32 values, in the buckets ``HybridParallelStrategy`` makes: 1 MB first, then 25 MB, then the rest)
-with each variant, one bucket after another, and time the whole set (median of ``--repeats`` after 3 warm-ups;
-``--rounds`` alternating rounds, the median of the rounds' medians):
+with each variant, every bucket launched asynchronously in order and all then waited for (as DDP's reducer and
+ours do), and time the whole set (median of ``--repeats`` after 3 warm-ups; ``--rounds`` alternating rounds, the
+median of the rounds' medians):
 
 * ``all_reduce fp32``: the backend's all-reduce alone (no cast): the floor of any variant here;
-* ``torch fp16 hook``: what ``fp16_compress_hook`` computes (cast and divide, all-reduce, cast back);
+* ``torch fp16 hook``: what ``fp16_compress_hook`` computes (cast and divide, all-reduce, cast back), each bucket's
+  all-reduce launched asynchronously as DDP launches its hooks;
 * ``fp16``/``int8``/``nf4`` through :class:`~lightning_ciuic.comm.compression.GradientCompression` as training
   calls it (``reducer(key, bucket, shapes, group).wait()``), with error feedback as by default and the other way.
 
@@ -51,12 +53,15 @@ def _reducer(variant: str):
 
     group = dist.group.WORLD
     if variant == "all_reduce fp32":
-        return (lambda buffers: [dist.all_reduce(b) for b in buffers]), lambda: None
+        return (lambda buffers: [w.wait() for w in [dist.all_reduce(b, async_op=True) for b in buffers]]), lambda: None
     if variant == "torch fp16 hook":  # torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook
         def hook(buffers):
-            for b in buffers:
+            pending = []
+            for b in buffers:  # DDP launches each bucket's hook as the bucket fills, and waits for all at the end
                 wire = b.to(torch.float16).div_(2)
-                dist.all_reduce(wire, group=group)
+                pending.append((dist.all_reduce(wire, group=group, async_op=True), wire, b))
+            for work, wire, b in pending:
+                work.wait()
                 b.copy_(wire)
         return hook, lambda: None
     mode = variant.split(" ")[0]
@@ -166,7 +171,7 @@ def main() -> None:
 
 Command: `.venv/bin/python benchmarks/codec_passes.py --rounds {args.rounds} --repeats {args.repeats}`
 (2 processes, gloo, 1 intra-op thread each, sharing this machine's cores, on loopback{'' if len(results) == 1 else f' and on a simulated 2-node cluster with {args.rate} links'};
-{VALUES / 1e6:.2f}M float32 values in buckets of 1 MB, 25 MB and the rest, averaged one bucket after another;
+{VALUES / 1e6:.2f}M float32 values in buckets of 1 MB, 25 MB and the rest, each launched asynchronously in order and all then waited for, as DDP's reducer (the hook) and ours do;
 median of {args.repeats} after 3 warm-ups, the slower rank's; {args.rounds} alternating rounds; machine: {machine()}).
 Loopback moves bytes at memory speed, so there the differences are computation and copying; on the capped link each
 variant's bytes add their wire time. Nothing else runs: in training the codec also competes with backward for the cores.
