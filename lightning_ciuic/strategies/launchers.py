@@ -93,6 +93,8 @@ class FullWeightsMultiProcessingLauncher(MultiProcessingLauncher):
     finished workers destroy their process groups together before exiting, and a forkserver rank gets the
     caller's environment, streams and global state, as a spawned rank does."""
 
+    _handoff: Optional[ForkserverHandoff] = None  # set while a forkserver launch is under way
+
     @override
     def launch(self, function: Any, *args: Any, trainer: Optional[Trainer] = None, **kwargs: Any) -> Any:
         if self._start_method == "forkserver":
@@ -100,14 +102,17 @@ class FullWeightsMultiProcessingLauncher(MultiProcessingLauncher):
             # Lightning sets the port next, in this process; the rank must see it in the environment handed over.
             os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)
             self._handoff = ForkserverHandoff(GlobalStateSnapshot.capture())
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            self._handoff = None  # pickled with the ranks only: its descriptors travel with a launch
 
     @override
     def _wrapping_function(
         self, process_idx: int, trainer: Optional[Trainer], function: Any, args: Any, kwargs: Any,
         return_queue: Any, global_states: Any = None,
     ) -> None:
-        if self._start_method == "forkserver":
+        if self._handoff is not None:
             self._handoff.apply()
             if isinstance(self._strategy.accelerator, CPUAccelerator):
                 args, kwargs = unshare_module_memory((args, kwargs))
