@@ -40,6 +40,7 @@ No Lightning imports.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -118,7 +119,7 @@ def split_fragments(sizes: Sequence[int], fragments: int) -> list[list[Piece]]:
     Every element is in exactly one piece; a run is never empty while there are at least as many elements."""
     total = sum(sizes)
     bounds = [total * k // fragments for k in range(fragments + 1)]
-    firsts = [sum(sizes[:i]) for i in range(len(sizes))]
+    firsts = [0, *itertools.accumulate(sizes)][:-1]  # where each tensor starts
     runs = []
     for low, high in zip(bounds, bounds[1:]):
         pieces = [
