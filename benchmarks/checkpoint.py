@@ -95,9 +95,11 @@ class StepTimes(Callback):
         self.busy.append(self._busy)
 
 
-def fit(callbacks: list, steps: int, module: Wide | None = None, io=None) -> tuple[list[float], list[bool], float]:
+def fit(
+    callbacks: list, steps: int, module: Wide | None = None, io=None, timer: StepTimes | None = None
+) -> tuple[list[float], list[bool], float]:
     seed_everything(0)
-    timer = StepTimes(io)
+    timer = timer or StepTimes(io)
     trainer = Trainer(
         accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
