@@ -156,10 +156,11 @@ class DiLoCoEngine(DataParallel):
         self.close()
         self.group = mesh.get_group()
         broadcast_from_first(module, mesh)
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        for name, p in module.named_parameters():
-            if p.requires_grad and not local_tensor(p).is_contiguous():
+        trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        for name, p in trainable:
+            if not local_tensor(p).is_contiguous():
                 raise ValueError(f"DiLoCo reads and writes parameters as flat views; {name} is not contiguous.")
+        self.params = [p for _, p in trainable]
         self.fragments = split_fragments([local_tensor(p).numel() for p in self.params], self.config.fragments)
         self.compression = GradientCompression(self.config.compression, error_feedback=self.config.error_feedback)
         # Overlapped syncs run on the reducer's thread while training may use the dp group (a callback's gather, a
