@@ -37,7 +37,7 @@ def _worker(rank: int, fn: Callable[..., None], world_size: int, port: int, args
 
 def run_workers(fn: Callable[..., None], world_size: int, *args: Any) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes joined by a gloo group, forked from a
-    forkserver that imported torch and Lightning once (0.1 s a launch; a spawn imports them again, 4-5 s), with the
+    forkserver that imported torch and Lightning once (a spawn imports them again: ``benchmarks/launch.py``), with the
     caller's environment and streams. An exception in any worker fails the calling test with that worker's traceback."""
     preload_forkserver()
     worker_args = (fn, world_size, free_port(), args, ForkserverHandoff())

@@ -108,7 +108,7 @@ class HybridParallelStrategy(ParallelStrategy):
         process_group_backend: ``"gloo"``, ``"nccl"`` (``None``: gloo on CPU, NCCL on CUDA).
         start_method: ``"popen"`` re-runs the script per rank (like ``DDPStrategy``); ``"spawn"``/``"fork"``
             start processes with multiprocessing (notebooks, tests); ``"forkserver"`` forks them from a server
-            that imported torch and Lightning once (a launch in 0.1 s instead of seconds; the ranks get the
+            that imported torch and Lightning once (a launch in a tenth of a second instead of seconds; the ranks get the
             caller's environment and random state, as with ``"spawn"``).
         timeout: seconds (or a ``timedelta``) for process-group set-up and non-gradient collectives.
         communication_compression: ``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"nf4"``, ``"topk"``,

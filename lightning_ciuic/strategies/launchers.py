@@ -9,8 +9,8 @@ process groups together with its peers before its process exits (:mod:`lightning
 worker thread still busy at interpreter exit aborts the process now and then).
 
 ``forkserver`` ranks are forked from a server process that imported torch, Lightning and this pack once
-(:func:`preload_forkserver`): a launch of two ranks takes about 0.1 s where ``spawn`` takes 4-5 s on two cores,
-importing them again in every rank. A forked rank has the server's environment, standard streams and random state,
+(:func:`preload_forkserver`), where ``spawn`` imports them again in every rank: a launch in a tenth of a second
+instead of seconds (``benchmarks/launch.py``). A forked rank has the server's environment, standard streams and random state,
 not the caller's, so :class:`ForkserverHandoff` hands it the caller's, as a spawned rank inherits or gets them from
 Lightning: the environment (``PL_GLOBAL_SEED``, ``MASTER_PORT``, ...), stdout and stderr (file descriptors 1 and 2),
 the deterministic flags and random states; and the launcher unshares a CPU module from the caller's memory, as
