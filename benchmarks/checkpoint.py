@@ -4,6 +4,9 @@ One process on the CPU; a model of five 4096x4096 linear layers (84M parameters)
 (weights + two moments). Runs of ``--steps`` steps, saving every ``--every`` steps to a local directory; the first
 three run side by side in each of ``--rounds`` rounds, and the tables show the medians:
 
+Every run starts from the same state: the previous run's files deleted, the kernel's clean caches dropped (as root;
+see :func:`drop_caches` for what a run after ``ModelCheckpoint``'s otherwise pays).
+
 * ``none``: no checkpointing (the reference throughput);
 * ``ModelCheckpoint``: Lightning's blocking ``torch.save``;
 * ``AsyncCheckpointer``: the staging copy now, the write in the background; throughput of the steps while a save
@@ -32,6 +35,7 @@ import argparse
 import os
 import resource
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -77,22 +81,45 @@ class Wide(LightningModule):
 
 class StepTimes(Callback):
     """Start-to-start period of every step (so a save made in any callback's batch-end hook is inside it; the last
-    step's period ends when training ends), and whether a background save was in flight when the step started
-    (the step that stages a save is not: its period holds the stall, which is reported on its own)."""
+    step's period ends when training ends), whether a background save was in flight when the step started (the
+    step that stages a save is not: its period holds the stall, which is reported on its own), and the process's
+    minor page faults and system CPU time over the same period (every thread's, the writer's too)."""
 
     def __init__(self, io=None) -> None:
         self.periods, self.busy, self.io, self._start, self._busy = [], [], io, None, False
+        self.faults: list[int] = []
+        self.system: list[float] = []
+        self._usage: resource.struct_rusage | None = None
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        now = time.perf_counter()
+    def _close_step(self) -> None:
+        now, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         if self._start is not None:
             self.periods.append(now - self._start)
             self.busy.append(self._busy)
-        self._start, self._busy = now, self.io is not None and self.io.busy
+            self.faults.append(usage.ru_minflt - self._usage.ru_minflt)
+            self.system.append(usage.ru_stime - self._usage.ru_stime)
+        self._start, self._usage = now, usage
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._close_step()
+        self._busy = self.io is not None and self.io.busy
 
     def on_train_end(self, trainer, pl_module):
-        self.periods.append(time.perf_counter() - self._start)
-        self.busy.append(self._busy)
+        self._close_step()
+
+
+def drop_caches() -> bool:
+    """Drop the kernel's clean caches (page cache, dentries, inodes; root only), so that every run starts from the
+    same memory state. Measured on this machine (2026-12-02): an ``AsyncCheckpointer`` run right after a
+    ``ModelCheckpoint`` run (whose 1 GB ``torch.save`` files went through the page cache) paid 7.0 s per save and
+    ran at 39% while writing, with its steps' system time doubled (fresh memory faulted in more slowly) even before
+    its first save, and even with those files deleted first; with the caches dropped, 1.7 s and 86%; with no
+    ``ModelCheckpoint`` run before it, 0.8 s and 89%."""
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+        return True
+    except OSError:
+        return False
 
 
 def fit(
@@ -107,6 +134,7 @@ def fit(
     )
     data = DataLoader(TensorDataset(torch.randn(steps * 8, WIDTH)), batch_size=8)
     os.sync()  # the previous run's files reach the disk now, not while this run is timed
+    drop_caches()
     start = time.perf_counter()
     trainer.fit(module or Wide(), data)
     return timer.periods, timer.busy, time.perf_counter() - start
@@ -240,6 +268,7 @@ def side_by_side(tmp: str, steps: int, every: int) -> Round:
     blocking = ModelCheckpoint(dirpath=f"{tmp}/modelcheckpoint", every_n_train_steps=every, save_top_k=-1)
     mc_periods, _, mc_total = fit([blocking], steps)
     mc_saves = len(list(Path(f"{tmp}/modelcheckpoint").iterdir()))
+    shutil.rmtree(f"{tmp}/modelcheckpoint")  # each run starts with no other run's files (and their cache) around
     mc_stalls = [mc_periods[i] - base for i in save_steps]
 
     direct = _async_run(f"{tmp}/async", steps, every, base, none_total, direct_io=True)
@@ -269,6 +298,7 @@ def _async_run(url: str, steps: int, every: int, base: float, none_total: float,
     callback = AsyncCheckpointer(url, save_interval=None, every_n_train_steps=every, save_on_train_end=False)
     callback.io.store.storage.direct_io = direct_io
     periods, busy, total = fit([callback], steps, io=callback.io)
+    shutil.rmtree(url)
     busy_periods = [p for p, b in zip(periods, busy) if b]
     return {
         "callback": callback,
@@ -331,6 +361,9 @@ def main() -> None:
                 rates[mode].append(2 * rate / (before + alone()))
         thread_rate, process_rate = (statistics.median(rates[mode]) for mode in ("thread", "process"))
         each = {mode: ", ".join(f"{r:.0%}" for r in values) for mode, values in rates.items()}
+
+    caches = ("each run starts after the previous run's files are deleted and the kernel's caches dropped" if drop_caches()
+              else "kernel caches NOT dropped between runs (not root): a run after ModelCheckpoint's is slowed, see drop_caches")
 
     def median(field: str) -> float:
         return statistics.median(getattr(r, field) for r in rounds)
@@ -396,7 +429,7 @@ def main() -> None:
 ## AsyncCheckpointer vs ModelCheckpoint (about 1 GB of state, training on {args.threads} of {os.cpu_count()} cores)
 
 Command: `{shlex.join([".venv/bin/python", "benchmarks/checkpoint.py", *sys.argv[1:]])}`
-(one CPU process, {args.threads} intra-op thread{"s" if args.threads > 1 else ""} on {os.cpu_count()} cores, local disk, zstd level 3, incremental; no checkpointing, ModelCheckpoint and
+(one CPU process, {args.threads} intra-op thread{"s" if args.threads > 1 else ""} on {os.cpu_count()} cores, local disk, zstd level 3, incremental; {caches}; no checkpointing, ModelCheckpoint and
 AsyncCheckpointer side by side in each round, medians of {args.rounds} rounds; machine: {machine()}).
 
 | measure | result |

@@ -8,8 +8,10 @@ carries the command that produced it.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -90,6 +92,22 @@ def median_after_warmup(times: list[float], warmup: int) -> float:
 
 def machine() -> str:
     return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+# glibc malloc settings that keep freed memory in the process, as jemalloc and tcmalloc do by default: blocks of any
+# size come from the heap (by default those over 32 MB get a memory map of their own, unmapped when freed) and the heap
+# is never trimmed. Without them a training step that frees and reallocates large tensors faults in fresh pages every
+# time (``benchmarks/checkpoint.py``'s model: about 1 GB per step).
+KEEP_FREED_MEMORY = "glibc.malloc.mmap_threshold=4294967295:glibc.malloc.trim_threshold=17179869184"
+
+
+def malloc_settings(keep_freed: bool) -> str:
+    """With ``keep_freed``, re-run this script (same arguments) under ``GLIBC_TUNABLES=KEEP_FREED_MEMORY`` unless it
+    already is (glibc reads it at start). Returns the allocator's settings, as a results header states them."""
+    tunables = os.environ.get("GLIBC_TUNABLES")
+    if keep_freed and tunables != KEEP_FREED_MEMORY:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": KEEP_FREED_MEMORY})
+    return f"glibc malloc with `GLIBC_TUNABLES={tunables}`" if tunables else "glibc malloc, default settings"
 
 
 def write_section(name: str, markdown: str) -> None:
