@@ -69,6 +69,7 @@ def main() -> None:
     writes = [s for s in timeline.ending_within(began, time.perf_counter()) if s.name == "checkpoint write"]
     # a save is staged in the step whose period its write starts in (in the batch-end hook); the steps after it overlap
     spanned = [[i for i, (s, e) in enumerate(zip(timer.starts, ends)) if s < w.end and e > w.start] for w in writes]
+    writes, spanned = [w for w, s in zip(writes, spanned) if s], [s for s in spanned if s]  # not one begun after the last step
     stagers, overlapping = [steps[0] for steps in spanned], [steps[1:] for steps in spanned]
     staging = set(stagers)
     quiet = [i for i in range(3, len(timer.periods)) if i not in staging and not any(i in o for o in overlapping)]
