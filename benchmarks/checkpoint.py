@@ -110,11 +110,8 @@ class StepTimes(Callback):
 
 def drop_caches() -> bool:
     """Drop the kernel's clean caches (page cache, dentries, inodes; root only), so that every run starts from the
-    same memory state. Measured on this machine (2026-12-02): an ``AsyncCheckpointer`` run right after a
-    ``ModelCheckpoint`` run (whose 1 GB ``torch.save`` files went through the page cache) paid 7.0 s per save and
-    ran at 39% while writing, with its steps' system time doubled (fresh memory faulted in more slowly) even before
-    its first save, and even with those files deleted first; with the caches dropped, 1.7 s and 86%; with no
-    ``ModelCheckpoint`` run before it, 0.8 s and 89%."""
+    same memory state: a run right after a ``ModelCheckpoint`` run, in the same process, faults fresh memory in more
+    slowly otherwise, even with that run's files deleted (``benchmarks/checkpoint_run_order.py`` measures it)."""
     try:
         Path("/proc/sys/vm/drop_caches").write_text("3")
         return True
@@ -123,8 +120,10 @@ def drop_caches() -> bool:
 
 
 def fit(
-    callbacks: list, steps: int, module: Wide | None = None, io=None, timer: StepTimes | None = None
+    callbacks: list, steps: int, module: Wide | None = None, io=None, timer: StepTimes | None = None, fresh: bool = True
 ) -> tuple[list[float], list[bool], float]:
+    """Train ``steps`` steps with ``callbacks``: (step periods, save in flight at each step's start, run time). ``fresh``:
+    drop the kernel's caches first (:func:`drop_caches`)."""
     seed_everything(0)
     timer = timer or StepTimes(io)
     trainer = Trainer(
@@ -134,7 +133,8 @@ def fit(
     )
     data = DataLoader(TensorDataset(torch.randn(steps * 8, WIDTH)), batch_size=8)
     os.sync()  # the previous run's files reach the disk now, not while this run is timed
-    drop_caches()
+    if fresh:
+        drop_caches()
     start = time.perf_counter()
     trainer.fit(module or Wide(), data)
     return timer.periods, timer.busy, time.perf_counter() - start
