@@ -4,8 +4,7 @@ One process on the CPU; a model of five 4096x4096 linear layers (84M parameters)
 (weights + two moments). Runs of ``--steps`` steps, saving every ``--every`` steps to a local directory; the first
 three run side by side in each of ``--rounds`` rounds, and the tables show the medians:
 
-Every run starts from the same state: the previous run's files deleted, the kernel's clean caches dropped (as root;
-see :func:`drop_caches` for what a run after ``ModelCheckpoint``'s otherwise pays).
+Every run starts from the same state: the previous run's files deleted, the kernel's clean caches dropped (as root).
 
 * ``none``: no checkpointing (the reference throughput);
 * ``ModelCheckpoint``: Lightning's blocking ``torch.save``;
@@ -109,9 +108,8 @@ class StepTimes(Callback):
 
 
 def drop_caches() -> bool:
-    """Drop the kernel's clean caches (page cache, dentries, inodes; root only), so that every run starts from the
-    same memory state: a run right after a ``ModelCheckpoint`` run, in the same process, faults fresh memory in more
-    slowly otherwise, even with that run's files deleted (``benchmarks/checkpoint_run_order.py`` measures it)."""
+    """Drop the kernel's clean caches (page cache, dentries, inodes; root only), so that every run starts with the
+    same empty page cache, whatever the runs before it wrote (``ModelCheckpoint``'s files go through it)."""
     try:
         Path("/proc/sys/vm/drop_caches").write_text("3")
         return True
@@ -120,10 +118,10 @@ def drop_caches() -> bool:
 
 
 def fit(
-    callbacks: list, steps: int, module: Wide | None = None, io=None, timer: StepTimes | None = None, fresh: bool = True
+    callbacks: list, steps: int, module: Wide | None = None, io=None, timer: StepTimes | None = None
 ) -> tuple[list[float], list[bool], float]:
-    """Train ``steps`` steps with ``callbacks``: (step periods, save in flight at each step's start, run time). ``fresh``:
-    drop the kernel's caches first (:func:`drop_caches`)."""
+    """Train ``steps`` steps with ``callbacks`` after :func:`drop_caches`: (step periods, whether a save was in flight
+    at each step's start, run time)."""
     seed_everything(0)
     timer = timer or StepTimes(io)
     trainer = Trainer(
@@ -133,8 +131,7 @@ def fit(
     )
     data = DataLoader(TensorDataset(torch.randn(steps * 8, WIDTH)), batch_size=8)
     os.sync()  # the previous run's files reach the disk now, not while this run is timed
-    if fresh:
-        drop_caches()
+    drop_caches()
     start = time.perf_counter()
     trainer.fit(module or Wide(), data)
     return timer.periods, timer.busy, time.perf_counter() - start
@@ -363,7 +360,7 @@ def main() -> None:
         each = {mode: ", ".join(f"{r:.0%}" for r in values) for mode, values in rates.items()}
 
     caches = ("each run starts after the previous run's files are deleted and the kernel's caches dropped" if drop_caches()
-              else "kernel caches NOT dropped between runs (not root): a run after ModelCheckpoint's is slowed, see drop_caches")
+              else "kernel caches not dropped between runs (not root)")
 
     def median(field: str) -> float:
         return statistics.median(getattr(r, field) for r in rounds)
