@@ -81,11 +81,12 @@ class Wide(LightningModule):
 class StepTimes(Callback):
     """Start-to-start period of every step (so a save made in any callback's batch-end hook is inside it; the last
     step's period ends when training ends), whether a background save was in flight when the step started (the
-    step that stages a save is not: its period holds the stall, which is reported on its own), and the process's
-    minor page faults and system CPU time over the same period (every thread's, the writer's too)."""
+    step that stages a save is not: its period holds the stall, which is reported on its own), when it started, and
+    the process's minor page faults and system CPU time over the same period (every thread's, the writer's too)."""
 
     def __init__(self, io=None) -> None:
         self.periods, self.busy, self.io, self._start, self._busy = [], [], io, None, False
+        self.starts: list[float] = []
         self.faults: list[int] = []
         self.system: list[float] = []
         self._usage: resource.struct_rusage | None = None
@@ -93,6 +94,7 @@ class StepTimes(Callback):
     def _close_step(self) -> None:
         now, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         if self._start is not None:
+            self.starts.append(self._start)
             self.periods.append(now - self._start)
             self.busy.append(self._busy)
             self.faults.append(usage.ru_minflt - self._usage.ru_minflt)
@@ -319,6 +321,8 @@ def main() -> None:
     parser.add_argument("--section", default="checkpoint", help="the docs/benchmarks.md section written")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    caches = ("each run starts after the previous run's files are deleted and the kernel's caches dropped" if drop_caches()
+              else "kernel caches not dropped between runs (not root)")
     state_bytes = 3 * sum(p.numel() for p in Wide().parameters()) * 4
     with tempfile.TemporaryDirectory() as tmp:
         rounds = [side_by_side(f"{tmp}/round{r}", args.steps, args.every) for r in range(args.rounds)]
@@ -358,9 +362,6 @@ def main() -> None:
                 rates[mode].append(2 * rate / (before + alone()))
         thread_rate, process_rate = (statistics.median(rates[mode]) for mode in ("thread", "process"))
         each = {mode: ", ".join(f"{r:.0%}" for r in values) for mode, values in rates.items()}
-
-    caches = ("each run starts after the previous run's files are deleted and the kernel's caches dropped" if drop_caches()
-              else "kernel caches not dropped between runs (not root)")
 
     def median(field: str) -> float:
         return statistics.median(getattr(r, field) for r in rounds)

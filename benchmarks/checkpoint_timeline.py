@@ -35,18 +35,6 @@ from lightning_ciuic import AsyncCheckpointer  # noqa: E402
 from lightning_ciuic.timeline import timeline  # noqa: E402
 
 
-class StepStarts(StepTimes):
-    """``StepTimes`` that also keeps when each step started."""
-
-    def __init__(self, io=None) -> None:
-        super().__init__(io)
-        self.starts: list[float] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.starts.append(time.perf_counter())
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=42)
@@ -62,7 +50,7 @@ def main() -> None:
         checkpoint_io._lowest_priority = lambda: None  # the executor's initializer, looked up when it starts
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         callback = AsyncCheckpointer(f"{tmp}/ckpt", save_interval=None, every_n_train_steps=args.every, save_on_train_end=False)
-        timer = StepStarts(callback.io)
+        timer = StepTimes(callback.io)
         began = time.perf_counter()
         fit([callback], args.steps, io=callback.io, timer=timer)
     ends = [start + period for start, period in zip(timer.starts, timer.periods)]
