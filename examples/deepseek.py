@@ -15,7 +15,8 @@ one tensor; :class:`DeepSeekMini` names them in ``pipeline_blocks()`` (the ``Pip
 
 Tensor parallelism: :meth:`DeepSeekTransformer.tensor_parallel_plan` shards attention heads (query and latent
 up-projections column-wise, output row-wise) and every expert (gate/up column-wise, down row-wise); the
-router, norms and embeddings stay replicated. Every expert runs on every step (on zero tokens if none
+router, norms and embeddings stay replicated. The strategy applies it (``parallelize()``): the module only
+says what to shard. Every expert runs on every step (on zero tokens if none
 are routed to it) so all ranks run the same collectives and every parameter receives a gradient.
 """
 
@@ -28,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from lightning_ciuic import PipelineModule, apply_tensor_parallel
+from lightning_ciuic import PipelineModule
 from lightning_ciuic.parallel.tensor import sum_grad_over
 
 
@@ -183,9 +185,17 @@ class DeepSeekTransformer(nn.Module):
         """The blocks that, applied in order, are :meth:`forward`."""
         return ["embed", *(f"layers.{i}" for i in range(len(self.layers))), "norm", "head"]
 
-    def tensor_parallel_plan(self) -> dict:
+    def tensor_parallel_plan(self, tp_mesh: DeviceMesh) -> dict:
+        """What to shard over ``tp_mesh``; the attention layers keep the mesh for their shared rotary key's gradient."""
+        tp, heads = tp_mesh.size(), self.cfg.n_heads
+        if heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide n_heads={heads}; use a tensor_parallel_size"
+                f" among {[d for d in range(1, heads + 1) if heads % d == 0]}."
+            )
         plan = {}
         for i, layer in enumerate(self.layers):
+            layer.attn.tp_mesh = tp_mesh
             prefix = f"layers.{i}"
             plan[f"{prefix}.attn.wq"] = ColwiseParallel()
             plan[f"{prefix}.attn.wkv_b"] = ColwiseParallel()
@@ -203,7 +213,7 @@ class DeepSeekTransformer(nn.Module):
 class DeepSeekMini(PipelineModule, LightningModule):
     """Next-byte language modelling with :class:`DeepSeekTransformer`; works with any strategy.
 
-    Under ``HybridParallelStrategy(tensor_parallel_size>1)`` it shards itself in ``configure_model``; under
+    Under ``HybridParallelStrategy(tensor_parallel_size>1)`` the strategy shards it by ``tensor_parallel_plan``; under
     ``pipeline_parallel_size>1`` the strategy cuts it into stages through ``pipeline_blocks()``.
     """
 
@@ -233,25 +243,10 @@ class DeepSeekMini(PipelineModule, LightningModule):
         )
         self.model = DeepSeekTransformer(self.config)
         self._last_step_time: float | None = None
-        self._tensor_parallel = False
 
-    def configure_model(self) -> None:
-        mesh = self.device_mesh
-        if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
-            return
-        tp = mesh["tp"].size()
-        if self.config.n_heads % tp:
-            raise ValueError(
-                f"tensor_parallel_size={tp} does not divide n_heads={self.config.n_heads}; use a tensor_parallel_size"
-                f" among {[d for d in range(1, self.config.n_heads + 1) if self.config.n_heads % d == 0]}."
-            )
-        if tp == 1 or self._tensor_parallel:  # Lightning calls this hook once per fit/validate/predict: idempotent
-            return
-        plan = {f"model.{name}": style for name, style in self.model.tensor_parallel_plan().items()}
-        apply_tensor_parallel(self, mesh["tp"], plan)
-        for layer in self.model.layers:
-            layer.attn.tp_mesh = mesh["tp"]
-        self._tensor_parallel = True
+    def tensor_parallel_plan(self, tp_mesh: DeviceMesh) -> dict:
+        """The transformer's plan, named from this module (what ``parallelize()`` applies)."""
+        return {f"model.{name}": style for name, style in self.model.tensor_parallel_plan(tp_mesh).items()}
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)

@@ -38,7 +38,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "NodePreempted": ("lightning_ciuic.callbacks.elastic", "NodePreempted"),
     "ParallelContext": ("lightning_ciuic.strategies.context", "ParallelContext"),
     "ParallelDims": ("lightning_ciuic.parallel.dims", "ParallelDims"),
-    "PipelineModule": ("lightning_ciuic.strategies.pipelining", "PipelineModule"),
+    "PipelineModule": ("lightning_ciuic.parallel.pipeline_module", "PipelineModule"),
     "QuantumRecovery": ("lightning_ciuic.callbacks.recovery", "QuantumRecovery"),  # seed alias
     "Replicated": ("lightning_ciuic.comm.data_parallel", "Replicated"),
     "SnapshotRecovery": ("lightning_ciuic.callbacks.recovery", "SnapshotRecovery"),

@@ -19,7 +19,8 @@ Touch points:
   (timing tensor-parallel collectives), DCP's ``_load_state_dict`` with ``_EmptyStateDictLoadPlanner`` (loading a
   checkpoint whole in one process, as torch's own ``dcp_to_torch_save`` does), ``DeviceMesh._flatten`` (two mesh
   axes named as one, as torchtitan names ``dp_replicate x dp_shard`` "dp"), FSDP2's ``ReduceScatter`` interface
-  (``set_custom_reduce_scatter`` is public, the class it takes is not).
+  (``set_custom_reduce_scatter`` is public, the class it takes is not), and the mesh of a user's ``fully_shard``
+  unit (its state's parameter group).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ __all__ = [
     "check_versions",
     "epoch_position",
     "flatten_mesh",
+    "fsdp_mesh",
     "launchers",
     "load_state_dict_into",
     "reset_optimizers_and_schedulers",
@@ -165,3 +167,9 @@ def all_gather_single(output: torch.Tensor, input: torch.Tensor) -> None:
 def flatten_mesh(mesh: Any, axes: tuple[str, ...], name: str) -> Any:
     """Name ``axes`` of ``mesh`` together as one axis ``name`` (``mesh[name]`` works afterwards); returns it."""
     return mesh[axes]._flatten(name)
+
+
+def fsdp_mesh(unit: Any) -> Any:
+    """The mesh an FSDP2 unit (a ``fully_shard`` ed module) shards its own parameters over; ``None`` if it owns none."""
+    group = unit._get_fsdp_state()._fsdp_param_group
+    return group.mesh_info.mesh if group is not None else None

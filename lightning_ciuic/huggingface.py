@@ -32,11 +32,13 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_ciuic.checkpoint.huggingface import load_weights, read_config
 from lightning_ciuic.parallel.pipeline import BlockCall
-from lightning_ciuic.parallel.tensor import apply_tensor_parallel, hugging_face_plan
-from lightning_ciuic.strategies.pipelining import PipelineModule
+from lightning_ciuic.parallel.tensor import hugging_face_plan
+from lightning_ciuic.parallel.pipeline_module import PipelineModule
 
 
 def _import_transformers() -> Any:
@@ -106,7 +108,6 @@ class HuggingFaceCausalLM(PipelineModule, LightningModule):
                 " stages cannot split; pass config={'tie_word_embeddings': False, ...}."
             )
         self.model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
-        self._tensor_parallel = False
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> "HuggingFaceCausalLM":
@@ -134,11 +135,9 @@ class HuggingFaceCausalLM(PipelineModule, LightningModule):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, use_cache=False).logits
 
-    def configure_model(self) -> None:
-        mesh = self.device_mesh
-        if mesh is None or "tp" not in (mesh.mesh_dim_names or ()) or mesh["tp"].size() == 1 or self._tensor_parallel:
-            return
-        tp, config = mesh["tp"].size(), self.model.config
+    def tensor_parallel_plan(self, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
+        """The model's ``_tp_plan`` translated (what ``parallelize()`` applies); heads must split whole."""
+        tp, config = tp_mesh.size(), self.model.config
         plan, skipped = hugging_face_plan(self.model, self.model._tp_plan or {}, prefix="model.")
         if any(".self_attn." in name for name in plan):  # heads are split: each rank must get whole heads
             for name in ("num_attention_heads", "num_key_value_heads"):
@@ -150,8 +149,7 @@ class HuggingFaceCausalLM(PipelineModule, LightningModule):
                     )
         if skipped:
             rank_zero_info(f"tensor parallel: kept replicated (style not translated): {skipped}")
-        apply_tensor_parallel(self, mesh["tp"], plan)
-        self._tensor_parallel = True
+        return plan
 
     # -- the PipelineModule protocol -----------------------------------------------------------------
     def pipeline_blocks(self) -> list[str]:

@@ -7,8 +7,11 @@ the ``dp`` replicas shard the model between them (FSDP); ``dp_replicate = dp / d
 replicas of the shards (HSDP); ``dp_shard`` must divide ``dp``. ``build_mesh`` returns a ``DeviceMesh`` with
 ``tp`` innermost so tensor-parallel peers are neighbouring ranks (the same node on a real cluster): the axes
 ``("pp", "dp", "tp")``, or, with ``dp_shard > 1``, ``("pp", "dp_replicate", "dp_shard", "tp")`` plus ``"dp"``,
-the two data-parallel axes flattened (what samplers and replica-wide collectives use). Everything else asks this
-object ``pp_enabled``, ``dp_enabled``, ``tp_enabled``, ``sharded`` instead of comparing sizes itself.
+the two data-parallel axes flattened (what samplers and replica-wide collectives use), and Lightning's
+``ModelParallelStrategy`` names for the same axes (``data_parallel``, ``tensor_parallel``). Axis names are
+:class:`~lightning_ciuic.parallel.axes.Axis` members. Everything else asks this object ``pp_enabled``,
+``dp_enabled``, ``tp_enabled``, ``sharded`` instead of comparing sizes itself, :meth:`ParallelDims.fsdp_mesh` for
+the mesh FSDP2 shards over, and :meth:`ParallelDims.layout_key` for the identity of a rank's local state.
 
 No Lightning imports: usable with plain ``torch.distributed``.
 """
@@ -21,10 +24,11 @@ from typing import Literal, Union
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_ciuic import compat
+from lightning_ciuic.parallel.axes import MESH_ALIASES, Axis
 from lightning_ciuic.validation import check_int
 
-MESH_AXES = ("pp", "dp", "tp")
-SHARDED_MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_AXES = (Axis.PP, Axis.DP, Axis.TP)
+SHARDED_MESH_AXES = (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.TP)
 
 
 def _divisors(n: int) -> list[int]:
@@ -78,7 +82,7 @@ class ParallelDims:
                 f"pipeline_parallel_size * data_parallel_size * tensor_parallel_size = {pp} * {dp} * {tp}"
                 f" = {pp * dp * tp}, but the world size is {world_size}; the product must equal it: {fix}."
             )
-        if data_parallel_shard_size == "auto":
+        if data_parallel_shard_size == "auto":  # plain FSDP over every data-parallel rank; nothing to shard at dp=1
             data_parallel_shard_size = dp
         if dp % data_parallel_shard_size != 0:
             raise ValueError(
@@ -127,20 +131,36 @@ class ParallelDims:
     def dp_replicate(self) -> int:
         return self.dp // self.dp_shard
 
+    def dp_rank_of(self, global_rank: int) -> int:
+        """The data-parallel index of ``global_rank`` in :meth:`build_mesh`'s row-major layout (tp innermost)."""
+        return (global_rank // self.tp) % self.dp
+
+    def layout_key(self) -> str:
+        """The identity of a rank's local state: what its shards' shapes depend on (``pp``, ``tp``, ``dp_shard``), not
+        the number of replicas, so an elastic change of ``dp_replicate`` keeps it. Checkpoints key per-rank state with
+        it, snapshots record it, and a restore takes per-rank state only from the same key."""
+        return f"{Axis.PP}{self.pp}.{Axis.TP}{self.tp}.{Axis.DP_SHARD}{self.dp_shard}"
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the mesh over the initialized default process group (collective call); see the module docstring."""
         if not self.sharded:
-            return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_AXES)
-        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=SHARDED_MESH_AXES)
-        compat.flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp")
+            mesh = init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_AXES)
+        else:
+            shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=SHARDED_MESH_AXES)
+            compat.flatten_mesh(mesh, (Axis.DP_REPLICATE, Axis.DP_SHARD), Axis.DP)
+        for alias, axis in MESH_ALIASES.items():
+            compat.flatten_mesh(mesh, (axis,), alias)
         return mesh
 
     def data_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The mesh a data-parallel engine works on: ``"dp"`` (replicated), ``"dp_shard"`` (FSDP) or
-        ``("dp_replicate", "dp_shard")`` (HSDP: FSDP2 shards on the last axis and replicates on the first)."""
-        if not self.sharded:
-            return mesh["dp"]
-        return mesh["dp_shard"] if self.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
+        """The mesh a data-parallel engine works on: ``"dp"`` (replicated) or :meth:`fsdp_mesh` (sharded)."""
+        return self.fsdp_mesh(mesh) if self.sharded else mesh[Axis.DP]
+
+    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh FSDP2 shards over: ``"dp_shard"`` (FSDP) or ``("dp_replicate", "dp_shard")`` (HSDP: FSDP2 shards
+        on the last axis and replicates on the first)."""
+        return mesh[Axis.DP_SHARD] if self.dp_replicate == 1 else mesh[Axis.DP_REPLICATE, Axis.DP_SHARD]
 
     def __str__(self) -> str:
         dp = f"dp={self.dp}" if not self.sharded else f"dp={self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard})"

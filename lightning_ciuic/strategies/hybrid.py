@@ -15,7 +15,7 @@ Contract:
   from measured step times). ``comm/bytes_sent`` and ``comm/sync_time`` (the previous synchronization) are
   logged every training step.
 * Pipeline parallel (``pipeline_parallel_size > 1``): after ``configure_model()`` the module (a
-  :class:`~lightning_ciuic.strategies.pipelining.PipelineModule`) is cut into stages over the ``pp`` axis,
+  :class:`~lightning_ciuic.parallel.pipeline_module.PipelineModule`) is cut into stages over the ``pp`` axis,
   this rank's kept in place; its steps run through the pipeline schedule (``self.pipelined_loss(batch)``),
   which does the backward itself, so the strategy's backward only runs Lightning's hooks and then averages
   the accumulated gradients over ``dp``. The idle fraction of the previous step is logged as
@@ -50,6 +50,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_ciuic import compat
@@ -57,16 +58,20 @@ from lightning_ciuic.comm.auto import AutoCompression
 from lightning_ciuic.comm.compression import AllReduceAlgorithm, CompressionConfig, CompressionMode, GradientCompression
 from lightning_ciuic.comm.data_parallel import DataParallel, Replicated
 from lightning_ciuic.comm.diloco import DiLoCo, DiLoCoEngine
-from lightning_ciuic.comm.sharded import Sharded, ShardingConfig, check_offload, has_meta_tensors
+from lightning_ciuic.comm.sharded import Sharded
 from lightning_ciuic.comm.grad_sync import GradientSynchronizer, check_bucket_size
 from lightning_ciuic.comm.hooks import GradientQuantizer
+from lightning_ciuic.config import SHARDED_CODECS, ParallelismConfig
+from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.parallel.fsdp import ShardingConfig, check_offload, has_meta_tensors
+from lightning_ciuic.parallel.parallelize import Parallelized, parallelize
 from lightning_ciuic.parallel.grad_norm import clip_grad_norm_
 from lightning_ciuic.parallel.pipeline import PipelineRunner, PipelineScheduleName
 from lightning_ciuic.parallel.shutdown import leave_at_exit
 from lightning_ciuic.strategies import checkpointing
 from lightning_ciuic.strategies.launchers import FullWeightsMultiProcessingLauncher
-from lightning_ciuic.strategies.pipelining import PipelineConfig, PipelineModule, build_pipeline, checkpoint_blocks
+from lightning_ciuic.parallel.pipeline_module import PipelineConfig
 from lightning_ciuic.strategies.rendezvous import restarted_worker_store
 from lightning_ciuic.validation import check_choice
 
@@ -181,12 +186,6 @@ class HybridParallelStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._pipeline_config = PipelineConfig(
-            pipeline_schedule, num_microbatches, stages_per_rank, bool(gradient_checkpointing),
-            tuple(pipeline_split_points) if pipeline_split_points is not None else None,
-        )
-        self.pipeline: Optional[PipelineRunner] = None
-        self._pipeline_grads: list[Optional[torch.Tensor]] = []
         if process_group_backend is not None and process_group_backend not in _BACKENDS:
             raise ValueError(
                 f"process_group_backend={process_group_backend!r} is not a torch.distributed backend;"
@@ -198,50 +197,52 @@ class HybridParallelStrategy(ParallelStrategy):
         if isinstance(communication_compression, GradientQuantizer):
             error_feedback = communication_compression.error_feedback
             communication_compression = communication_compression.mode
-        self.compression_config = CompressionConfig(
-            communication_compression, compression_ratio, powersgd_rank, error_feedback, compression_warmup_steps,
-            allreduce_algorithm, auto_recheck_steps,
-        )
         if communication_compression != "none" and process_group_backend in ("mpi", "ucc"):
             raise ValueError(
                 f"communication_compression={communication_compression!r} needs all_to_all, all_gather_single and"
                 f" point-to-point sends, supported here on 'gloo' and 'nccl'; got process_group_backend="
                 f"{process_group_backend!r}. Use 'gloo'/'nccl' or communication_compression='none'."
             )
-        self.data_parallel: Optional[DataParallel] = None  # the engine, once the processes and the model exist
-        self._logged = (0, 0.0)
-        self._sync_timeout = _positive_seconds("sync_timeout", sync_timeout)
-        self._timeout = _positive_seconds("timeout", timeout)
-        self._requested = dict(
+        check_choice("weight_all_gather_compression", weight_all_gather_compression, ("none", "int8"))
+        # The flat arguments (the YAML schema), packed once: every rule between them lives in ParallelismConfig.
+        self.parallelism = ParallelismConfig(
             pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_shard_size=data_parallel_shard_size,
+            pipeline=PipelineConfig(
+                pipeline_schedule, num_microbatches, stages_per_rank,
+                tuple(pipeline_split_points) if pipeline_split_points is not None else None,
+            ),
+            sharding=ShardingConfig(
+                tuple(fsdp_units) if fsdp_units is not None else None, bool(reshard_after_forward),
+                cpu_offload=bool(fsdp_cpu_offload),
+                weight_codec=None if weight_all_gather_compression == "none" else weight_all_gather_compression,
+            ),
+            compression=CompressionConfig(
+                communication_compression, compression_ratio, powersgd_rank, error_feedback, compression_warmup_steps,
+                allreduce_algorithm, auto_recheck_steps,
+            ),
+            diloco=diloco,
+            gradient_checkpointing=bool(gradient_checkpointing),
         )
-        ParallelDims.check_degrees(**self._requested)
-        check_choice("weight_all_gather_compression", weight_all_gather_compression, ("none", "int8"))
-        if weight_all_gather_compression != "none" and data_parallel_shard_size == 1:
-            raise ValueError(
-                f"weight_all_gather_compression={weight_all_gather_compression!r} compresses the all-gather of sharded"
-                " parameters, and data_parallel_shard_size=1 keeps whole replicas (nothing is gathered): set"
-                " data_parallel_shard_size > 1, or leave it 'none'."
-            )
-        self.sharding_config = ShardingConfig(
-            tuple(fsdp_units) if fsdp_units is not None else None, bool(reshard_after_forward),
-            cpu_offload=bool(fsdp_cpu_offload),
-            weight_codec=None if weight_all_gather_compression == "none" else weight_all_gather_compression,
-        )
-        if data_parallel_shard_size != 1:
-            _check_sharded_combination(self.compression_config, self._pipeline_config, pipeline_parallel_size)
-        if diloco is not None:
-            _check_diloco_combination(diloco, self.compression_config, data_parallel_shard_size)
-        self.diloco = diloco
+        self.pipeline: Optional[PipelineRunner] = None
+        self.parallelized: Optional[Parallelized] = None
+        self._pipeline_grads: list[Optional[torch.Tensor]] = []
+        self.data_parallel: Optional[DataParallel] = None  # the engine, once the processes and the model exist
+        self._logged = (0, 0.0)
+        self._sync_timeout = _positive_seconds("sync_timeout", sync_timeout)
+        self._timeout = _positive_seconds("timeout", timeout)
         self.bucket_size_mb = float(bucket_size_mb)
         self._process_group_backend = process_group_backend
         self._start_method = start_method
         self.num_nodes = 1
         self.parallel_dims: Optional[ParallelDims] = None
         self._device_mesh: Optional[DeviceMesh] = None
+
+    @property
+    def compression_config(self) -> CompressionConfig:
+        return self.parallelism.compression
 
     # -- the data-parallel engine's parts, for callbacks that read them ------------------------------
     @property
@@ -285,8 +286,13 @@ class HybridParallelStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dp_mesh = self.device_mesh["dp"]
-        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+        """The data-parallel replicas and this rank's index among them; before the processes exist (what
+        ``trainer.estimated_stepping_batches`` asks while a Trainer is built) from the layout over the world size."""
+        if self._device_mesh is not None:
+            dp_mesh = self._device_mesh[Axis.DP]
+            return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+        dims = self.parallelism.resolve(self.num_nodes * max(1, self.num_processes))
+        return {"num_replicas": dims.dp, "rank": dims.dp_rank_of(self.global_rank)}
 
     @property
     @override
@@ -301,15 +307,14 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        check_offload(self.sharding_config.cpu_offload, self.root_device.type)  # before any process starts
-        if self.process_group_backend == "nccl" and self.root_device.type != "cuda":
+        device_type = self._device_type()  # the devices' kind: this rank's own device is not known yet
+        check_offload(self.parallelism.sharding.cpu_offload, device_type)  # before any process starts
+        if self._process_group_backend == "nccl" and device_type != "cuda":
             raise ValueError(
-                f"process_group_backend='nccl' needs CUDA devices, but this rank runs on {self.root_device}; use 'gloo'."
+                f"process_group_backend='nccl' needs CUDA devices, but this run's devices are {device_type!r}; use 'gloo'."
             )
         # Fail in the launching process, before any worker starts, when the layout cannot fit the world.
-        dims = ParallelDims.resolve(self.num_nodes * self.num_processes, **self._requested)
-        if dims.pp_enabled:
-            self._pipeline_config.check_layout(dims.pp)
+        self.parallelism.resolve(self.num_nodes * self.num_processes)
         if self.cluster_environment.creates_processes_externally:
             return
         if self._start_method == "popen":
@@ -334,7 +339,7 @@ class HybridParallelStrategy(ParallelStrategy):
             # Like torchrun: several ranks on one machine must not each take every core (oversubscribed
             # intra-op threads make CPU collectives several times slower).
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
-        self.parallel_dims = ParallelDims.resolve(self.world_size, **self._requested)
+        self.parallel_dims = self.parallelism.resolve(self.world_size)
         self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
         rank_zero_info(f"HybridParallelStrategy: {self.parallel_dims}, backend {self.process_group_backend}")
         assert self.lightning_module is not None
@@ -360,7 +365,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._setup_pipeline()
+        self._parallelize()
         self._setup_data_parallel()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -369,36 +374,39 @@ class HybridParallelStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         self.barrier("setup")
 
-    def _setup_pipeline(self) -> None:
-        assert self.parallel_dims is not None
-        module, config = self.lightning_module, self._pipeline_config
-        if self.parallel_dims.pp_enabled:
-            self.pipeline = build_pipeline(module, self.device_mesh, config, self.root_device)
-            rank_zero_info(f"HybridParallelStrategy: {config.schedule} pipeline, {config.num_microbatches} micro-batches")
-        elif config.activation_checkpointing:
-            if not isinstance(module, PipelineModule):
-                raise TypeError(
-                    f"gradient_checkpointing=True recomputes each pipeline block, so it needs a LightningModule that"
-                    f" implements the PipelineModule protocol; {type(module).__name__} does not. Implement"
-                    " pipeline_blocks() and pipeline_loss() (docs/pipeline.md) or set gradient_checkpointing=False."
-                )
-            checkpoint_blocks(module)
+    def _parallelize(self) -> None:
+        """The model becomes this rank's part of the layout: :func:`~lightning_ciuic.parallel.parallelize.parallelize`
+        and nothing else (tensor parallel, activation checkpointing, pipeline cut, FSDP2 units, materialisation)."""
+        assert self.parallel_dims is not None and self.model is not None
+        config = dataclasses.replace(self.parallelism, sharding=self._sharding_dtypes())
+        self.parallelized = parallelize(self.model, self.parallel_dims, config, mesh=self.device_mesh)
+        self.pipeline = self.parallelized.pipeline
+        if self.pipeline is not None:
+            pipeline = config.pipeline
+            rank_zero_info(f"HybridParallelStrategy: {pipeline.schedule} pipeline, {pipeline.num_microbatches} micro-batches")
+        if self.parallelized.user_sharded:
+            rank_zero_info(
+                f"HybridParallelStrategy: {type(self.model).__name__} shards itself (fully_shard in configure_model):"
+                " its FSDP2 units synchronise the data-parallel gradients."
+            )
 
     def _setup_data_parallel(self) -> None:
         self._close_data_parallel()
         self._logged = (0, 0.0)
-        assert self.parallel_dims is not None and self.model is not None
-        dims = self.parallel_dims
+        parallelized = self.parallelized
+        assert parallelized is not None and self.model is not None
+        dims, layout = parallelized.dims, parallelized.fsdp
+        if layout is not None:
+            self.data_parallel = Sharded(self._sharding_dtypes())
+            self.data_parallel.setup(self.model, layout.mesh, parallelized.stages, layout)
+            return
         if not dims.dp_enabled:
             return
-        if dims.sharded:
-            self.data_parallel = Sharded(self._sharding_dtypes())
-        elif self.diloco is not None:
-            self.data_parallel = DiLoCoEngine(self.diloco)
+        if self.parallelism.diloco is not None:
+            self.data_parallel = DiLoCoEngine(self.parallelism.diloco)
         else:
             self.data_parallel = Replicated(self.compression_config, self.bucket_size_mb, self._sync_timeout.total_seconds())
-        stages = self.pipeline.stage_modules if self.pipeline is not None else ()
-        self.data_parallel.setup(self.model, dims.data_parallel_mesh(self.device_mesh), stages)
+        self.data_parallel.setup(self.model, dims.data_parallel_mesh(self.device_mesh), parallelized.stages)
 
     def _sharding_dtypes(self) -> ShardingConfig:
         """The sharding config with FSDP2's dtypes: parameters in the precision plugin's compute dtype
@@ -408,9 +416,14 @@ class HybridParallelStrategy(ParallelStrategy):
         mode = self.compression_config.mode
         reduce_dtype = _REDUCE_DTYPES.get(mode, torch.float32 if param_dtype is not None else None)
         return dataclasses.replace(
-            self.sharding_config, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-            gradient_codec=mode if mode in _SHARDED_CODECS else None, error_feedback=self.compression_config.feedback_for(mode),
+            self.parallelism.sharding, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            gradient_codec=mode if mode in SHARDED_CODECS else None, error_feedback=self.compression_config.feedback_for(mode),
         )
+
+    def _device_type(self) -> str:
+        """The kind of device the ranks compute on, known before any process has its own (custom devices: their type)."""
+        devices = self.parallel_devices or []
+        return str(getattr(devices[0], "type", "cpu")) if devices else "cpu"
 
     def _close_data_parallel(self) -> None:
         if self.data_parallel is not None:
@@ -421,9 +434,41 @@ class HybridParallelStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.data_parallel is not None:
             self._before_training_step(self.lightning_module.trainer.global_step)
-        if self.pipeline is None:
-            return super().training_step(*args, **kwargs)
-        return self._pipelined_training_step(*args, **kwargs)
+        if self.pipeline is not None:
+            return self._pipelined_training_step(*args, **kwargs)
+        if self._sharded_root:
+            return self._through_root(self.precision_plugin.train_step_context, "training_step", *args, **kwargs)
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sharded_root:
+            return self._through_root(self.precision_plugin.val_step_context, "validation_step", *args, **kwargs)
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sharded_root:
+            return self._through_root(self.precision_plugin.test_step_context, "test_step", *args, **kwargs)
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sharded_root:
+            return self._through_root(self.precision_plugin.predict_step_context, "predict_step", *args, **kwargs)
+        return super().predict_step(*args, **kwargs)
+
+    @property
+    def _sharded_root(self) -> bool:
+        """Whether the LightningModule itself is an FSDP2 root, whose hooks (gathering its own parameters, waiting for
+        its units' reduce-scatters) run around ``forward`` only."""
+        return isinstance(self.model, FSDPModule) and self.pipeline is None
+
+    def _through_root(self, context: Callable[[], Any], method_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Lightning calls ``training_step`` (and the others), not ``forward``: route the step through the root's
+        ``forward`` (Lightning's forward redirection, as its FSDP strategies do) so FSDP2's root hooks run."""
+        with context():
+            return self._forward_redirection(self.model, self.lightning_module, method_name, *args, **kwargs)
 
     def _pipelined_training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The schedule runs backward inside ``training_step``, but Lightning zeroes gradients between
@@ -480,21 +525,16 @@ class HybridParallelStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         if has_meta_tensors(self.model):
-            if self.parallel_dims is None or not self.parallel_dims.sharded:
-                raise ValueError(
-                    f"{type(self.model).__name__} has tensors on the meta device, which only"
-                    " sharded data parallelism materialises (shard by shard, after sharding): set"
-                    " data_parallel_shard_size > 1, or build the model without empty_init."
-                )
-            return  # materialised shard by shard once sharded (Sharded.setup)
+            return  # materialised by parallelize(), shard by shard where sharded
         self.model.to(self.root_device)
 
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        """``Trainer.init_module(empty_init=True)`` builds a sharded model on the meta device: nothing is allocated
-        until each rank materialises its shards. Otherwise Lightning's behaviour."""
-        if empty_init and self._requested["data_parallel_shard_size"] != 1:
+        """``Trainer.init_module(empty_init=True)`` builds the model on the meta device: nothing is allocated until
+        :func:`~lightning_ciuic.parallel.parallelize.parallelize` materialises it, after sharding where the model is
+        sharded (each rank then allocates only its shards). Otherwise Lightning's behaviour."""
+        if empty_init:
             with torch.device("meta"), self.precision_plugin.tensor_init_context():
                 yield
             return
@@ -641,51 +681,9 @@ class HybridParallelStrategy(ParallelStrategy):
 
 
 _REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-_SHARDED_CODECS = ("int8", "nf4")
-_SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
-
-
-def _check_diloco_combination(diloco: Any, compression: CompressionConfig, data_parallel_shard_size: Any) -> None:
-    if not isinstance(diloco, DiLoCo):
-        raise TypeError(f"diloco must be a lightning_ciuic.DiLoCo(...), got {type(diloco).__name__}: {diloco!r}.")
-    if compression.mode != "none":
-        raise ValueError(
-            f"communication_compression={compression.mode!r} compresses every step's gradient sync, which DiLoCo does"
-            f" not run (replicas sync every {diloco.sync_every} steps): leave it 'none' and set"
-            f" DiLoCo(compression=...) for the outer pseudo-gradients ('fp16', 'bf16', 'int8', 'nf4')."
-        )
-    if data_parallel_shard_size != 1:
-        raise ValueError(
-            f"diloco with data_parallel_shard_size={data_parallel_shard_size!r}: DiLoCo's workers are whole replicas"
-            " (tensor or pipeline parallel inside each), not shards; use data_parallel_shard_size=1."
-        )
-
-
-def _check_sharded_combination(compression: CompressionConfig, pipeline: PipelineConfig, pp: int) -> None:
-    """What sharded data parallelism supports today, checked at construction."""
-    if pp > 1 and pipeline.schedule in _SPLIT_BACKWARD_SCHEDULES:
-        raise ValueError(
-            f"pipeline_schedule={pipeline.schedule!r} splits backward into input- and weight-gradient passes, which"
-            " gave wrong first-stage gradients with sharded stages (FSDP2, torch 2.13) in our tests: with"
-            " data_parallel_shard_size > 1 use 'gpipe', '1f1b', 'interleaved_1f1b' or 'looped_bfs'."
-        )
-    if compression.mode not in ("none", *_REDUCE_DTYPES, *_SHARDED_CODECS):
-        raise ValueError(
-            f"communication_compression={compression.mode!r} does not apply to sharded data parallelism"
-            f" (data_parallel_shard_size > 1), whose gradients are reduce-scattered by FSDP2: use 'none', 'fp16' or"
-            f" 'bf16' (the reduce-scatter's dtype), 'int8' or 'nf4' (a quantized all-to-all), or"
-            f" data_parallel_shard_size=1 for {compression.mode!r}."
-        )
-    if compression.algorithm != "auto":
-        raise ValueError(
-            f"allreduce_algorithm={compression.algorithm!r} picks our ring/tree all-reduce, which sharded data"
-            " parallelism does not use (FSDP2 reduce-scatters): leave it 'auto' with data_parallel_shard_size > 1."
-        )
-
-
 def _clip_grad_by_global_norm(
     plugin: Precision, strategy: HybridParallelStrategy, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]
 ) -> None:
     dims = strategy.parallel_dims
-    pipeline_group = strategy.device_mesh["pp"].get_group() if dims is not None and dims.pp_enabled else None
+    pipeline_group = strategy.device_mesh[Axis.PP].get_group() if dims is not None and dims.pp_enabled else None
     clip_grad_norm_(plugin.main_params(optimizer), clip_val, pipeline_group=pipeline_group)

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from typing_extensions import override
 
 from lightning_ciuic import compat
-from lightning_ciuic.comm.sharded import has_meta_tensors, materialize
+from lightning_ciuic.parallel.fsdp import has_meta_tensors, materialize
 from lightning_ciuic.parallel.shutdown import leave_process_groups
 
 

@@ -3,7 +3,7 @@
 import pytest
 from torch import nn
 
-from lightning_ciuic.comm.sharded import select_units
+from lightning_ciuic.parallel.fsdp import select_units
 
 
 class Block(nn.Module):
@@ -44,7 +44,8 @@ def test_the_sharded_engine_state_is_its_reduce_scatter_residuals():
     from lightning_ciuic.comm.codecs import BlockInt8
     from lightning_ciuic.comm.fsdp_comms import ReduceScatterComm
     from lightning_ciuic.comm.timing import DeviceClock
-    from lightning_ciuic.comm.sharded import Sharded, ShardingConfig
+    from lightning_ciuic.comm.sharded import Sharded
+    from lightning_ciuic.parallel.fsdp import ShardingConfig
 
     def engine() -> Sharded:
         sharded = Sharded(ShardingConfig(gradient_codec="int8"))

@@ -88,7 +88,7 @@ def test_bad_arguments_fail_at_construction(kwargs, message):
 
 def test_nccl_on_cpu_is_rejected_before_any_process_starts():
     strategy = HybridParallelStrategy(process_group_backend="nccl")
-    with pytest.raises(ValueError, match=r"process_group_backend='nccl' needs CUDA devices, but this rank runs on cpu; use 'gloo'"):
+    with pytest.raises(ValueError, match=r"process_group_backend='nccl' needs CUDA devices, but this run's devices are 'cpu'; use 'gloo'"):
         Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
 
 

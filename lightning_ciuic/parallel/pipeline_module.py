@@ -1,4 +1,4 @@
-"""Pipeline parallelism in Lightning's loop: the module protocol and the strategy's set-up of the stages.
+"""Pipeline parallelism in Lightning's loop: the module protocol and the cut of a module into stages (no Lightning imports).
 
 The protocol (:class:`PipelineModule`, a mixin for a ``LightningModule``) is three methods:
 
@@ -39,7 +39,6 @@ from lightning_ciuic.parallel.pipeline import (
     PipelineRunner,
     balanced_split,
     block_modules,
-    checkpoint_activations,
     partition,
     resolve_stages_per_rank,
     split_at,
@@ -96,7 +95,6 @@ class PipelineConfig:
     schedule: str = "1f1b"
     num_microbatches: int = 4
     stages_per_rank: Optional[int] = None
-    activation_checkpointing: bool = False
     split_points: Optional[tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
@@ -130,11 +128,6 @@ def _stage_starts(module: nn.Module, names: Sequence[str], num_stages: int, conf
     return balanced_split(sizes, num_stages)
 
 
-def checkpoint_blocks(module: PipelineModule) -> None:
-    """Activation checkpointing for each of the module's pipeline blocks, without pipeline parallelism."""
-    checkpoint_activations(block_modules(module, list(module.pipeline_blocks())))
-
-
 def build_pipeline(
     module: nn.Module, mesh: DeviceMesh, config: PipelineConfig, device: torch.device
 ) -> PipelineRunner:
@@ -157,8 +150,6 @@ def build_pipeline(
         module._pipeline_layout = layout
     my_stages = stage_ids_of_rank(pp_mesh.get_local_rank(), pp_mesh.size(), per_rank, config.schedule)
     stages = partition(module, names, layout[1], my_stages, module.pipeline_block_calls())
-    if config.activation_checkpointing:
-        checkpoint_activations([block for stage in stages for block in stage.blocks])
     return PipelineRunner(
         stages, my_stages, num_stages, config.schedule, config.num_microbatches, module.pipeline_loss,
         pp_mesh.get_group(), device,

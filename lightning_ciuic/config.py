@@ -1,0 +1,111 @@
+"""ParallelismConfig: every degree and option of a parallel layout, and every rule between them, in one place.
+
+Contract: ``ParallelismConfig(...)`` validates on construction and raises ``ValueError`` / ``TypeError`` naming what
+was given and what would work: each degree a positive integer (``data_parallel_size`` and
+``data_parallel_shard_size`` may be ``"auto"``); ``weight_all_gather_compression`` only with sharding; sharded data
+parallelism only with the codecs and schedules it supports; DiLoCo only with whole replicas and no per-step
+compression. ``resolve(world_size)`` gives the :class:`~lightning_ciuic.parallel.dims.ParallelDims` (degrees against
+the world: errors name every factor). The pieces are the configs of the parts that use them:
+:class:`~lightning_ciuic.parallel.pipeline_module.PipelineConfig`, :class:`~lightning_ciuic.parallel.fsdp.ShardingConfig`,
+:class:`~lightning_ciuic.comm.compression.CompressionConfig` and :class:`~lightning_ciuic.comm.diloco.DiLoCo`.
+``HybridParallelStrategy`` keeps flat keyword arguments (its signature is the YAML schema) and packs them here once;
+:func:`~lightning_ciuic.parallel.parallelize.parallelize` and the planner read only this object.
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+from lightning_ciuic.comm.compression import CompressionConfig
+from lightning_ciuic.comm.diloco import DiLoCo
+from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.parallel.fsdp import ShardingConfig
+from lightning_ciuic.parallel.pipeline_module import PipelineConfig
+
+Degree = Union[int, Literal["auto"]]
+SHARDED_REDUCE_DTYPES = ("fp16", "bf16")  # the reduce-scatter's dtype
+SHARDED_CODECS = ("int8", "nf4")  # the reduce-scatter as a quantized all-to-all
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+
+
+@dataclass(frozen=True)
+class ParallelismConfig:
+    """A parallel layout and its options (see the module docstring)."""
+
+    pipeline_parallel_size: int = 1
+    data_parallel_size: Degree = "auto"
+    tensor_parallel_size: int = 1
+    data_parallel_shard_size: Degree = 1
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    diloco: Optional[DiLoCo] = None
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        ParallelDims.check_degrees(**self.degrees)
+        if self.sharding.weight_codec is not None and self.data_parallel_shard_size == 1:
+            raise ValueError(
+                f"weight_all_gather_compression={self.sharding.weight_codec!r} compresses the all-gather of sharded"
+                " parameters, and data_parallel_shard_size=1 keeps whole replicas (nothing is gathered): set"
+                " data_parallel_shard_size > 1, or leave it 'none'."
+            )
+        if self.data_parallel_shard_size != 1:
+            self._check_sharded()
+        if self.diloco is not None:
+            self._check_diloco()
+
+    @property
+    def degrees(self) -> dict[str, Any]:
+        """The four degrees as ``ParallelDims.resolve`` takes them."""
+        return dict(
+            pipeline_parallel_size=self.pipeline_parallel_size, data_parallel_size=self.data_parallel_size,
+            tensor_parallel_size=self.tensor_parallel_size, data_parallel_shard_size=self.data_parallel_shard_size,
+        )
+
+    def resolve(self, world_size: int) -> ParallelDims:
+        """The degrees over ``world_size`` ranks, ``"auto"`` filled in; the pipeline schedule checked against ``pp``."""
+        dims = ParallelDims.resolve(world_size, **self.degrees)
+        if dims.pp_enabled:
+            self.pipeline.check_layout(dims.pp)
+        return dims
+
+    def _check_sharded(self) -> None:
+        if self.pipeline_parallel_size > 1 and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
+            raise ValueError(
+                f"pipeline_schedule={self.pipeline.schedule!r} splits backward into input- and weight-gradient passes,"
+                " which gave wrong first-stage gradients with sharded stages (FSDP2, torch 2.13) in our tests: with"
+                " data_parallel_shard_size > 1 use 'gpipe', '1f1b', 'interleaved_1f1b' or 'looped_bfs'."
+            )
+        mode = self.compression.mode
+        if mode not in ("none", *SHARDED_REDUCE_DTYPES, *SHARDED_CODECS):
+            raise ValueError(
+                f"communication_compression={mode!r} does not apply to sharded data parallelism"
+                f" (data_parallel_shard_size > 1), whose gradients are reduce-scattered by FSDP2: use 'none', 'fp16' or"
+                f" 'bf16' (the reduce-scatter's dtype), 'int8' or 'nf4' (a quantized all-to-all), or"
+                f" data_parallel_shard_size=1 for {mode!r}."
+            )
+        if self.compression.algorithm != "auto":
+            raise ValueError(
+                f"allreduce_algorithm={self.compression.algorithm!r} picks our ring/tree all-reduce, which sharded data"
+                " parallelism does not use (FSDP2 reduce-scatters): leave it 'auto' with data_parallel_shard_size > 1."
+            )
+
+    def _check_diloco(self) -> None:
+        diloco = self.diloco
+        if not isinstance(diloco, DiLoCo):
+            raise TypeError(f"diloco must be a lightning_ciuic.DiLoCo(...), got {type(diloco).__name__}: {diloco!r}.")
+        if self.compression.mode != "none":
+            raise ValueError(
+                f"communication_compression={self.compression.mode!r} compresses every step's gradient sync, which"
+                f" DiLoCo does not run (replicas sync every {diloco.sync_every} steps): leave it 'none' and set"
+                f" DiLoCo(compression=...) for the outer pseudo-gradients ('fp16', 'bf16', 'int8', 'nf4')."
+            )
+        if self.data_parallel_shard_size != 1:
+            raise ValueError(
+                f"diloco with data_parallel_shard_size={self.data_parallel_shard_size!r}: DiLoCo's workers are whole"
+                " replicas (tensor or pipeline parallel inside each), not shards; use data_parallel_shard_size=1."
+            )

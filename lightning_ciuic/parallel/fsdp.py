@@ -1,0 +1,205 @@
+"""FSDP2 units: which modules ``fully_shard`` groups, sharding them, finding a user's own, and materialising meta tensors.
+
+Contract:
+
+* :func:`shard(module, mesh, config, stages=())`: ``mesh`` is 1-D (``dp_shard``: FSDP) or 2-D (``dp_replicate,
+  dp_shard``: HSDP). ``fully_shard`` groups the parameters into units, bottom-up: :attr:`ShardingConfig.units`
+  (module names as in ``named_modules()``, or module classes) or, by default, every child of the outermost
+  ``nn.ModuleList`` s (a transformer's blocks), then the root. Under pipeline parallelism each of this rank's
+  ``stages`` is a root (its default units: its pipeline blocks). Parameters become DTensors sharded on dim 0 over
+  ``dp_shard`` (tensor-parallel DTensors gain the data-parallel axes: a 2-D mesh slice, as torchtitan does).
+  ``reshard_after_forward=True`` frees a unit's gathered parameters after its forward (ZeRO-3); a root is never
+  resharded after forward (its parameters are needed first in backward). ``param_dtype`` / ``reduce_dtype`` are
+  FSDP2's ``MixedPrecisionPolicy``; ``cpu_offload`` its ``CPUOffloadPolicy``.
+* :func:`found_sharding(module)`: the units a user's own ``fully_shard`` calls made (in ``configure_model``, as
+  for Lightning's ``ModelParallelStrategy``), or ``None``; the roots are the outermost ones.
+* :class:`FSDPLayout`: the roots, the other units and each unit's parameter count as gathered (this rank's
+  tensor-parallel shard, every parameter counted once), the roots' last.
+* :func:`materialize(module, device)`: allocate meta tensors (a sharded module's: this rank's shards only) and
+  initialise them.
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from lightning_ciuic import compat
+from lightning_ciuic.tensors import local_tensor
+
+UnitSpec = Union[str, type]
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """How the model is cut into FSDP2 units and kept (see the module docstring)."""
+
+    units: Optional[tuple[UnitSpec, ...]] = None
+    reshard_after_forward: bool = True
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    cpu_offload: bool = False
+    gradient_codec: Optional[str] = None  # "int8" / "nf4": the reduce-scatter as a quantized all-to-all (qgZ)
+    error_feedback: bool = True
+    weight_codec: Optional[str] = None  # "int8": the parameter all-gather quantized (qwZ)
+
+    def __post_init__(self) -> None:
+        if self.units is not None:
+            bad = [u for u in self.units if not isinstance(u, (str, type))]
+            if bad or not self.units:
+                raise ValueError(
+                    f"fsdp_units must be a non-empty list of module names (as in named_modules()) or module classes,"
+                    f" got {list(self.units)!r}."
+                )
+
+
+@dataclass
+class FSDPLayout:
+    """The FSDP2 units of a sharded module (see the module docstring)."""
+
+    mesh: DeviceMesh
+    roots: list[FSDPModule]
+    units: list[FSDPModule]
+    unit_numel: list[int] = field(default_factory=list)  # as gathered, the units' first, then the roots'
+
+
+def check_offload(cpu_offload: bool, device_type: str) -> None:
+    """CPU offload is for accelerators: FSDP2's needs one, and on the CPU the shards are in host memory already."""
+    if cpu_offload and device_type == "cpu":
+        raise ValueError(
+            "fsdp_cpu_offload=True keeps shards in host memory between a GPU's uses of them; this run computes on"
+            " the CPU, where they are in host memory already (and FSDP2's offload needs an accelerator): leave"
+            " fsdp_cpu_offload=False."
+        )
+
+
+def default_units(module: nn.Module) -> list[nn.Module]:
+    """Every child of the outermost ``nn.ModuleList`` s inside ``module`` (a transformer's blocks)."""
+    units: list[nn.Module] = []
+
+    def visit(parent: nn.Module) -> None:
+        for child in parent.children():
+            if isinstance(child, nn.ModuleList):
+                units.extend(child)
+            else:
+                visit(child)
+
+    visit(module)
+    return units
+
+
+def select_units(module: nn.Module, units: Optional[Sequence[UnitSpec]]) -> list[nn.Module]:
+    """The modules ``fully_shard`` groups, outermost first never nested in another one already chosen (the root
+    excluded: it is always the last unit)."""
+    if units is None:
+        return default_units(module)
+    named = dict(module.named_modules())
+    chosen: list[nn.Module] = []
+    for spec in units:
+        if isinstance(spec, str):
+            if spec not in named or spec == "":
+                close = [name for name in named if name and name.split(".")[-1] == spec.split(".")[-1]][:5]
+                raise ValueError(
+                    f"fsdp_units names {spec!r}, which is not a sub-module of {type(module).__name__};"
+                    f" names look like {close or [n for n in named if n][:5]} (see model.named_modules())."
+                )
+            found = [named[spec]]
+        else:
+            found = [m for name, m in named.items() if name and isinstance(m, spec)]
+            if not found:
+                raise ValueError(f"fsdp_units names the class {spec.__name__}, but {type(module).__name__} has no such sub-module.")
+        chosen.extend(m for m in found if all(m is not c for c in chosen))
+    inside = {id(sub) for unit in chosen for sub in unit.modules() if sub is not unit}
+    return [unit for unit in chosen if id(unit) not in inside]
+
+
+def _gathered_numel(unit: nn.Module, skip: set[int]) -> int:
+    """Parameters of ``unit`` not in ``skip``, at this rank's tensor-parallel size (what its all-gather yields)."""
+    return sum(local_tensor(p).numel() for p in unit.parameters() if id(p) not in skip)
+
+
+def shard(module: nn.Module, mesh: DeviceMesh, config: ShardingConfig, stages: Sequence[nn.Module] = ()) -> FSDPLayout:
+    """Apply ``fully_shard`` to the units, then the roots (see the module docstring)."""
+    roots = list(stages) or [module]
+    if config.units is None:
+        units = [unit for root in roots for unit in default_units(root)]
+    else:  # named against the whole module; a pipeline rank shards those of its stages
+        inside = {id(m) for root in roots for m in root.modules()}
+        units = [unit for unit in select_units(module, config.units) if id(unit) in inside]
+    mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
+    offload = CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()
+    counted: set[int] = set()
+    numel: list[int] = []
+    for group, reshard in ((units, config.reshard_after_forward), (roots, False)):
+        for unit in group:
+            numel.append(_gathered_numel(unit, counted))
+            counted.update(id(p) for p in unit.parameters())
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
+    return FSDPLayout(mesh, roots, units, numel)  # type: ignore[arg-type]
+
+
+def found_sharding(module: nn.Module) -> Optional[FSDPLayout]:
+    """The FSDP2 units already in ``module`` (a user's ``fully_shard``), roots outermost; ``None`` if there are none."""
+    fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not fsdp:
+        return None
+    inner = {id(sub) for unit in fsdp for sub in unit.modules() if sub is not unit}
+    roots = [m for m in fsdp if id(m) not in inner]
+    units = [m for m in fsdp if id(m) in inner]
+    meshes = {tuple(mesh.mesh.flatten().tolist()): mesh for mesh in map(compat.fsdp_mesh, fsdp) if mesh is not None}
+    if len(meshes) > 1:
+        raise ValueError(
+            f"{type(module).__name__}'s fully_shard units use {len(meshes)} different meshes; shard every unit over"
+            " the same data-parallel mesh (self.device_mesh['data_parallel'])."
+        )
+    counted: set[int] = set()
+    numel = []
+    if not meshes:
+        raise ValueError(f"{type(module).__name__}'s fully_shard units own no parameters: nothing is sharded.")
+    mesh = next(iter(meshes.values()))
+    for unit in (*reversed(units), *roots):  # innermost first: a parameter counts for the unit that owns it
+        numel.append(sum(local_tensor(p).numel() * mesh.size(mesh.ndim - 1) for p in unit.parameters() if id(p) not in counted))
+        counted.update(id(p) for p in unit.parameters())
+    return FSDPLayout(mesh, roots, units, numel)  # type: ignore[arg-type]
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate a module's meta tensors on ``device`` (a sharded module's: this rank's shards) and initialise them: the
+    module's ``init_weights()`` when it has one (torchtitan's convention), else every sub-module's
+    ``reset_parameters()``. DTensor random ops give each shard the values of its part of the whole tensor, the same
+    on every data-parallel replica. A sub-module with parameters or buffers and neither method is an error (its
+    values would be uninitialised memory)."""
+    module.to_empty(device=device)
+    init = getattr(module, "init_weights", None)
+    if callable(init):
+        init()
+        return
+    missing = []
+    for sub in module.modules():
+        owns = any(True for _ in sub.parameters(recurse=False)) or any(True for _ in sub.buffers(recurse=False))
+        if not owns:
+            continue
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        else:
+            missing.append(type(sub).__name__)
+    if missing:
+        raise TypeError(
+            f"{type(module).__name__} was built on the meta device, but {sorted(set(missing))} own parameters or"
+            " buffers and have no reset_parameters(): their values would be uninitialised memory. Give the model an"
+            " init_weights() (or those modules reset_parameters()), or build it without empty_init."
+        )

@@ -1,0 +1,167 @@
+"""parallelize(): the one function that turns a model into this rank's part of a parallel layout.
+
+Contract: ``parallelize(module, dims, config, *, mesh=None, materialize=True)`` works in place on ``module`` (any
+``nn.Module``: a LightningModule, a Hugging Face model, a bare transformer) and returns a :class:`Parallelized`.
+It needs a process group (gloo, NCCL, or torch's fake one: a planner checks a layout of 1024 ranks in one process)
+and no Trainer. ``mesh`` is the layout's device mesh (built from ``dims`` when not given). In order:
+
+1. **Tensor parallel** over ``tp``: the plan of the module's ``tensor_parallel_plan(tp_mesh)`` (names relative to
+   the module; the method may keep ``tp_mesh`` for its own collectives), else a Hugging Face ``_tp_plan``
+   translated (:func:`~lightning_ciuic.parallel.tensor.hugging_face_plan`). A module whose parameters are already
+   DTensors (its own ``parallelize_module`` in ``configure_model``) is left as it is. ``tp > 1`` with no plan and
+   nothing sharded is an error: every tp rank would compute the same thing.
+2. Expert parallel: not yet (experts stay replicated over tp and dp, sharded with the rest under FSDP).
+3. **Activation checkpointing** (``config.gradient_checkpointing``): each pipeline block of a
+   :class:`~lightning_ciuic.parallel.pipeline_module.PipelineModule`, else each block of the module's outermost
+   ``nn.ModuleList`` s; a module with neither is an error.
+4. **Pipeline cut** over ``pp`` (:func:`~lightning_ciuic.parallel.pipeline_module.build_pipeline`): this rank's
+   stages kept in place, parameter names unchanged.
+5. **FSDP2 units** over ``dp_shard`` (HSDP with ``dp_replicate``) when ``dims.sharded``: every data-parallel rank
+   first takes the first one's weights, then :func:`~lightning_ciuic.parallel.fsdp.shard`. A module the user
+   sharded already (``fully_shard`` in ``configure_model``, as for Lightning's ``ModelParallelStrategy``) keeps its
+   units, which must shard over the data-parallel ranks; it is then driven as sharded whatever ``dims.dp_shard``.
+6. **Materialisation**: meta tensors (``Trainer.init_module(empty_init=True)``) allocated on the mesh's device and
+   initialised, shard by shard where sharded (:func:`~lightning_ciuic.parallel.fsdp.materialize`).
+
+Applying it twice to one module (Lightning sets a model up for each of fit, validate, test) changes nothing the
+first call did not: tensor-parallel and FSDP steps see their own work and skip.
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_ciuic.comm.data_parallel import broadcast_from_first
+from lightning_ciuic.config import ParallelismConfig
+from lightning_ciuic.parallel.axes import Axis
+from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.parallel.fsdp import FSDPLayout, default_units, found_sharding, has_meta_tensors, shard
+from lightning_ciuic.parallel.fsdp import materialize as materialize_meta
+from lightning_ciuic.parallel.pipeline import PipelineRunner, block_modules, checkpoint_activations
+from lightning_ciuic.parallel.pipeline_module import PipelineModule, build_pipeline
+from lightning_ciuic.parallel.tensor import apply_tensor_parallel, hugging_face_plan
+from lightning_ciuic.tensors import device_of
+
+
+@dataclass
+class Parallelized:
+    """What :func:`parallelize` made of a module (see the module docstring)."""
+
+    module: nn.Module
+    dims: ParallelDims
+    mesh: DeviceMesh
+    pipeline: Optional[PipelineRunner] = None
+    fsdp: Optional[FSDPLayout] = None  # the FSDP2 units, ours or the user's
+    user_sharded: bool = False  # the units are the user's own fully_shard calls
+
+    @property
+    def stages(self) -> tuple[nn.Module, ...]:
+        return tuple(self.pipeline.stage_modules) if self.pipeline is not None else ()
+
+
+def parallelize(
+    module: nn.Module, dims: ParallelDims, config: ParallelismConfig, *, mesh: Optional[DeviceMesh] = None,
+    materialize: bool = True,
+) -> Parallelized:
+    """This rank's part of ``module`` in the layout ``dims`` (see the module docstring)."""
+    mesh = mesh if mesh is not None else dims.build_mesh("cuda" if torch.cuda.is_available() else "cpu")
+    device = device_of(mesh)
+    user_fsdp = found_sharding(module)
+    if dims.tp_enabled:
+        tensor_parallel(module, mesh[Axis.TP])
+    if config.gradient_checkpointing:
+        checkpoint_blocks(module)
+    result = Parallelized(module, dims, mesh)
+    if dims.pp_enabled:
+        if user_fsdp is not None:
+            raise ValueError(
+                f"{type(module).__name__} calls fully_shard itself, and pipeline_parallel_size={dims.pp} cuts it into"
+                " stages afterwards, which FSDP2 units do not survive: leave sharding to the strategy"
+                " (data_parallel_shard_size > 1) or use pipeline_parallel_size=1."
+            )
+        result.pipeline = build_pipeline(module, mesh, config.pipeline, device)
+    if user_fsdp is not None:
+        check_user_sharding(module, user_fsdp, mesh[Axis.DP], config)
+        result.fsdp, result.user_sharded = user_fsdp, True
+    elif dims.sharded:
+        fsdp_mesh = dims.fsdp_mesh(mesh)
+        broadcast_from_first(module, fsdp_mesh)  # replicas start equal, as DDP's do
+        result.fsdp = shard(module, fsdp_mesh, config.sharding, result.stages)
+    if materialize and has_meta_tensors(module):
+        materialize_meta(module, device)
+    return result
+
+
+def tensor_parallel_plan(module: nn.Module, tp_mesh: DeviceMesh) -> Optional[Mapping[str, ParallelStyle]]:
+    """The module's own plan, or its Hugging Face ``_tp_plan`` translated; ``None`` if it has neither."""
+    own = getattr(module, "tensor_parallel_plan", None)
+    if callable(own):
+        return own(tp_mesh)
+    hf_plan = getattr(module, "_tp_plan", None)
+    if hf_plan:
+        plan, _ = hugging_face_plan(module, hf_plan)
+        return plan
+    return None
+
+
+def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Step 1: apply the module's tensor-parallel plan over ``tp_mesh`` unless it did so itself."""
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        return  # applied already: by the module's configure_model, or by an earlier call
+    plan = tensor_parallel_plan(module, tp_mesh)
+    if not plan:
+        raise ValueError(
+            f"tensor_parallel_size={tp_mesh.size()}, but {type(module).__name__} has no tensor-parallel plan: every tp"
+            " rank would compute the same thing on the same data. Give the module a tensor_parallel_plan(tp_mesh)"
+            " method (names -> ColwiseParallel/RowwiseParallel), call parallelize_module(self, self.device_mesh['tp'],"
+            " ...) in configure_model, or use tensor_parallel_size=1."
+        )
+    apply_tensor_parallel(module, tp_mesh, plan)
+
+
+def checkpoint_blocks(module: nn.Module) -> None:
+    """Step 3: activation checkpointing for each block (pipeline blocks, else the outermost layer lists' blocks)."""
+    if isinstance(module, PipelineModule):
+        blocks = block_modules(module, list(module.pipeline_blocks()))
+    else:
+        blocks = default_units(module)
+    if not blocks:
+        raise TypeError(
+            f"gradient_checkpointing=True recomputes each block of the model, and {type(module).__name__} has neither"
+            " pipeline blocks (the PipelineModule protocol: pipeline_blocks(), docs/pipeline.md) nor an nn.ModuleList"
+            " of layers: give it one of them, or set gradient_checkpointing=False."
+        )
+    checkpoint_activations(blocks)
+
+
+def check_user_sharding(module: nn.Module, layout: FSDPLayout, dp_mesh: DeviceMesh, config: ParallelismConfig) -> None:
+    """A user's own FSDP2 units must shard over exactly the data-parallel ranks (else gradients are averaged over
+    the wrong group), and cannot be driven by DiLoCo, whose replicas are whole."""
+    ranks = sorted(int(r) for r in layout.mesh.mesh.flatten().tolist())
+    expected = sorted(int(r) for r in dp_mesh.mesh.flatten().tolist())
+    if ranks != expected:
+        raise ValueError(
+            f"{type(module).__name__} calls fully_shard over ranks {ranks}, but this rank's data-parallel ranks are"
+            f" {expected}: shard over self.device_mesh['data_parallel'] (or ['dp']), or leave sharding to the strategy"
+            " (data_parallel_shard_size > 1)."
+        )
+    if config.diloco is not None:
+        raise ValueError(
+            f"{type(module).__name__} calls fully_shard itself, and diloco= trains whole replicas: remove the"
+            " fully_shard calls, or the diloco argument."
+        )
+
+
+def with_sharding(config: ParallelismConfig, **changes: Any) -> ParallelismConfig:
+    """``config`` with its sharding options changed (e.g. FSDP2's dtypes, which the precision decides)."""
+    return dataclasses.replace(config, sharding=dataclasses.replace(config.sharding, **changes))
