@@ -1,17 +1,17 @@
 """What the pack did in a run, in a few lines: the end of ``lightning-ciuic fit``.
 
 Contract: :func:`run_summary(trainer, config)` reads only what survives in the launching process after ``fit``
-(spawned workers keep their callbacks' state to themselves): the newest ``monitor.json`` under the Trainer's log
-folder (report, trace, advice), the AsyncCheckpointer's store (its checkpoints, as ``lightning-ciuic checkpoint
-ls`` lists them), the metrics SnapshotRecovery logged (last snapshot, rollbacks), and says how to resume.
-:func:`checkpoint_table` is the listing both use.
+(spawned workers keep their callbacks' state to themselves): this run's ``monitor.json`` (report, trace, advice),
+as :meth:`CommunicationMonitor.record_path` finds it (the file it wrote, or the one carrying its run id; never
+another run's newer file in the same folder), the AsyncCheckpointer's store (its checkpoints, as
+``lightning-ciuic checkpoint ls`` lists them), the metrics SnapshotRecovery logged (last snapshot, rollbacks), and
+says how to resume. :func:`checkpoint_table` is the listing both use.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch import Trainer
@@ -34,11 +34,12 @@ def run_summary(trainer: Trainer, config: Optional[str] = None) -> str:
     lines = [f"Summary: {trainer.global_step} optimizer steps."]
     monitor = next((c for c in trainer.callbacks if isinstance(c, CommunicationMonitor)), None)
     if monitor is not None:
-        root = Path(monitor.dirpath or trainer.default_root_dir)
-        found = sorted(root.rglob("monitor.json"), key=lambda p: p.stat().st_mtime)
-        if found:
-            record = json.loads(found[-1].read_text())
-            folder = found[-1].parent
+        found = monitor.record_path(trainer)
+        if found is None:
+            lines.append(f"- Communication report: none found for this run under {monitor.dirpath or trainer.default_root_dir}.")
+        else:
+            record = json.loads(found.read_text())
+            folder = found.parent
             lines.append(f"- Communication report: {folder / 'report.html'}" + (f"; timeline (open in ui.perfetto.dev): {folder / 'trace.json'}" if record.get("trace") else ""))
             advice = advise(RunProfile.from_json(record["profile"]))
             lines += [f"- Advice: {a.summary}\n    change: {a.argument}" for a in advice] or ["- Advice: none (every rule checked; see the report)."]

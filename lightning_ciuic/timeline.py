@@ -4,9 +4,11 @@ Contract: :data:`timeline` is this process's record. Components record spans whe
 checkpoint staging (category ``checkpoint``, on the training thread: a stall) and writes (same category, on the
 writer's thread), snapshots (``snapshot``), DiLoCo outer syncs (``outer_sync``), sampled tensor-parallel collectives
 (``tp``). Times are ``time.perf_counter`` readings; :func:`wall_clock` makes them epoch seconds, comparable across
-processes of one host (and across hosts as far as their clocks agree). :data:`STALLS` are the categories that stop
-training while they run on its thread. The telemetry's step records and the communication monitor's breakdown
-and Chrome trace read it. No Lightning imports.
+processes of one host (and across hosts as far as their clocks agree); :func:`wall_clock_ns` makes them integer
+epoch nanoseconds and keeps their order: a reading no later than another never converts to a later integer (so a
+span that ended before the next began does not overlap it in the Chrome trace). :data:`STALLS` are the categories
+that stop training while they run on its thread. The telemetry's step records and the communication monitor's
+breakdown and Chrome trace read it. No Lightning imports.
 """
 
 from __future__ import annotations
@@ -22,11 +24,20 @@ from typing import Optional
 _HISTORY = 100_000  # spans kept
 STALLS = ("checkpoint", "snapshot", "outer_sync")  # span categories that stop training while they run on its thread
 _WALL_OFFSET = time.time() - time.perf_counter()
+_WALL_OFFSET_NS = time.time_ns() - time.perf_counter_ns()  # the same offset, exact, for wall_clock_ns
 
 
 def wall_clock(perf_counter_seconds: float) -> float:
     """A ``time.perf_counter`` reading of this process as seconds since the epoch (comparable across processes)."""
     return perf_counter_seconds + _WALL_OFFSET
+
+
+def wall_clock_ns(perf_counter_seconds: float) -> int:
+    """A ``time.perf_counter`` reading of this process as integer nanoseconds since the epoch: the reading rounded
+    to nanoseconds first (``perf_counter`` is ``perf_counter_ns`` as a float: within a nanosecond for the first
+    48 days of uptime, a few after years), then the offset added as an integer, so no precision is lost to an
+    epoch-sized float (whose step is 0.24 us today), and the conversion never reverses the order of two readings."""
+    return round(perf_counter_seconds * 1e9) + _WALL_OFFSET_NS
 
 
 @dataclass(frozen=True)

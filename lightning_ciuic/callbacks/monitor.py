@@ -17,6 +17,12 @@ Contract:
   ``monitor/rank<r>/compute_ms`` and ``monitor/rank<r>/step_ms``; at the end of training, on rank 0: a summary
   table and the advice in the terminal, ``monitor.json`` (what ``lightning-ciuic advise`` reads) and a
   self-contained ``report.html`` in ``dirpath`` (default ``<trainer.log_dir or default_root_dir>/monitor``).
+  ``monitor.json`` carries the callback's ``run_id`` (made at construction, so the copies spawned ranks get share
+  it); :meth:`CommunicationMonitor.record_path` finds this run's file again, never another run's newer one.
+* Trace (``trace=True``): spans in integer epoch nanoseconds, each boundary one ``time.perf_counter`` reading
+  converted once (:func:`lightning_ciuic.timeline.wall_clock_ns`) and shared by the span that ends there and the
+  one that starts there; a step's data wait is drawn after a training-thread span that ended inside it (a
+  checkpoint staged after the previous step), so no two spans of a track overlap without nesting.
 * Advice comes from :func:`lightning_ciuic.advice.advise`; with ``measure_link`` the data-parallel link is
   measured once at the start of training (latency, bandwidth, and each dense compression mode's time to
   synchronize this model's gradient while the machine computes), which is what compression predictions need. It takes a few seconds, before the first step.
@@ -31,6 +37,8 @@ import resource
 import statistics
 import threading
 import time
+import uuid
+from bisect import bisect_right
 from collections import defaultdict, deque
 from pathlib import Path
 from typing import Any, Optional
@@ -47,7 +55,7 @@ from lightning_ciuic.comm.auto import measure_link, measure_sync_seconds, synchr
 from lightning_ciuic.advice.report import summary_table, write_report
 from lightning_ciuic.strategies.context import parallel_context
 from lightning_ciuic.telemetry import StepRecord, Telemetry, gather_per_rank
-from lightning_ciuic.timeline import timeline, wall_clock
+from lightning_ciuic.timeline import timeline, wall_clock_ns
 from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.validation import check_int
 
@@ -123,6 +131,8 @@ class CommunicationMonitor(Callback):
         self.measure_link = measure_link
         self.log_every_n_steps = log_every_n_steps
         self.trace, self.trace_steps = trace, trace_steps
+        self.run_id = uuid.uuid4().hex  # in monitor.json; made here, so the ranks' pickled copies share it
+        self.written: Optional[Path] = None  # the monitor.json this process wrote (rank 0 of an in-process run)
         self._trace_steps: deque[list[TraceEvent]] = deque(maxlen=trace_steps)  # this rank's step events
         self.profile: Optional[RunProfile] = None
         self.windows: list[dict[str, Any]] = []  # rank 0: {"step": int, "ranks": [per-rank means]}
@@ -140,6 +150,7 @@ class CommunicationMonitor(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.windows, self._window, self._total, self._bubbles = [], _Window(), _Window(), []
+        self.written = None
         self._trace_steps.clear()
         self._cursor = Telemetry.of(trainer).records_since(0)[1]
         context = self._context = parallel_context(trainer)
@@ -147,7 +158,7 @@ class CommunicationMonitor(Callback):
         self._axis_of_group = context.axis_of_group()
         if engine is not None:
             numel, buckets = engine.payload()
-            compression = (engine.describe() or {}).get("mode", "none")
+            compression = engine.label
         else:  # DDP and others: torch's bucketing (25 MB)
             numel = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
             buckets, compression = max(1, math.ceil(numel * 4 / (25 * 2**20))), "none"
@@ -293,9 +304,10 @@ class CommunicationMonitor(Callback):
         trace = _gather_objects(self._trace_events()) if self.trace else None  # collective
         if not trainer.is_global_zero:
             return
-        record = {"profile": self.profile.to_json(), "windows": self.windows, **({"trace": trace} if trace else {})}
+        record = {"run_id": self.run_id, "profile": self.profile.to_json(), "windows": self.windows, **({"trace": trace} if trace else {})}
         out.mkdir(parents=True, exist_ok=True)
         (out / "monitor.json").write_text(json.dumps(record, indent=1))
+        self.written = Path(os.path.abspath(out / "monitor.json"))
         written = write_report(out, record)
         findings = check(self.profile)
         advice = [f.advice for f in findings if f.advice is not None]
@@ -303,17 +315,52 @@ class CommunicationMonitor(Callback):
         lines += [f"  - {item}" for item in advice]
         rank_zero_info("\n".join(lines) + "\n" + ", ".join(f"{kind}: {path}" for kind, path in written.items()))
 
+    def record_path(self, trainer: Trainer) -> Optional[Path]:
+        """This run's ``monitor.json``: the file this process wrote, or, in a launching process whose ranks ran
+        elsewhere (spawned ranks write with their own copies of this callback), the newest ``monitor.json`` under
+        ``dirpath`` (default: the Trainer's ``default_root_dir`` and its loggers' folders) that carries this
+        callback's ``run_id``. ``None`` when there is none: another run's file is never taken for this one's."""
+        if self.written is not None:
+            return self.written if self.written.is_file() else None
+        if self.dirpath:
+            roots = [Path(self.dirpath)]
+        else:
+            loggers = getattr(trainer, "loggers", None) or []
+            roots = [Path(trainer.default_root_dir), *(Path(r) for r in (getattr(l, "root_dir", None) for l in loggers) if r)]
+        roots = [Path(os.path.abspath(root)) for root in roots]  # one name per file, found from either root
+        found = {path for root in roots if root.is_dir() for path in root.rglob("monitor.json")}
+        for path in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True):
+            try:
+                if json.loads(path.read_text()).get("run_id") == self.run_id:
+                    return path
+            except (OSError, ValueError, AttributeError):  # unreadable, half-written, not a record
+                continue
+        return None
+
     def _trace_events(self) -> list[TraceEvent]:
-        """This rank's step events, and the timeline's spans since the first step kept."""
-        events = [event for step in self._trace_steps for event in step]
-        if not events:
-            return events
-        since = min(e[3] for e in events)
+        """This rank's step events, and the timeline's spans since the first step kept. A step's data wait starts
+        at the end of the last training-thread span that ended inside it, if any (a checkpoint staged after the
+        previous step, in the gap the data wait is measured from, less that staging)."""
+        steps = [event for step in self._trace_steps for event in step]
+        if not steps:
+            return steps
+        since = min(e[3] for e in steps)
         training = threading.current_thread().name
-        for span in timeline.ending_within(since - wall_clock(0.0), time.perf_counter()):
+        spans: list[TraceEvent] = []
+        for span in timeline.ending_within((since - wall_clock_ns(0.0)) / 1e9, time.perf_counter()):
             track = "training" if span.track == training else span.track
-            events.append((track, span.name, span.category, wall_clock(span.start), span.end - span.start))
-        return events
+            spans.append((track, span.name, span.category, wall_clock_ns(span.start), wall_clock_ns(span.end)))
+        ends = sorted(e[4] for e in spans if e[0] == "training")
+        events: list[TraceEvent] = []
+        for event in steps:
+            if event[:2] == ("training", "data wait"):
+                i = bisect_right(ends, event[4])
+                if i and ends[i - 1] > event[3]:
+                    event = (*event[:3], ends[i - 1], event[4])
+                    if event[3] >= event[4]:
+                        continue
+            events.append(event)
+        return events + spans
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -323,18 +370,22 @@ class CommunicationMonitor(Callback):
 
 def step_events(record: StepRecord, dp_comm: float) -> list[TraceEvent]:
     """A step's spans on the training track, and its data-parallel synchronization window on the ``dp collectives``
-    track: first bucket launched to last reduced, placed to end where the step stopped waiting for it."""
-    start = wall_clock(record.start)
-    synced = start + record.compute + record.sync_wait
+    track: first bucket launched to last reduced, placed to end where the step stopped waiting for it. Each
+    boundary is one ``time.perf_counter`` time converted once to epoch nanoseconds, the end of one span and the
+    start of the next."""
+    start = record.start
+    grads = start + record.compute
+    synced = grads + record.sync_wait
+    at = wall_clock_ns
     events: list[TraceEvent] = [
-        ("training", "data wait", "data", start - record.data_wait, record.data_wait),
-        ("training", f"step {record.step}: forward + backward", "compute", start, record.compute),
-        ("training", "dp sync (exposed)", "dp", start + record.compute, record.sync_wait),
-        ("training", "optimizer step + callbacks", "optimizer", synced, start + record.duration - synced),
+        ("training", "data wait", "data", at(start - record.data_wait), at(start)),
+        ("training", f"step {record.step}: forward + backward", "compute", at(start), at(grads)),
+        ("training", "dp sync (exposed)", "dp", at(grads), at(synced)),
+        ("training", "optimizer step + callbacks", "optimizer", at(synced), at(start + record.duration)),
     ]
     if dp_comm > 0:
-        events.append(("dp collectives", "gradient synchronization", "dp", synced - dp_comm, dp_comm))
-    return [e for e in events if e[4] > 0]
+        events.append(("dp collectives", "gradient synchronization", "dp", at(synced - dp_comm), at(synced)))
+    return [e for e in events if e[4] > e[3]]
 
 
 def _gather_objects(obj: Any) -> list[Any]:
