@@ -28,12 +28,25 @@ Contract:
   loss spikes) and recorded in :attr:`events`. A snapshot that fails its check is reported and the next
   candidate is used. More than ``max_rollbacks`` rollbacks without a new snapshot in between stop the run with
   an error instead of looping.
-* Restart (``torchrun --max-restarts``): the restarted workers, at ``on_fit_start``, find the newest snapshot
-  every rank can load (own shared memory, else the peer's copy) and resume exactly; with none, the newest
-  checkpoint of an :class:`~lightning_ciuic.callbacks.async_checkpoint.AsyncCheckpointer` in the run; else
-  training starts fresh. Don't also pass ``ckpt_path`` to ``fit``: Lightning would load it after us. A restart
-  into a different data-parallel size (elastic nodes; ``pp`` and ``tp`` unchanged) restores from a
-  data-parallel replica's snapshot, sent by the rank that holds it; compression residuals then start at zero.
+* Resume at the start of ``fit``: the newest snapshot every rank can load (own shared memory, else the peer's
+  copy), else the newest checkpoint of an :class:`~lightning_ciuic.callbacks.async_checkpoint.AsyncCheckpointer`
+  in the run, else nothing (training starts fresh). When, by ``resume``:
+
+  - ``"restart"`` (default): only on a TorchElastic restart (``torchrun --max-restarts``, elastic nodes): some rank
+    has ``TORCHELASTIC_RESTART_COUNT`` > 0, or, under TorchElastic, some rank finds snapshots of this run kept by
+    the previous attempt (a restart for a change of membership, which TorchElastic does not count). A fresh launch
+    starts from scratch even beside a directory of checkpoints; one line says so and how to resume it.
+  - ``"always"``: on every launch, a fresh one included.
+  - ``"never"``: never (rollbacks only).
+
+  Never when ``fit`` is given a ``ckpt_path``: Lightning loads that checkpoint, and only that one. The decision
+  waits until ``trainer.ckpt_path`` is known: at ``on_fit_start`` where Lightning restores ``ckpt_path`` before
+  it (``restore_checkpoint_after_setup`` is False, e.g. DDP), else (``HybridParallelStrategy``, which loads
+  checkpoints into the set-up model after ``on_fit_start``) when Lightning sets up the training DataLoader: after
+  its own restore and the validation sanity check, before the loop state is used. A resume is said in one line
+  (what was loaded, its step, why). A restart into a different data-parallel size (elastic nodes; ``pp`` and
+  ``tp`` unchanged) restores from a data-parallel replica's snapshot, sent by the rank that holds it; compression
+  residuals then start at zero.
 * Shared memory is released: each rank's snapshots when ``fit`` finishes or fails for good, and the run's
   directory by a reaper when the TorchElastic agent (or the launching process) exits, whatever killed it.
 * Logged: ``recovery/rollbacks`` and ``recovery/snapshot_step``; :attr:`snapshot_seconds` sums the time spent
@@ -86,8 +99,10 @@ from lightning_ciuic.validation import check_choice, check_int
 
 RecoveryStrategy = Literal["latest", "min_loss"]
 SnapshotStoreKind = Literal["memory", "shm", "peer"]
+ResumeWhen = Literal["restart", "always", "never"]
 _STRATEGIES = ("latest", "min_loss")
 _STORES = ("memory", "shm", "peer")
+_RESUMES = ("restart", "always", "never")
 _MIN_SPIKE_HISTORY = 10
 _VOTE = "SnapshotRecovery"  # its slot in the per-step vote
 
@@ -120,6 +135,9 @@ class SnapshotRecovery(Callback):
         max_rollbacks: rollbacks allowed without a new snapshot in between.
         shm_root: where shared-memory snapshots live (default ``/dev/shm``, else the temp directory).
         run_id: names the snapshot directory; default: TorchElastic's run id and agent, else this launch.
+        resume: when ``fit`` resumes by itself: ``"restart"`` (a TorchElastic restart), ``"always"`` (every launch:
+            also a fresh one, from the last ``AsyncCheckpointer`` checkpoint) or ``"never"``. A ``ckpt_path`` given
+            to ``fit`` always wins.
     """
 
     def __init__(
@@ -135,12 +153,14 @@ class SnapshotRecovery(Callback):
         max_rollbacks: int = 3,
         shm_root: Optional[str] = None,
         run_id: Optional[str] = None,
+        resume: ResumeWhen = "restart",
     ) -> None:
         for name, value in (("snapshot_freq", snapshot_freq), ("max_snapshots", max_snapshots), ("spike_window", spike_window), ("max_rollbacks", max_rollbacks)):
             check_int(name, value)
         check_choice("state_compression", state_compression, COMPRESSIONS)
         check_choice("recovery_strategy", recovery_strategy, _STRATEGIES)
         check_choice("store", store, _STORES)
+        check_choice("resume", resume, _RESUMES)
         if loss_spike_factor is not None and not loss_spike_factor > 1:
             raise ValueError(f"loss_spike_factor must be > 1 (or None to turn the spike rule off), got {loss_spike_factor!r}.")
         self.snapshot_freq, self.state_compression, self.max_snapshots = snapshot_freq, state_compression, max_snapshots
@@ -148,7 +168,7 @@ class SnapshotRecovery(Callback):
         self.loss_spike_factor, self.spike_window, self.check_gradients = loss_spike_factor, spike_window, check_gradients
         self.max_rollbacks = max_rollbacks
         self.shm_root = shm_root or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-        self.run_id = run_id
+        self.run_id, self.resume = run_id, resume
         self.events: list[RecoveryEvent] = []
         self.restored_from: Optional[str] = None
         self.snapshot_seconds = 0.0
@@ -160,13 +180,14 @@ class SnapshotRecovery(Callback):
         self._last_step = -1
         self._rollbacks_since_snapshot = 0
         self._failed = False
+        self._resume_pending = False  # on_fit_start ran, the resume decision has not been made yet
 
     # -- set-up and teardown ------------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        add_train_loader_transform(trainer, self._positioned)
+        add_train_loader_transform(trainer, self._train_loader)
         self._vote = step_vote(trainer)
         self._vote.register(_VOTE, 4, self._local_health)
         if self.store_kind == "memory":
@@ -186,6 +207,11 @@ class SnapshotRecovery(Callback):
             return owner, self.run_id or f"{os.environ['TORCHELASTIC_RUN_ID']}-{owner}"
         owner = int(trainer.strategy.broadcast(os.getpid()))
         return owner, self.run_id or f"local-{owner}"
+
+    def _train_loader(self, trainer: Trainer, loader: Any) -> Any:
+        """Lightning sets up the training loader: resume first if still to be decided (see :meth:`on_fit_start`)."""
+        self._resume_once(trainer)
+        return self._positioned(trainer, loader)
 
     def _positioned(self, trainer: Trainer, loader: Any) -> Any:
         if not isinstance(loader, DataLoader) or loader.batch_sampler is None:
@@ -209,7 +235,8 @@ class SnapshotRecovery(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        remove_train_loader_transform(trainer, self._positioned)
+        remove_train_loader_transform(trainer, self._train_loader)
+        self._resume_pending = False
         if self._vote is not None:
             self._vote.release(_VOTE, peer_may_be_gone=self._failed)
             self._vote = None
@@ -219,30 +246,85 @@ class SnapshotRecovery(Callback):
             if store is not None:
                 store.clear()
 
-    # -- restart: resume from the newest usable snapshot ----------------------------------------------
+    # -- resume at the start of fit: after a restart, or when asked ------------------------------------
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.ckpt_path is not None:
-            assert self.store is not None
+        self._resume_pending = True
+        if not trainer.strategy.restore_checkpoint_after_setup:
+            self._resume_once(trainer)  # Lightning restored any ckpt_path before this hook: trainer.ckpt_path says
+        # Else Lightning loads ckpt_path after this hook, so trainer.ckpt_path is not known yet (no public API names
+        # the fit argument before): decided when the training loader is set up, the first point after that load.
+
+    def _resume_once(self, trainer: Trainer) -> None:
+        if self._resume_pending:
+            self._resume_pending = False
+            self._resume(trainer, trainer.lightning_module)
+
+    def _resume(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Collective: resume from the newest snapshot, else the last checkpoint, when the contract says so."""
+        assert self.store is not None and self._vote is not None
+        if trainer.ckpt_path is not None:  # the user's choice: Lightning loads it, and nothing else is loaded
             newest = max(self.store.headers(), default=None)
             if newest is not None:
                 rank_zero_warn(
-                    f"SnapshotRecovery: fit was given ckpt_path={trainer.ckpt_path!r}, which Lightning loads after this"
-                    f" callback, so the step-{newest} snapshot is not used. Leave ckpt_path out to resume from snapshots"
-                    " (and, without any, from the last AsyncCheckpointer checkpoint)."
+                    f"SnapshotRecovery: fit was given ckpt_path={trainer.ckpt_path!r}, which Lightning loads instead"
+                    f" of the step-{newest} snapshot. Leave ckpt_path out to resume from snapshots after a restart."
                 )
             return
+        reason = self._resume_reason()
+        if reason is None:
+            self._say_not_resumed(trainer)
+            return
         started = time.perf_counter()
-        assert self.store is not None and self._vote is not None
         stores = {"own": self.store, "replica": self.replicas}
         restored = restore_newest(trainer, pl_module, stores, self._vote, self._layout(trainer), skip=self)
-        if restored is None:
-            restored = restore_from_checkpoint(trainer)
-        else:
+        if restored is not None:  # names its step
             self._last_step = trainer.global_step
-        if restored is not None:
-            self.restored_from = restored
-            rank_zero_info(f"SnapshotRecovery: resumed from {restored} in {time.perf_counter() - started:.2f} s.")
+            what = restored
+        else:
+            restored = restore_from_checkpoint(trainer)
+            what = f"{restored} (step {trainer.global_step})"
+        if restored is None:
+            rank_zero_info(f"SnapshotRecovery: {reason}, but no snapshot or AsyncCheckpointer checkpoint to resume.")
+            return
+        self.restored_from = restored
+        rank_zero_info(f"SnapshotRecovery: resumed from {what} in {time.perf_counter() - started:.2f} s ({reason}).")
+
+    def _resume_reason(self) -> Optional[str]:
+        """Why this launch resumes, the same on every rank (collective under ``"restart"``), or ``None``."""
+        if self.resume != "restart":
+            return "resume='always'" if self.resume == "always" else None
+        # TorchElastic counts failures only: a restart for a change of membership is known by the snapshots the
+        # previous attempt kept (a new node's agent counts nothing at all, hence any rank).
+        stores = (self.store, self.replicas)
+        kept = "TORCHELASTIC_RUN_ID" in os.environ and any(store is not None and store.headers() for store in stores)
+        reports = self._gather((_restart_count(), bool(kept)))
+        restarts = max(count for count, _ in reports)
+        if restarts > 0:
+            return f"TorchElastic restart {restarts}"
+        if any(kept for _, kept in reports):
+            return "TorchElastic restarted the workers, and snapshots of this run are kept"
+        return None
+
+    def _say_not_resumed(self, trainer: Trainer) -> None:
+        """One line when a checkpoint is there that this launch does not resume from, and how to resume it."""
+        from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
+
+        checkpointer = next((c for c in trainer.callbacks if isinstance(c, AsyncCheckpointer)), None)
+        if not trainer.is_global_zero or checkpointer is None:
+            return
+        manifests = checkpointer.io.catalog.manifests()
+        if not manifests:
+            return
+        newest = manifests[-1]
+        why = "resume='never'" if self.resume == "never" else "a fresh launch (not a TorchElastic restart)"
+        how = "pass ckpt_path='last' to fit (CLI: --ckpt_path last)"
+        if self.resume != "never":
+            how += " or SnapshotRecovery(resume='always')"
+        rank_zero_info(
+            f"SnapshotRecovery: {why}: training starts from scratch, not from the checkpoint {newest.name} (step"
+            f" {newest.step}) in {checkpointer.url}; to resume from it, {how}."
+        )
 
     @staticmethod
     def _layout(trainer: Trainer) -> tuple[int, int, int]:
@@ -423,6 +505,11 @@ def _finite(tensors: list[torch.Tensor]) -> bool:
 def _loss_of(outputs: Any) -> Optional[float]:
     loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
     return float(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+def _restart_count() -> int:
+    """This worker's TorchElastic restart attempt (0: the first, or not under TorchElastic)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def _restart_expected() -> bool:
