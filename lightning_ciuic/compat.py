@@ -20,13 +20,17 @@ Touch points:
   checkpoint whole in one process, as torch's own ``dcp_to_torch_save`` does), ``DeviceMesh._flatten`` (two mesh
   axes named as one, as torchtitan names ``dp_replicate x dp_shard`` "dp"), FSDP2's ``ReduceScatter`` interface
   (``set_custom_reduce_scatter`` is public, the class it takes is not), and the mesh of a user's ``fully_shard``
-  unit (its state's parameter group).
+  unit (its state's parameter group); ``nn.Module``'s own forward-hook tables (suspended while a step is routed
+  through an FSDP2 root, so its hooks run once per step).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import warnings
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -49,6 +53,7 @@ __all__ = [
     "check_versions",
     "epoch_position",
     "flatten_mesh",
+    "forward_hooks_suspended",
     "fsdp_mesh",
     "launchers",
     "load_state_dict_into",
@@ -173,3 +178,14 @@ def fsdp_mesh(unit: Any) -> Any:
     """The mesh an FSDP2 unit (a ``fully_shard`` ed module) shards its own parameters over; ``None`` if it owns none."""
     group = unit._get_fsdp_state()._fsdp_param_group
     return group.mesh_info.mesh if group is not None else None
+
+
+@contextmanager
+def forward_hooks_suspended(module: Any) -> Iterator[None]:
+    """Calls of ``module`` run its ``forward`` alone, without its own forward (pre-)hooks, inside this context."""
+    saved = module._forward_pre_hooks, module._forward_hooks
+    module._forward_pre_hooks, module._forward_hooks = OrderedDict(), OrderedDict()
+    try:
+        yield
+    finally:
+        module._forward_pre_hooks, module._forward_hooks = saved

@@ -63,7 +63,9 @@ class ReplicaReport(Callback):
 
         from lightning_ciuic import parallel_context
 
-        group = parallel_context(trainer).dp_group
+        context = parallel_context(trainer)
+        # Replicas hold equal tensors; shards (dp_shard) do not: compare over the replicas of this rank's shard.
+        group = context.dp_group if not context.dims.sharded else None
         flat = torch.cat([(p.to_local() if isinstance(p, DTensor) else p).detach().reshape(-1) for p in pl_module.parameters()])
         copies = [flat]
         if group is not None:

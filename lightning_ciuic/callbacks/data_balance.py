@@ -48,6 +48,7 @@ from lightning_ciuic.data.balance import BalancedBatchSampler, imbalance, rebala
 from lightning_ciuic.data.resume import PositionedDataLoader, with_batch_sampler
 from lightning_ciuic.telemetry import StepRecord, Telemetry, gather_per_rank
 from lightning_ciuic.tensors import local_tensor
+from lightning_ciuic.strategies.context import parallel_context
 from lightning_ciuic.validation import check_int
 
 RebalanceStrategy = Literal["throughput", "gradient_aware"]
@@ -131,8 +132,8 @@ class DynamicDataBalancer(Callback):
         if isinstance(sampler, DistributedSampler):
             dp, rank, shuffle, seed = sampler.num_replicas, sampler.rank, sampler.shuffle, sampler.seed
         else:
-            kwargs = trainer.strategy.distributed_sampler_kwargs or {}
-            dp, rank = kwargs.get("num_replicas", 1), kwargs.get("rank", 0)
+            context = parallel_context(trainer)
+            dp, rank = context.dims.dp, context.dp_rank
             shuffle, seed = isinstance(sampler, RandomSampler), int(os.environ.get("PL_GLOBAL_SEED", 0))
         self.sampler = BalancedBatchSampler(
             len(dataset), loader.batch_size * dp, rank, dp, shuffle=shuffle, seed=seed, drop_last=loader.drop_last

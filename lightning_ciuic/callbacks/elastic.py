@@ -44,6 +44,7 @@ from lightning_ciuic.strategies.context import batch_end_vote, step_vote
 from lightning_ciuic.callbacks.recovery import SnapshotRecovery
 from lightning_ciuic.parallel.scaling import NodeWindow, ScaleDecision, decide
 from lightning_ciuic.telemetry import Telemetry, gather_per_rank
+from lightning_ciuic.strategies.context import parallel_context
 from lightning_ciuic.validation import check_choice, check_int
 
 ScalingStrategy = Literal["performance_aware"]
@@ -140,7 +141,7 @@ class ElasticResourceManager(Callback):
 
     def _keep_global_batch(self, trainer: Trainer) -> None:
         per_rank = _per_rank_batch(trainer.train_dataloader)
-        dp = (trainer.strategy.distributed_sampler_kwargs or {}).get("num_replicas", 1)
+        dp = parallel_context(trainer).dims.dp
         if per_rank is None:
             rank_zero_warn("ElasticResourceManager: cannot read the per-rank batch size; the global batch follows the node count.")
             return

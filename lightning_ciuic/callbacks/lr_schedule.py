@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim.lr_scheduler import LRScheduler
 from typing_extensions import override
 
+from lightning_ciuic.strategies.context import parallel_context
 from lightning_ciuic.validation import check_int
 
 
@@ -130,7 +131,7 @@ class WarmupCosineSchedule(Callback):
             batch = getattr(trainer.datamodule, "batch_size", None)
         if batch is None:
             raise ValueError("WarmupCosineSchedule(scale_lr_with_batch='linear') needs batch_size=..., or a datamodule with a batch_size attribute.")
-        replicas = trainer.strategy.distributed_sampler_kwargs.get("num_replicas", 1) if trainer.world_size > 1 else 1
+        replicas = parallel_context(trainer).dims.dp
         return int(batch) * trainer.accumulate_grad_batches * replicas
 
     @override

@@ -277,7 +277,7 @@ class SnapshotRecovery(Callback):
             return
         started = time.perf_counter()
         stores = {"own": self.store, "replica": self.replicas}
-        restored = restore_newest(trainer, pl_module, stores, self._vote, self._layout(trainer), skip=self)
+        restored = restore_newest(trainer, pl_module, stores, self._vote, parallel_context(trainer).dims, skip=self)
         if restored is not None:  # names its step
             self._last_step = trainer.global_step
             what = restored
@@ -325,11 +325,6 @@ class SnapshotRecovery(Callback):
             f"SnapshotRecovery: {why}: training starts from scratch, not from the checkpoint {newest.name} (step"
             f" {newest.step}) in {checkpointer.url}; to resume from it, {how}."
         )
-
-    @staticmethod
-    def _layout(trainer: Trainer) -> tuple[int, int, int]:
-        dims = parallel_context(trainer).dims
-        return dims.pp, dims.tp, dims.dp_shard
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -387,10 +382,9 @@ class SnapshotRecovery(Callback):
         if not _finite([p for p in pl_module.parameters()]):
             problem = "non-finite parameters"  # a poisoned update the next step's loss check will roll back
         else:
-            pp, tp, dp_shard = self._layout(trainer)
             meta = {
                 "step": step, "loss": loss, "epoch": trainer.current_epoch, "rank": trainer.global_rank,
-                "world_size": trainer.world_size, "pp": pp, "tp": tp, "dp_shard": dp_shard,
+                "world_size": trainer.world_size, "layout": parallel_context(trainer).dims.layout_key(),
             }
             state = capture_training_state(trainer, pl_module, skip=self)
             try:

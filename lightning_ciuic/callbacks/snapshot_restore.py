@@ -35,6 +35,7 @@ from lightning_ciuic.checkpoint.snapshot import (
     transfer,
 )
 from lightning_ciuic.comm.vote import StepVote
+from lightning_ciuic.parallel.dims import ParallelDims
 
 
 def decode_agreed(vote: StepVote, blob: Union[bytes, memoryview], name: str) -> Optional[dict[str, Any]]:
@@ -52,22 +53,19 @@ def restore_newest(
     pl_module: LightningModule,
     stores: dict[str, Optional[MemoryStore]],
     vote: StepVote,
-    layout: tuple[int, int, int],
+    dims: ParallelDims,
     skip: Callback,
 ) -> Optional[str]:
-    """``stores``: ``{"own": ..., "replica": ...}``; ``layout``: this run's ``(pp, tp, dp_shard)``; ``skip``: the
-    callback whose own state the snapshot does not restore (the caller)."""
-    rank, (pp, tp, dp_shard) = trainer.global_rank, layout
+    """``stores``: ``{"own": ..., "replica": ...}``; ``dims``: this run's layout; ``skip``: the callback whose own
+    state the snapshot does not restore (the caller)."""
+    rank = trainer.global_rank
     mine = [
-        Holding(
-            rank, where, step, h["world_size"], h["rank"], h.get("pp", 1), h.get("tp", 1), h.get("loss"),
-            h.get("dp_shard", 1),
-        )
+        Holding(rank, where, step, h["world_size"], h["rank"], h["layout"], h.get("loss"))
         for where, store in stores.items() if store is not None
         for step, h in store.headers().items()
     ]
     holdings = [holding for table in vote.gather(mine) for holding in table]
-    for plan in plan_restores(holdings, trainer.world_size, pp, tp, dp_shard):
+    for plan in plan_restores(holdings, dims):
         moves = [(source.holder, owner) for owner, source in enumerate(plan.sources) if source.holder != owner]
 
         def blob_for(owner: int, plan: RestorePlan = plan) -> bytes:

@@ -3,7 +3,8 @@
 Contract:
 
 * :func:`capture_training_state`: this rank's share of the model and of every optimizer's state (live CPU tensors:
-  serialize them before the next step), LR schedulers, gradient-compression residuals (``HybridParallelStrategy``),
+  serialize them before the next step), LR schedulers, the data-parallel engine's per-rank state and mode
+  (:func:`engine_state`: residuals, DiLoCo's round; under :data:`ENGINE_STATE_KEY`, as in checkpoints),
   the fit loop's state (step, epoch, position in the epoch, stateful loaders), every callback's state but
   ``skip``'s, and the RNG states. Only public objects are read (``trainer.optimizers``, ``lr_scheduler_configs``,
   ``fit_loop.state_dict()``, callbacks' ``state_dict``), not Lightning's private checkpoint connector.
@@ -31,7 +32,25 @@ from lightning_ciuic.checkpoint.training_state import (
     set_rng_state,
 )
 from lightning_ciuic import compat
+from lightning_ciuic.comm.data_parallel import DataParallel
 from lightning_ciuic.strategies.context import parallel_context
+
+
+ENGINE_STATE_KEY = "data_parallel"
+
+
+def engine_state(engine: Optional[DataParallel]) -> Optional[dict[str, Any]]:
+    """What a snapshot or checkpoint keeps of the engine: its per-rank tensors and its mode, or None if nothing."""
+    if engine is None or not engine.has_rank_state:
+        return None
+    return {"state": engine.state_dict(), "description": engine.describe()}
+
+
+def restore_engine_state(engine: DataParallel, saved: Optional[dict[str, Any]]) -> None:
+    """Load :func:`engine_state` back; ``None`` (another rank's or layout's, or none kept) starts the engine afresh."""
+    engine.load_state_dict(saved["state"] if saved is not None else {})
+    if saved is not None:
+        engine.restore(saved["description"])
 
 
 def capture_training_state(trainer: Trainer, pl_module: LightningModule, skip: Optional[Callback] = None) -> dict[str, Any]:
@@ -42,7 +61,7 @@ def capture_training_state(trainer: Trainer, pl_module: LightningModule, skip: O
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "loops": trainer.fit_loop.state_dict(),
         "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb is not skip},
-        "compression": engine.state_dict() if engine is not None else None,  # residuals: per rank
+        ENGINE_STATE_KEY: engine_state(engine),  # residuals, DiLoCo's round: per rank
         "rng": rng_state(),
     }
 
@@ -62,7 +81,7 @@ def apply_training_state(
         config.scheduler.load_state_dict(scheduler_state)
     engine = parallel_context(trainer).data_parallel
     if engine is not None:  # another rank's or layout's state: the engine starts afresh (residuals zero)
-        engine.load_state_dict(state["compression"] if rank_state and state["compression"] is not None else {})
+        restore_engine_state(engine, state[ENGINE_STATE_KEY] if rank_state else None)
     set_rng_state(state["rng"])
     if rewind_only:
         compat.rewind_step_counters(trainer, state["loops"])

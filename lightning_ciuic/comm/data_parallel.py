@@ -14,8 +14,9 @@ Contract of a :class:`DataParallel` engine, driven by the strategy at four point
   ``after_backward(accumulated)`` then makes this rank's gradients the replicas' average: overlapped with
   backward when hooks saw the gradients, all at once when they were ``accumulated`` outside the hooks.
 * ``state_dict()`` / ``load_state_dict(state)``: this rank's engine state for checkpoints and snapshots (flat
-  name -> tensor), and ``describe()`` / ``restore(description)``: the small, rank-independent part (the active
-  mode) saved once.
+  name -> tensor); ``has_rank_state``: whether there is any (checkpoints then keep it under this rank's key);
+  ``describe()`` / ``restore(description)``: the small, rank-independent part (the active mode) saved once;
+  ``label``: what the monitor shows as the run's compression.
 * ``after_optimizer_step()``: after each optimizer step; ``finish()``: at the end of training (both nothing by
   default: DiLoCo synchronises there); ``track_optimizers(optimizers)`` once they exist; ``replicas_differ``: the
   replicas' tensors are not equal (checkpoints then take replicated tensors from the lowest rank).
@@ -48,6 +49,7 @@ from lightning_ciuic.comm.auto import AutoCompression
 from lightning_ciuic.comm.compression import CompressionConfig, GradientCompression
 from lightning_ciuic.comm.grad_sync import GradientSynchronizer, SyncStats, mean_all_reduce
 from lightning_ciuic.tensors import local_tensor
+from lightning_ciuic.parallel.axes import Axis
 
 
 class DataParallel(ABC):
@@ -81,8 +83,19 @@ class DataParallel(ABC):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         pass
 
-    def describe(self) -> Optional[dict[str, Any]]:
-        return None
+    @property
+    def has_rank_state(self) -> bool:
+        """Whether :meth:`state_dict` holds per-rank state to save (error-feedback residuals, DiLoCo's rounds)."""
+        return False
+
+    @property
+    def label(self) -> str:
+        """The compression the monitor shows for this engine's traffic."""
+        return "none"
+
+    def describe(self) -> dict[str, Any]:
+        """The rank-independent part of the state that :meth:`restore` reads back."""
+        return {}
 
     def track_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """The optimizers built after set-up (an engine whose state includes theirs keeps them)."""
@@ -118,7 +131,7 @@ class Replicated(DataParallel):
             self.compression = GradientCompression.from_config(self.config)
         self.synchronizer = GradientSynchronizer(
             module.parameters(), group=group, bucket_size_mb=self.bucket_size_mb, timeout=self.timeout,
-            axis_name="dp", reducer=self.compression or mean_all_reduce,
+            axis_name=Axis.DP, reducer=self.compression or mean_all_reduce,
         )
         if self.config.mode == "auto":
             assert self.compression is not None
@@ -168,13 +181,21 @@ class Replicated(DataParallel):
         if self.compression is not None:
             self.compression.load_state_dict(state)
 
-    def describe(self) -> Optional[dict[str, Any]]:
+    @property
+    def has_rank_state(self) -> bool:
+        return self.compression is not None
+
+    @property
+    def label(self) -> str:
+        return self.compression.mode if self.compression is not None else "none"
+
+    def describe(self) -> dict[str, Any]:
         if self.compression is None:
-            return None
+            return {}
         return {"mode": self.compression.mode, "algorithm": self.compression.algorithm}
 
     def restore(self, description: dict[str, Any]) -> None:
-        if self.compression is not None:
+        if self.compression is not None and description:
             self.compression.set_mode(**description)
 
     def close(self) -> None:
@@ -188,7 +209,7 @@ class Replicated(DataParallel):
 @torch.no_grad()
 def broadcast_from_first(module: torch.nn.Module, mesh: DeviceMesh) -> None:
     """Every rank of the data-parallel mesh takes the first rank's parameters and buffers (not meta ones)."""
-    group = compat.flatten_mesh(mesh, mesh.mesh_dim_names, "dp").get_group() if mesh.ndim > 1 else mesh.get_group()
+    group = compat.flatten_mesh(mesh, mesh.mesh_dim_names, Axis.DP).get_group() if mesh.ndim > 1 else mesh.get_group()
     if dist.get_world_size(group) == 1:
         return
     src = dist.get_global_rank(group, 0)

@@ -60,6 +60,7 @@ from lightning_ciuic.comm.grad_sync import SyncStats
 from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.timeline import timeline
 from lightning_ciuic.validation import check_choice, check_int
+from lightning_ciuic.parallel.axes import Axis
 
 OUTER_COMPRESSION = ("none", "fp16", "bf16", "int8", "nf4")
 
@@ -253,7 +254,7 @@ class DiLoCoEngine(DataParallel):
         self._stats.add_wait(now - waited_from)  # what training waited for
         timeline.record(f"outer sync (fragment {k})", "outer_sync", waited_from, now)
         if self.config.overlap_steps:
-            timeline.record(f"outer sync in flight (fragment {k})", "dp", launched_at, now, track="dp collectives")
+            timeline.record(f"outer sync in flight (fragment {k})", Axis.DP, launched_at, now, track="dp collectives")
 
     def _local(self, piece: Piece) -> torch.Tensor:
         """``piece`` of this rank's parameter (its local shard): a view, written through."""
@@ -277,8 +278,14 @@ class DiLoCoEngine(DataParallel):
     def payload(self) -> tuple[int, int]:
         return sum(p.numel() for p in self.params), len(self.fragments)
 
-    def describe(self) -> Optional[dict[str, Any]]:
-        return {"mode": f"diloco-{self.config.compression}", "sync_every": self.config.sync_every, "fragments": len(self.fragments)}
+    has_rank_state = True
+
+    @property
+    def label(self) -> str:
+        return f"diloco-{self.config.compression}"
+
+    def describe(self) -> dict[str, Any]:
+        return {"mode": self.label, "sync_every": self.config.sync_every, "fragments": len(self.fragments)}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         if self._fresh:

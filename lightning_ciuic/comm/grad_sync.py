@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from lightning_ciuic.comm.timing import DeviceClock
 from lightning_ciuic.tensors import local_tensor
+from lightning_ciuic.parallel.axes import Axis
 
 
 class GradientSyncTimeoutError(RuntimeError):
@@ -177,7 +178,7 @@ class GradientSynchronizer:
         group: dist.ProcessGroup,
         bucket_size_mb: float = 25.0,
         timeout: float = 300.0,
-        axis_name: str = "dp",
+        axis_name: str = Axis.DP,
         reducer: BucketReducer = mean_all_reduce,
     ) -> None:
         check_bucket_size(bucket_size_mb)

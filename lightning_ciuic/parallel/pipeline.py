@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_ciuic.timeline import timeline
 from lightning_ciuic.validation import check_int
+from lightning_ciuic.parallel.axes import Axis
 
 PipelineScheduleName = Literal[
     "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"
@@ -113,10 +114,10 @@ def _record_waits(start: float, end: float) -> None:
     edge = start
     for chunk in chunks:
         if chunk.start > edge:
-            timeline.record("pp send / receive / wait", "pp", edge, chunk.start, track="pp collectives")
+            timeline.record("pp send / receive / wait", Axis.PP, edge, chunk.start, track="pp collectives")
         edge = max(edge, chunk.end)
     if end > edge:
-        timeline.record("pp send / receive / wait", "pp", edge, end, track="pp collectives")
+        timeline.record("pp send / receive / wait", Axis.PP, edge, end, track="pp collectives")
 
 
 def theoretical_bubble(pp_size: int, num_microbatches: int) -> float:

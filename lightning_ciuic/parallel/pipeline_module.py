@@ -44,6 +44,7 @@ from lightning_ciuic.parallel.pipeline import (
     split_at,
     stage_ids_of_rank,
 )
+from lightning_ciuic.parallel.axes import Axis
 
 
 class PipelineModule(metaclass=abc.ABCMeta):
@@ -138,7 +139,7 @@ def build_pipeline(
             f" protocol (lightning_ciuic.PipelineModule: pipeline_blocks() and pipeline_loss()); {type(module).__name__}"
             " does not. See docs/pipeline.md."
         )
-    pp_mesh = mesh["pp"]
+    pp_mesh = mesh[Axis.PP]
     names = list(module.pipeline_blocks())
     per_rank = config.local_stages
     num_stages = pp_mesh.size() * per_rank

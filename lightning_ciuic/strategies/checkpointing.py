@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_ciuic.callbacks.trainer_state import ENGINE_STATE_KEY, engine_state, restore_engine_state
 from lightning_ciuic.checkpoint.sharded import load_sharded, save_sharded
 from lightning_ciuic.compat import unwrap_optimizer
 from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO
@@ -30,10 +31,11 @@ if TYPE_CHECKING:
 
 
 def rank_key(strategy: HybridParallelStrategy) -> str:
-    """Per-rank state (compression residuals) belongs to one rank of one layout: another layout resets it."""
+    """Per-rank state (compression residuals) belongs to one rank of one layout (``ParallelDims.layout_key``): another
+    layout resets it."""
     dims = strategy.parallel_dims
-    layout = f"_pp{dims.pp}dp{dims.dp}tp{dims.tp}" if dims is not None and (dims.pp_enabled or dims.tp_enabled) else ""
-    return f"rank{strategy.global_rank}{layout}_state"
+    layout = dims.layout_key() if dims is not None else "single"
+    return f"rank{strategy.global_rank}_{layout}_state"
 
 
 def _chunked_io(strategy: HybridParallelStrategy, path: Any) -> ChunkedCheckpointIO | None:
@@ -43,12 +45,11 @@ def _chunked_io(strategy: HybridParallelStrategy, path: Any) -> ChunkedCheckpoin
 
 def save_checkpoint(strategy: HybridParallelStrategy, checkpoint: dict[str, Any], filepath: Any) -> None:
     model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
-    rank_state = None
     engine = strategy.data_parallel
-    description = engine.describe() if engine is not None else None
-    if description is not None:  # the engine's state (error-feedback residuals) differs per rank: one key per rank
-        rank_state = engine.state_dict()
-        checkpoint["gradient_compression"] = description
+    saved = engine_state(engine)  # per rank (error-feedback residuals, DiLoCo's round): one key per rank
+    rank_state = saved["state"] if saved is not None else None
+    if saved is not None:
+        checkpoint[ENGINE_STATE_KEY] = saved["description"]
     key = rank_key(strategy)
     lowest_rank = engine is not None and engine.replicas_differ  # one consistent replica, not a mix of them
     io = _chunked_io(strategy, filepath)
@@ -86,15 +87,13 @@ def load_checkpoint(strategy: HybridParallelStrategy, checkpoint_path: Any) -> d
         )
     else:
         meta, rank_state = load_sharded(model, optimizers, key, checkpoint_id=Path(path))
-    description = meta.pop("gradient_compression", None)
+    description = meta.pop(ENGINE_STATE_KEY, None)
     engine = strategy.data_parallel
-    if engine is not None and engine.describe() is not None:
-        if rank_state is not None and description is not None:
-            engine.load_state_dict(rank_state)
-            engine.restore(description)
-        else:
-            engine.load_state_dict({})  # residuals at zero; DiLoCo starts a new round from the loaded model
-            rank_zero_info("checkpoint has no data-parallel engine state for this rank: residuals start at zero.")
+    if engine is not None and engine.has_rank_state:
+        found = rank_state is not None and description is not None
+        restore_engine_state(engine, {"state": rank_state, "description": description} if found else None)
+        if not found:  # residuals at zero; DiLoCo starts a new round from the loaded model
+            rank_zero_info("checkpoint has no data-parallel engine state for this rank and layout: it starts afresh.")
     return meta
 
 

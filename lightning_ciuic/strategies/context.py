@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_ciuic.comm.data_parallel import DataParallel
 from lightning_ciuic.comm.vote import StepVote
 from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.parallel.axes import Axis
 
 if TYPE_CHECKING:
     from lightning_ciuic.parallel.pipeline import PipelineRunner
@@ -63,7 +64,7 @@ def parallel_context(trainer: Trainer) -> ParallelContext:
         dims = strategy.parallel_dims
         mesh = strategy.device_mesh
         return ParallelContext(
-            dims=dims, mesh=mesh, dp_group=mesh["dp"].get_group() if dims.dp > 1 else None,
+            dims=dims, mesh=mesh, dp_group=mesh[Axis.DP].get_group() if dims.dp > 1 else None,
             data_parallel=strategy.data_parallel, pipeline=strategy.pipeline, device=strategy.root_device,
         )
     world = trainer.world_size

@@ -4,8 +4,13 @@ Contract:
 
 * Processes and the mesh: the strategy starts the process group (gloo on CPU, NCCL on CUDA unless
   ``process_group_backend`` says otherwise), builds the mesh from :class:`ParallelDims` and hands it to
-  the LightningModule as ``self.device_mesh`` before ``configure_model()`` runs, where the module applies
-  its tensor-parallel plan to ``self.device_mesh["tp"]``.
+  the LightningModule as ``self.device_mesh`` before ``configure_model()`` runs (axes ``pp``, ``dp``, ``tp``, and
+  ``ModelParallelStrategy``'s names ``data_parallel`` / ``tensor_parallel``). After it, set-up parallelizes the model
+  with :func:`~lightning_ciuic.parallel.parallelize.parallelize` and nothing else: the module's
+  ``tensor_parallel_plan(tp_mesh)`` (or what it applied itself), activation checkpointing, the pipeline cut, FSDP2
+  units (or the module's own ``fully_shard`` units, then driven as sharded), materialisation of meta tensors.
+  Where the LightningModule is itself an FSDP2 root, every step is routed through its ``forward``
+  (:mod:`~lightning_ciuic.strategies.redirection`).
 * Data parallel over the ``dp`` axis goes through one :class:`~lightning_ciuic.comm.data_parallel.DataParallel`
   engine (``self.data_parallel``), driven at four points: set-up, the start of each step, ``no_sync`` for
   accumulation, after backward. Today's engine is :class:`~lightning_ciuic.comm.data_parallel.Replicated`: our
@@ -71,6 +76,7 @@ from lightning_ciuic.parallel.pipeline import PipelineRunner, PipelineScheduleNa
 from lightning_ciuic.parallel.shutdown import leave_at_exit
 from lightning_ciuic.strategies import checkpointing
 from lightning_ciuic.strategies.launchers import FullWeightsMultiProcessingLauncher
+from lightning_ciuic.strategies.redirection import through_root
 from lightning_ciuic.parallel.pipeline_module import PipelineConfig
 from lightning_ciuic.strategies.rendezvous import restarted_worker_store
 from lightning_ciuic.validation import check_choice
@@ -97,8 +103,8 @@ class HybridParallelStrategy(ParallelStrategy):
     """Pipeline x data x tensor parallelism with our own data-parallel gradient synchronizer.
 
     Args:
-        tensor_parallel_size: ranks that shard each layer (``tp`` axis); the module applies its plan in
-            ``configure_model()`` using ``self.device_mesh["tp"]``.
+        tensor_parallel_size: ranks that shard each layer (``tp`` axis); the module gives its plan as
+            ``tensor_parallel_plan(tp_mesh)`` (or applies it in ``configure_model()`` on ``self.device_mesh["tp"]``).
         data_parallel_size: model replicas (``dp`` axis); ``"auto"`` takes what is left of the world size.
         pipeline_parallel_size: pipeline stages (``pp`` axis); the module implements ``PipelineModule``.
         pipeline_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"looped_bfs"``,
@@ -466,9 +472,9 @@ class HybridParallelStrategy(ParallelStrategy):
 
     def _through_root(self, context: Callable[[], Any], method_name: str, *args: Any, **kwargs: Any) -> Any:
         """Lightning calls ``training_step`` (and the others), not ``forward``: route the step through the root's
-        ``forward`` (Lightning's forward redirection, as its FSDP strategies do) so FSDP2's root hooks run."""
+        ``forward`` (see :mod:`~lightning_ciuic.strategies.redirection`) so FSDP2's root hooks run, once."""
         with context():
-            return self._forward_redirection(self.model, self.lightning_module, method_name, *args, **kwargs)
+            return through_root(self.lightning_module, method_name, *args, **kwargs)
 
     def _pipelined_training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The schedule runs backward inside ``training_step``, but Lightning zeroes gradients between

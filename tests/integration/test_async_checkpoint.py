@@ -34,7 +34,7 @@ def _fit(strategy, devices, max_steps, url=None, ckpt_path=None):
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, enable_checkpointing=bool(url),
         precision=PRECISION,
     )
-    requested = getattr(strategy, "_requested", {})
+    requested = strategy.parallelism.degrees if isinstance(strategy, HybridParallelStrategy) else {}
     dp = requested.get("data_parallel_size", devices)
     trainer.fit(module, loader(STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH // dp), ckpt_path=ckpt_path)
     return {k: v.detach() for k, v in module.state_dict().items()}

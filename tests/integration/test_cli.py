@@ -47,7 +47,7 @@ def test_yaml_round_trip(tmp_path):
     cli = _cli(["--config", str(config)])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, HybridParallelStrategy)
-    assert strategy._requested["tensor_parallel_size"] == 2 and strategy.bucket_size_mb == 4.0
+    assert strategy.parallelism.degrees["tensor_parallel_size"] == 2 and strategy.bucket_size_mb == 4.0
     assert strategy._sync_timeout.total_seconds() == 60
     assert any(isinstance(c, WarmupCosineSchedule) and c.warmup_ratio == 0.1 for c in cli.trainer.callbacks)
 
@@ -98,8 +98,8 @@ def test_shipped_pipeline_configs_parse():
     for name, model_type in (("pipeline.yaml", "DeepSeekMini"), ("hf_llama.yaml", "HuggingFaceCausalLM")):
         cli = _cli(["--config", str(ROOT / "examples" / "configs" / name)])
         strategy = cli.trainer.strategy
-        assert strategy._requested["pipeline_parallel_size"] == 2 and strategy._requested["tensor_parallel_size"] == 2
-        assert strategy._pipeline_config.schedule == "1f1b" and strategy._pipeline_config.num_microbatches == 4
+        assert strategy.parallelism.degrees["pipeline_parallel_size"] == 2 and strategy.parallelism.degrees["tensor_parallel_size"] == 2
+        assert strategy.parallelism.pipeline.schedule == "1f1b" and strategy.parallelism.pipeline.num_microbatches == 4
         assert type(cli.model).__name__ == model_type
         assert len(cli.model.pipeline_blocks()) >= 4
 
@@ -107,7 +107,7 @@ def test_shipped_pipeline_configs_parse():
 def test_shipped_sharded_config_parses():
     """The sharded main job: FSDP2 over dp_shard=2 x tp=2 from YAML."""
     strategy = _cli(["--config", str(ROOT / "examples" / "configs" / "sharded.yaml")]).trainer.strategy
-    assert strategy._requested == dict(
+    assert strategy.parallelism.degrees == dict(
         pipeline_parallel_size=1, data_parallel_size=2, tensor_parallel_size=2, data_parallel_shard_size=2
     )
-    assert strategy.sharding_config.reshard_after_forward is True
+    assert strategy.parallelism.sharding.reshard_after_forward is True

@@ -26,8 +26,8 @@ class Report(ReplicaReport):
     def extra(self, trainer):
         strategy = trainer.strategy
         return {
-            "bytes_sent": strategy.grad_sync.stats.bytes_sent,
-            "gradient_bytes": strategy.grad_sync.stats.bytes_reduced,
+            "bytes_sent": strategy.data_parallel.stats.bytes_sent,
+            "gradient_bytes": strategy.data_parallel.stats.bytes_reduced,
             "active_mode": strategy.compression.active_mode if strategy.compression else "none",
             "auto": [d.reason for d in strategy.auto.history] if strategy.auto else [],
         }
@@ -54,8 +54,9 @@ class DropResiduals(Callback):
     """Forgets the error-feedback residuals a resume restored (what a resume that did not save them would do)."""
 
     def on_train_start(self, trainer, pl_module):
-        assert trainer.strategy.compression.error_feedback.residuals, "the resume restored residuals"
-        trainer.strategy.compression.error_feedback.residuals.clear()
+        engine = trainer.strategy.data_parallel
+        assert engine.state_dict(), "the resume restored residuals"
+        engine.load_state_dict({})
 
 
 def saved_items(state, prefix=""):
@@ -111,22 +112,27 @@ def test_warmup_steps_stay_uncompressed(tmp_path):
     assert report["bytes_sent"] == pytest.approx(report["gradient_bytes"], rel=0.01)
 
 
-def test_int8_resumes_with_its_residuals(tmp_path):
+@pytest.mark.parametrize("shard, residual", [(1, "residual."), (2, "reduce_scatter.")], ids=["replicated", "sharded"])
+def test_int8_resumes_with_its_residuals(tmp_path, shard, residual):
+    """float64, bit for bit: the residuals (replicated buckets', or the sharded reduce-scatters') are in the
+    checkpoint and a resume from it continues exactly; dropping them after loading does not."""
+    layout = dict(communication_compression="int8", data_parallel_shard_size=shard, precision=PRECISION)
     checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
-    straight = _tiny()
+    straight = _tiny().double()
     logger = CSVLogger(tmp_path, name="logs")
-    _fit(tmp_path, straight, callbacks=[checkpoints], logger=logger, communication_compression="int8")
+    _fit(tmp_path, straight, callbacks=[checkpoints], logger=logger, **layout)
     step4 = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
     dcp_to_torch_save(step4, tmp_path / "step4.pt")
     state = torch.load(tmp_path / "step4.pt", weights_only=False)
     for rank in (0, 1):  # each rank's error-feedback residuals are in the checkpoint, and not zero
-        residuals = [v for k, v in saved_items(state) if k.startswith(f"rank{rank}_state.residual.")]
+        key = f"rank{rank}_pp1.tp1.dp_shard{shard}_state.{residual}"
+        residuals = [v for k, v in saved_items(state) if k.startswith(key)]
         assert residuals and all(r.abs().sum() > 0 for r in residuals), f"rank {rank}'s residuals"
-    resumed = _tiny()
-    _fit(tmp_path, resumed, ckpt_path=str(step4), communication_compression="int8")
+    resumed = _tiny().double()
+    _fit(tmp_path, resumed, ckpt_path=str(step4), **layout)
     assert_state_equal(resumed.state_dict(), straight.state_dict())
-    forgetful = _tiny()  # the same resume with the residuals dropped after loading: not the same run
-    _fit(tmp_path, forgetful, ckpt_path=str(step4), callbacks=[DropResiduals()], communication_compression="int8")
+    forgetful = _tiny().double()  # the same resume with the residuals dropped after loading: not the same run
+    _fit(tmp_path, forgetful, ckpt_path=str(step4), callbacks=[DropResiduals()], **layout)
     assert any(not torch.equal(forgetful.state_dict()[k], v) for k, v in straight.state_dict().items())
 
     (metrics,) = (tmp_path / "logs").rglob("metrics.csv")

@@ -133,13 +133,29 @@ def test_a_model_built_on_the_meta_device_is_materialised_shard_by_shard_and_tra
     assert_state_close(actual, reference_training(from_materialised, STEPS, PER_RANK_BATCH * 2), STEPS)
 
 
-def test_a_meta_model_without_sharding_is_refused_with_what_would_work():
-    strategy = HybridParallelStrategy(data_parallel_size=1, start_method="forkserver")
-    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False)
-    with torch.device("meta"):  # (Trainer.init_module(empty_init=True) builds on the meta device only when sharded)
+def test_auto_sharding_over_one_data_parallel_rank_materialises_the_meta_model_and_trains_like_one_process(tmp_path):
+    """data_parallel_shard_size="auto" with dp resolving to 1: nothing to shard; the meta model is materialised whole."""
+    strategy = HybridParallelStrategy(data_parallel_shard_size="auto", start_method="forkserver")
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
+        callbacks=[SetupAllocations(tmp_path / "setup.pt")],
+    )
+    seed_everything(7)
+    with trainer.init_module(empty_init=True):
         module = DeepSeekMini(**TINY_MODEL)
-    with pytest.raises(Exception, match="ValueError: DeepSeekMini has tensors on the meta device, .* set data_parallel_shard_size > 1"):
-        trainer.fit(module, loader(4, 2))
+    assert all(p.is_meta for p in module.parameters())
+    trainer.fit(module, loader(STEPS * PER_RANK_BATCH, PER_RANK_BATCH))
+    setup = torch.load(tmp_path / "setup.pt")
+
+    def from_materialised() -> DeepSeekMini:
+        model = _tiny()
+        model.load_state_dict(setup["weights"])
+        return model
+
+    assert all(torch.isfinite(w).all() and w.abs().sum() > 0 for w in setup["weights"].values())
+    actual = {k: v.detach() for k, v in module.state_dict().items()}
+    assert_state_close(actual, reference_training(from_materialised, STEPS, PER_RANK_BATCH), STEPS)
 
 
 class ReduceScatterCount(Callback):

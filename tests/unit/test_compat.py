@@ -70,3 +70,31 @@ def test_mesh_axes_flatten_into_one_named_axis():
         assert flat.mesh_dim_names == ("ab",) and mesh["ab"].size() == 1
     finally:
         dist.destroy_process_group()
+
+
+def test_a_modules_forward_hooks_can_be_suspended_and_come_back():
+    calls = []
+    module = torch.nn.Linear(2, 2)
+    module.register_forward_pre_hook(lambda m, args: calls.append("pre"))
+    module.register_forward_hook(lambda m, args, out: calls.append("post"))
+    with compat.forward_hooks_suspended(module):
+        module(torch.zeros(1, 2))
+    assert calls == []
+    module(torch.zeros(1, 2))
+    assert calls == ["pre", "post"]
+
+
+def test_an_fsdp2_units_mesh_is_read_from_its_state():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        unit = fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
+        assert compat.fsdp_mesh(unit) is mesh
+        assert compat.fsdp_mesh(fully_shard(torch.nn.Sequential(unit), mesh=mesh)) is None  # owns no parameters
+    finally:
+        dist.destroy_process_group()

@@ -95,7 +95,7 @@ def _stub_trainer(per_rank: int, dp: int, accumulate: int = 1, lr: float = 0.1):
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
     return SimpleNamespace(
         train_dataloader=SimpleNamespace(batch_size=per_rank),
-        strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": dp}),
+        strategy=SimpleNamespace(root_device=torch.device("cpu")), world_size=dp,  # every rank a replica, as DDP
         accumulate_grad_batches=accumulate, optimizers=[optimizer], lr_scheduler_configs=[],
     )
 

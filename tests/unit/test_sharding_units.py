@@ -59,3 +59,16 @@ def test_the_sharded_engine_state_is_its_reduce_scatter_residuals():
     restored = engine()
     restored.load_state_dict(state)
     assert restored.gradient_comms[0].residual is None and torch.equal(restored.gradient_comms[1].residual, torch.arange(3.0))
+
+
+def test_the_sharded_engine_says_what_it_compresses_and_whether_it_has_per_rank_state():
+    import torch
+
+    from lightning_ciuic.comm.sharded import Sharded
+    from lightning_ciuic.parallel.fsdp import ShardingConfig
+
+    assert (Sharded().label, Sharded().has_rank_state) == ("none", False)
+    assert Sharded(ShardingConfig(reduce_dtype=torch.float16)).label == "fp16"
+    int8 = Sharded(ShardingConfig(gradient_codec="int8", weight_codec="int8"))
+    assert (int8.label, int8.has_rank_state) == ("int8 + int8 weights", True)
+    assert not Sharded(ShardingConfig(gradient_codec="int8", error_feedback=False)).has_rank_state

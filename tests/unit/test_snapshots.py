@@ -8,6 +8,8 @@ import time
 from collections import deque
 
 import pytest
+
+from lightning_ciuic.parallel.dims import ParallelDims
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -223,39 +225,44 @@ def test_default_store_root_exists():
     assert os.path.isdir(SnapshotRecovery().shm_root)
 
 
+def _dims(world_size, tp=1, dp_shard=1):
+    return ParallelDims(pp=1, dp=world_size // tp, tp=tp, world_size=world_size, dp_shard=dp_shard)
+
+
 def _holding(holder, step, world, rank, where="own", tp=1, dp_shard=1):
-    return Holding(holder=holder, where=where, step=step, world_size=world, rank=rank, tp=tp, dp_shard=dp_shard)
+    layout = _dims(world, tp, dp_shard).layout_key()
+    return Holding(holder=holder, where=where, step=step, world_size=world, rank=rank, layout=layout)
 
 
 def test_restore_plans_same_layout_prefer_own_and_newest():
     holdings = [_holding(0, 10, 2, 0), _holding(1, 10, 2, 1), _holding(0, 20, 2, 0)]  # rank 1 lost step 20
-    plans = plan_restores(holdings, world_size=2)
+    plans = plan_restores(holdings, _dims(2))
     assert [p.step for p in plans] == [10]
     assert [s.holder for s in plans[0].sources] == [0, 1] and not plans[0].resharded
     holdings.append(_holding(0, 20, 2, 1, where="replica"))  # rank 0 keeps rank 1's copy
-    plan = plan_restores(holdings, world_size=2)[0]
+    plan = plan_restores(holdings, _dims(2))[0]
     assert plan.step == 20 and [(s.holder, s.rank, s.where) for s in plan.sources] == [(0, 0, "own"), (0, 1, "replica")]
 
 
 def test_restore_plans_across_a_data_parallel_size_change():
-    shrink = plan_restores([_holding(0, 30, 2, 1), _holding(5, 30, 2, 0)], world_size=1)  # a node left
+    shrink = plan_restores([_holding(0, 30, 2, 1), _holding(5, 30, 2, 0)], _dims(1))  # a node left
     assert shrink[0].sources[0].holder == 0 and shrink[0].resharded
-    grow = plan_restores([_holding(0, 30, 1, 0)], world_size=2)  # a node joined: it gets rank 0's state
+    grow = plan_restores([_holding(0, 30, 1, 0)], _dims(2))  # a node joined: it gets rank 0's state
     assert [s.holder for s in grow[0].sources] == [0, 0]
-    tp_kept = plan_restores([_holding(0, 5, 2, 0, tp=2), _holding(1, 5, 2, 1, tp=2)], world_size=4, tp=2)
+    tp_kept = plan_restores([_holding(0, 5, 2, 0, tp=2), _holding(1, 5, 2, 1, tp=2)], _dims(4, tp=2))
     assert [s.rank for s in tp_kept[0].sources] == [0, 1, 0, 1]  # the same tensor-parallel shard
-    assert plan_restores([_holding(0, 5, 2, 0, tp=2), _holding(1, 5, 2, 1, tp=2)], world_size=2, tp=1) == []
+    assert plan_restores([_holding(0, 5, 2, 0, tp=2), _holding(1, 5, 2, 1, tp=2)], _dims(2, tp=1)) == []
 
 
 def test_a_sharded_runs_snapshots_restore_only_into_the_same_layout():
     shards = [_holding(0, 7, 2, 0, dp_shard=2), _holding(1, 7, 2, 1, dp_shard=2)]  # each rank: half the model
-    same = plan_restores(shards, world_size=2, dp_shard=2)
+    same = plan_restores(shards, _dims(2, dp_shard=2))
     assert [s.rank for s in same[0].sources] == [0, 1] and not same[0].resharded
-    assert plan_restores(shards, world_size=1) == []  # one shard is not the model: resume from a checkpoint
-    assert plan_restores(shards, world_size=4, dp_shard=4) == []
-    assert plan_restores(shards, world_size=2) == []  # replicated now: each rank would need the whole model
+    assert plan_restores(shards, _dims(1)) == []  # one shard is not the model: resume from a checkpoint
+    assert plan_restores(shards, _dims(4, dp_shard=4)) == []
+    assert plan_restores(shards, _dims(2)) == []  # replicated now: each rank would need the whole model
     replicated = [_holding(0, 7, 2, 0), _holding(1, 7, 2, 1)]
-    assert plan_restores(replicated, world_size=2, dp_shard=2) == []  # whole replicas do not fit shards either
+    assert plan_restores(replicated, _dims(2, dp_shard=2)) == []  # whole replicas do not fit shards either
 
 
 @pytest.mark.parametrize(("dp_before", "dp_after"), [(2, 1), (1, 2), (2, 4), (4, 2)])

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Optional
 
+from lightning_ciuic.parallel.dims import ParallelDims
+
 
 def recovery_order(losses: dict[int, Optional[float]], strategy: str) -> list[int]:
     """Steps to try, best first: ``"latest"``: newest first; ``"min_loss"``: lowest recorded loss first (a
@@ -35,10 +37,8 @@ class Holding:
     step: int
     world_size: int  # of the run that took it
     rank: int  # the rank whose state it is, in that run
-    pp: int = 1
-    tp: int = 1
+    layout: str  # that run's ParallelDims.layout_key(): what the shapes of a rank's state depend on
     loss: Optional[float] = None
-    dp_shard: int = 1  # > 1: the state is this rank's shard of a sharded (FSDP) run
 
 
 @dataclass(frozen=True)
@@ -56,31 +56,29 @@ class RestorePlan:
         return any(source.rank != rank or source.world_size != len(self.sources) for rank, source in enumerate(self.sources))
 
 
-def plan_restores(
-    holdings: Iterable[Holding], world_size: int, pp: int = 1, tp: int = 1, dp_shard: int = 1
-) -> list[RestorePlan]:
-    """Every snapshot step the current run (``world_size`` ranks, ``pp`` x dp x ``tp``, ``dp_shard`` of the dp
-    ranks sharding the model) can restore, newest first.
+def plan_restores(holdings: Iterable[Holding], dims: ParallelDims) -> list[RestorePlan]:
+    """Every snapshot step the current run (``dims``: its world size and layout) can restore, newest first.
 
-    A rank restores its own state from the same layout, or, when only the data-parallel size changed (``pp == 1``
-    and ``tp`` kept) in a replicated run, the state of any rank with its tensor-parallel coordinate: data-parallel
-    replicas hold the same model and optimizer state. A sharded run's snapshot holds one rank's shards: only the
-    same layout restores it (another layout resumes from a checkpoint, which DCP reshards). A holding on the rank
-    itself is preferred to one another process must send.
+    A rank restores its own state from the same layout (:meth:`ParallelDims.layout_key` and world size), or, when
+    only the data-parallel size changed in a replicated run without pipeline stages, the state of any rank with its
+    tensor-parallel coordinate: data-parallel replicas hold the same model and optimizer state. A sharded run's
+    snapshot holds one rank's shards: only the same layout restores it (another layout resumes from a checkpoint,
+    which DCP reshards). A holding on the rank itself is preferred to one another process must send.
     """
+    world_size, layout = dims.world_size, dims.layout_key()
     by_step: dict[tuple[int, int], list[Holding]] = {}
     for holding in holdings:
         by_step.setdefault((holding.step, holding.world_size), []).append(holding)
     plans = []
     for (step, world), found in by_step.items():
-        same_layout = world == world_size and all(h.pp == pp and h.tp == tp and h.dp_shard == dp_shard for h in found)
-        reshardable = pp == 1 and dp_shard == 1 and all(h.pp == 1 and h.tp == tp and h.dp_shard == 1 for h in found)
+        same_layout = world == world_size and all(h.layout == layout for h in found)
+        reshardable = not dims.pp_enabled and not dims.sharded and all(h.layout == layout for h in found)
         sources = []
         for rank in range(world_size):
             if same_layout:
                 fits = [h for h in found if h.rank == rank]
             elif reshardable:
-                fits = [h for h in found if h.rank % tp == rank % tp]
+                fits = [h for h in found if h.rank % dims.tp == rank % dims.tp]
             else:
                 fits = []
             if not fits:
