@@ -10,10 +10,19 @@ Contract (collective calls: every rank of ``process_group`` calls them for the s
   the checkpoint then holds one consistent replica). Where: ``checkpoint_id``
   (a directory, DCP's file-system format) or ``storage_writer`` (e.g. the chunked fsspec writer of
   :mod:`lightning_ciuic.checkpoint.dcp`).
-* ``load_sharded(model, optimizers, rank_key, ...)`` loads them in place into the (already built and
-  sharded) model and optimizers and returns ``(meta, rank_state)``; ``rank_state`` is None when the
-  checkpoint has none for ``rank_key`` (another world size, or saved without it). A directory that is not
-  such a checkpoint is rejected with an error naming the path.
+* ``load_sharded(model, optimizers, rank_key, ..., strict=True)`` loads them in place into the (already built and
+  sharded) model and optimizers and returns ``(meta, rank_state)``: ``meta`` is Lightning's whole checkpoint dict
+  (``state_dict`` and ``optimizer_states`` as loaded, beside the saved rest); ``rank_state`` is None when the
+  checkpoint has none for ``rank_key`` (another world size, or saved without it). A directory that is not such a
+  checkpoint is rejected with an error naming the path. ``strict``: the checkpoint's parameters must be the
+  model's, no more and no fewer (else a ``ValueError`` names the differences); otherwise only the common ones load.
+* ``load_whole(model, optimizers, checkpoint, strict=True)``: the same from Lightning's single-file checkpoint dict
+  (every tensor whole; optimizer states keyed by index, as ``Optimizer.state_dict()`` writes them, or by name),
+  into any layout.
+* ``optimizer_state_by_name(model, optimizer, saved)``: an ``Optimizer.state_dict()`` keyed by parameter name.
+* ``optimizer_state(model, optimizer)``: torch's ``get_optimizer_state_dict`` without its side effect: for an
+  optimizer with no state and no gradients it runs a step with zero gradients and then ``zero_grad()``; here a
+  stateless optimizer saves an empty state instead.
 * ``lightning_checkpoint(saved)``: a whole saved state (as ``checkpoint.dcp.load_full`` reads it, in one process)
   as Lightning's checkpoint dict: ``state_dict``, ``optimizer_states`` and the unpickled rest
   (``hyper_parameters``, ``global_step``, ...).
@@ -24,6 +33,7 @@ No Lightning imports.
 from __future__ import annotations
 
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,8 +46,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+from torch.distributed.tensor import DTensor
+
+from lightning_ciuic.parallel.pipeline import OnAnotherStage
 
 META_KEY = "meta"
 
@@ -67,6 +81,7 @@ def load_sharded(
     rank_key: str,
     checkpoint_id: Optional[Path] = None,
     storage_reader: Optional[StorageReader] = None,
+    strict: bool = True,
 ) -> tuple[dict[str, Any], Optional[dict[str, torch.Tensor]]]:
     reader = storage_reader or dcp.FileSystemReader(str(checkpoint_id))
     try:
@@ -76,18 +91,111 @@ def load_sharded(
             f"{checkpoint_id} is not a HybridParallelStrategy checkpoint (a DCP directory); pass a path written by"
             " trainer.save_checkpoint or ModelCheckpoint under this strategy."
         ) from err
-    state: dict[str, Any] = {"state_dict": get_model_state_dict(model), META_KEY: b""}
-    state.update({f"optimizer_{i}": get_optimizer_state_dict(model, o) for i, o in enumerate(optimizers)})
+    model_state = get_model_state_dict(model)
+    saved_names = {k[len("state_dict.") :] for k in saved if k.startswith("state_dict.")}
+    check_same_parameters(model, model_state.keys(), saved_names, strict)
+    state: dict[str, Any] = {"state_dict": {k: v for k, v in model_state.items() if k in saved_names}, META_KEY: b""}
+    for i, optimizer in enumerate(optimizers):  # an empty saved state (saved before any step) loads as empty
+        has_state = any(k.startswith(f"optimizer_{i}.state.") for k in saved)
+        template = get_optimizer_state_dict(model, optimizer) if has_state else optimizer_state(model, optimizer)
+        if not strict:
+            template["state"] = {k: v for k, v in template["state"].items() if k in saved_names}
+        state[f"optimizer_{i}"] = template
     prefix = rank_key + "."
     # In host memory, in the saved dtype: the engine moves what it loads to its own device.
     owned = {k[len(prefix) :]: torch.empty(saved[k].size, dtype=saved[k].properties.dtype) for k in saved if k.startswith(prefix)}
     if owned:
         state[rank_key] = owned
-    dcp.load(state, storage_reader=reader)
-    set_model_state_dict(model, state["state_dict"])
-    for i, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{i}"])
-    return pickle.loads(state[META_KEY]), state.get(rank_key)
+    dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    options = StateDictOptions(strict=strict)
+    set_model_state_dict(model, state["state_dict"], options=options)
+    loaded = [state[f"optimizer_{i}"] for i in range(len(optimizers))]
+    if not strict and not all(map(_fits, optimizers, loaded)):
+        _optimizers_start_afresh()
+        loaded = []
+    for optimizer, optimizer_state_dict in zip(optimizers, loaded):
+        set_optimizer_state_dict(model, optimizer, optimizer_state_dict, options=options)
+    meta = pickle.loads(state[META_KEY])
+    meta.update(state_dict=state["state_dict"], optimizer_states=[state[f"optimizer_{i}"] for i in range(len(optimizers))])
+    return meta, state.get(rank_key)
+
+
+def load_whole(
+    model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], checkpoint: dict[str, Any], strict: bool = True
+) -> dict[str, Any]:
+    """Lightning's single-file checkpoint into any layout (see the module docstring); returns it."""
+    saved = checkpoint["state_dict"]
+    check_same_parameters(model, get_model_state_dict(model).keys(), saved.keys(), strict)
+    optimizer_states = checkpoint.get("optimizer_states", [])
+    if not strict and not all(map(_fits, optimizers, optimizer_states)):
+        _optimizers_start_afresh()
+        optimizer_states = []
+    if not any(isinstance(p, DTensor) for p in model.parameters()):  # a whole model: Lightning's own way
+        model.load_state_dict(saved, strict=strict)
+        for optimizer, optimizer_saved in zip(optimizers, optimizer_states):
+            optimizer.load_state_dict(optimizer_saved)
+        return checkpoint
+    options = StateDictOptions(full_state_dict=True, strict=strict)  # whole tensors into this rank's shards
+    set_model_state_dict(model, saved, options=options)
+    for optimizer, optimizer_saved in zip(optimizers, optimizer_states):
+        set_optimizer_state_dict(model, optimizer, optimizer_state_by_name(model, optimizer, optimizer_saved), options=options)
+    return checkpoint
+
+
+def _optimizers_start_afresh() -> None:
+    warnings.warn(
+        "strict_loading=False and the checkpoint's optimizer states are of another set of parameters: the model's"
+        " common tensors are loaded, the optimizers start afresh.",
+        stacklevel=3,
+    )
+
+
+def _fits(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> bool:
+    """Whether a saved optimizer state has this optimizer's parameter groups, size for size."""
+    groups = saved.get("param_groups", [])
+    return len(groups) == len(optimizer.param_groups) and all(
+        len(g["params"]) == len(mine["params"]) for g, mine in zip(groups, optimizer.param_groups)
+    )
+
+
+def check_same_parameters(model: torch.nn.Module, model_names: Any, saved_names: Any, strict: bool) -> None:
+    """With ``strict``, a checkpoint of another architecture is an error naming what differs (the tensors of blocks
+    that live on other pipeline stages are expected in it, not here)."""
+    elsewhere = tuple(m.block_name + "." for m in model.modules() if isinstance(m, OnAnotherStage))
+    missing = sorted(set(model_names) - set(saved_names))
+    unexpected = sorted(n for n in set(saved_names) - set(model_names) if not n.startswith(elsewhere))
+    if strict and (missing or unexpected):
+        raise ValueError(
+            f"the checkpoint is of another model: {len(missing)} of this model's tensors are not in it"
+            f" {missing[:5]}, and it holds {len(unexpected)} this model does not have {unexpected[:5]}. Load a"
+            " checkpoint of this architecture, or set `self.strict_loading = False` on the LightningModule to load"
+            " the tensors both have."
+        )
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``get_optimizer_state_dict`` without running a step on a stateless optimizer (see the module docstring)."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if optimizer.state or not params or any(p.grad is not None for p in params):
+        return get_optimizer_state_dict(model, optimizer)
+    params[0].grad = torch.zeros_like(params[0])  # torch initialises only an optimizer without state and gradients
+    try:
+        return get_optimizer_state_dict(model, optimizer)
+    finally:
+        params[0].grad = None
+
+
+def optimizer_state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """An ``Optimizer.state_dict()`` (parameters by index) keyed by parameter name, as torch's state-dict API takes it."""
+    groups = saved.get("param_groups", [])
+    if not groups or not groups[0]["params"] or isinstance(groups[0]["params"][0], str):
+        return saved
+    names = {id(p): name for name, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {
+        "state": {order[i]: value for i, value in saved["state"].items()},
+        "param_groups": [{**group, "params": [order[i] for i in group["params"]]} for group in groups],
+    }
 
 
 def lightning_checkpoint(saved: dict[str, Any]) -> dict[str, Any]:

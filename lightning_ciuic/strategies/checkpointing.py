@@ -3,13 +3,19 @@
 Contract (collective calls, every rank with the same path):
 
 * ``save_checkpoint(strategy, checkpoint, filepath)``: with a :class:`ChunkedCheckpointIO` (``AsyncCheckpointer``)
-  that manages ``filepath``, the state is staged now and written in the background as chunks; otherwise it is a
-  ``torch.distributed.checkpoint`` directory at ``filepath``, tensors sharded per rank under the unsplit model's
-  parameter names. Lightning's non-tensor state travels inside as one object; per-rank state (compression
-  residuals) under a key of this rank and layout.
-* ``load_checkpoint(strategy, path)`` loads either kind into the already set-up model and optimizers, whatever
-  (pp, dp, tp) layout wrote it, and returns Lightning's state. Residuals written by another rank or layout are not
-  loaded: they start at zero.
+  that manages ``filepath``, the state is staged now and written in the background as chunks. Otherwise, where
+  every rank holds the whole state (:func:`whole_on_every_rank`: no pipeline stages, no tensor-parallel or FSDP
+  shards, no per-rank engine state), it is Lightning's ordinary single-file checkpoint, written by rank zero through
+  the strategy's ``CheckpointIO`` (``LightningModule.load_from_checkpoint`` and ``torch.load`` read it, as they read
+  ``DDPStrategy``'s). Else it is a ``torch.distributed.checkpoint`` directory at ``filepath``, tensors sharded per
+  rank under the unsplit model's parameter names; Lightning's non-tensor state travels inside as one object;
+  per-rank state (compression residuals) under a key of this rank and :meth:`ParallelDims.layout_key`. The dict
+  the caller passed (what ``on_save_checkpoint`` hooks saw and edited) is not changed.
+* ``load_checkpoint(strategy, path)`` loads any of the three into the already set-up model and optimizers, whatever
+  (pp, dp, tp) layout wrote it, honouring ``LightningModule.strict_loading`` (strict: a checkpoint of another
+  architecture, with parameters this model lacks or lacking some it has, fails naming them), and returns
+  Lightning's whole checkpoint dict, ``state_dict`` and ``optimizer_states`` included, as ``on_load_checkpoint``
+  hooks expect. Residuals written by another rank or layout are not loaded: they start at zero.
 * ``remove_checkpoint(strategy, filepath)`` deletes one (global rank zero).
 """
 
@@ -22,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_ciuic.callbacks.trainer_state import ENGINE_STATE_KEY, engine_state, restore_engine_state
-from lightning_ciuic.checkpoint.sharded import load_sharded, save_sharded
+from lightning_ciuic.checkpoint.sharded import load_sharded, load_whole, optimizer_state_by_name, save_sharded
 from lightning_ciuic.compat import unwrap_optimizer
 from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO
 
@@ -43,8 +49,34 @@ def _chunked_io(strategy: HybridParallelStrategy, path: Any) -> ChunkedCheckpoin
     return io if isinstance(io, ChunkedCheckpointIO) and io.manages(path) else None
 
 
+def whole_on_every_rank(strategy: HybridParallelStrategy) -> bool:
+    """Whether every rank holds the whole training state: no pipeline stages, no tensor-parallel or FSDP shards, no
+    per-rank engine state. Such a run writes and reads Lightning's ordinary single-file checkpoint."""
+    dims, parallelized, engine = strategy.parallel_dims, strategy.parallelized, strategy.data_parallel
+    if dims is None:  # no layout here: the launching process, handed the whole model after a spawned fit
+        return True
+    if dims.pp_enabled or dims.tp_enabled:
+        return False
+    if parallelized is not None and parallelized.fsdp is not None:
+        return False
+    return engine is None or not engine.has_rank_state
+
+
 def save_checkpoint(strategy: HybridParallelStrategy, checkpoint: dict[str, Any], filepath: Any) -> None:
+    io = _chunked_io(strategy, filepath)
+    if io is None and whole_on_every_rank(strategy):  # as DDPStrategy writes it: one file, by rank zero
+        if strategy.is_global_zero:
+            path = Path(str(filepath))
+            if path.is_dir():  # a sharded checkpoint of the same name, written earlier
+                shutil.rmtree(path)
+            strategy.checkpoint_io.save_checkpoint(checkpoint, filepath)
+        strategy.barrier("checkpoint-saved")
+        return
+    checkpoint = dict(checkpoint)  # the caller's dict (what on_save_checkpoint hooks saw) stays whole
     model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
+    model, optimizers = strategy.model, [unwrap_optimizer(o) for o in strategy.optimizers]
+    assert model is not None  # a whole run's optimizer states are by index (Lightning's form): by name for DCP
+    optimizer_states = [optimizer_state_by_name(model, o, s) for o, s in zip(optimizers, optimizer_states)]
     engine = strategy.data_parallel
     saved = engine_state(engine)  # per rank (error-feedback residuals, DiLoCo's round): one key per rank
     rank_state = saved["state"] if saved is not None else None
@@ -52,7 +84,6 @@ def save_checkpoint(strategy: HybridParallelStrategy, checkpoint: dict[str, Any]
         checkpoint[ENGINE_STATE_KEY] = saved["description"]
     key = rank_key(strategy)
     lowest_rank = engine is not None and engine.replicas_differ  # one consistent replica, not a mix of them
-    io = _chunked_io(strategy, filepath)
     if io is not None:
         extra = {"step": checkpoint.get("global_step", 0), "epoch": checkpoint.get("epoch", 0)}
         io.save_sharded(
@@ -80,13 +111,22 @@ def load_checkpoint(strategy: HybridParallelStrategy, checkpoint_path: Any) -> d
     assert model is not None
     optimizers = [unwrap_optimizer(o) for o in strategy.optimizers]
     key = rank_key(strategy)
+    strict = strategy.lightning_module.strict_loading
     io = _chunked_io(strategy, path)
     if io is not None:
         meta, rank_state = io.load_with_fallback(
-            path, lambda name: load_sharded(model, optimizers, key, storage_reader=io.reader(name))
+            path, lambda name: load_sharded(model, optimizers, key, storage_reader=io.reader(name), strict=strict)
         )
+    elif Path(path).is_file():  # Lightning's single-file checkpoint (ours of a whole run, or DDPStrategy's)
+        whole = strategy.checkpoint_io.load_checkpoint(path)
+        if not isinstance(whole, dict) or "state_dict" not in whole:
+            raise ValueError(
+                f"{path} is not a Lightning checkpoint (no 'state_dict' in it): pass a file written by"
+                " trainer.save_checkpoint or ModelCheckpoint, or a HybridParallelStrategy checkpoint directory."
+            )
+        meta, rank_state = load_whole(model, optimizers, whole, strict), None
     else:
-        meta, rank_state = load_sharded(model, optimizers, key, checkpoint_id=Path(path))
+        meta, rank_state = load_sharded(model, optimizers, key, checkpoint_id=Path(path), strict=strict)
     description = meta.pop(ENGINE_STATE_KEY, None)
     engine = strategy.data_parallel
     if engine is not None and engine.has_rank_state:
@@ -103,5 +143,7 @@ def remove_checkpoint(strategy: HybridParallelStrategy, filepath: Any) -> None:
     io = _chunked_io(strategy, filepath)
     if io is not None:
         io.remove_checkpoint(filepath)
-    else:
+    elif Path(str(filepath)).is_dir():
         shutil.rmtree(filepath, ignore_errors=True)
+    else:
+        strategy.checkpoint_io.remove_checkpoint(filepath)

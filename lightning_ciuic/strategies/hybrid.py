@@ -53,12 +53,13 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_ciuic import compat
+from lightning_ciuic.checkpoint.sharded import optimizer_state
 from lightning_ciuic.comm.auto import AutoCompression
 from lightning_ciuic.comm.compression import AllReduceAlgorithm, CompressionConfig, CompressionMode, GradientCompression
 from lightning_ciuic.comm.data_parallel import DataParallel, Replicated
@@ -315,6 +316,12 @@ class HybridParallelStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         device_type = self._device_type()  # the devices' kind: this rank's own device is not known yet
         check_offload(self.parallelism.sharding.cpu_offload, device_type)  # before any process starts
+        if self._layer_sync is not None and device_type == "cpu":
+            raise ValueError(
+                "Trainer(sync_batchnorm=True) converts batch norm layers to torch's SyncBatchNorm, which runs on CUDA"
+                " (and XPU) devices only, and this run computes on the CPU: leave sync_batchnorm off (each replica"
+                " then normalises by its own batch's statistics), or run on GPUs."
+            )
         if self._process_group_backend == "nccl" and device_type != "cuda":
             raise ValueError(
                 f"process_group_backend='nccl' needs CUDA devices, but this run's devices are {device_type!r}; use 'gloo'."
@@ -384,6 +391,10 @@ class HybridParallelStrategy(ParallelStrategy):
         """The model becomes this rank's part of the layout: :func:`~lightning_ciuic.parallel.parallelize.parallelize`
         and nothing else (tensor parallel, activation checkpointing, pipeline cut, FSDP2 units, materialisation)."""
         assert self.parallel_dims is not None and self.model is not None
+        if self._layer_sync is not None and self.parallel_dims.dp_enabled:  # Trainer(sync_batchnorm=True)
+            # Statistics over the data-parallel replicas' batches: tp and pp peers hold the same or other layers.
+            dp_group = self.device_mesh[Axis.DP].get_group()
+            self.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.model, process_group=dp_group)
         config = dataclasses.replace(self.parallelism, sharding=self._sharding_dtypes())
         self.parallelized = parallelize(self.model, self.parallel_dims, config, mesh=self.device_mesh)
         self.pipeline = self.parallelized.pipeline
@@ -642,13 +653,21 @@ class HybridParallelStrategy(ParallelStrategy):
     # -- checkpoints -------------------------------------------------------------------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state as Lightning keeps it where every rank holds it whole, else by torch's state-dict API
+        (DTensor shards under the unsplit model's names)."""
         assert self.model is not None
+        if checkpointing.whole_on_every_rank(self):
+            return self.model.state_dict()
         return get_model_state_dict(self.model)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Like :meth:`lightning_module_state_dict`; saving runs no optimizer step and clears no gradient."""
         assert self.model is not None
-        return get_optimizer_state_dict(self.model, compat.unwrap_optimizer(optimizer))
+        optimizer = compat.unwrap_optimizer(optimizer)
+        if checkpointing.whole_on_every_rank(self):
+            return optimizer.state_dict()
+        return optimizer_state(self.model, optimizer)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

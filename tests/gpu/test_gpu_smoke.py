@@ -116,3 +116,35 @@ def test_async_checkpoint_resumes_and_a_snapshot_rolls_back_over_nccl(tmp_path):
     recovery = SnapshotRecovery(snapshot_freq=2, store="memory", check_gradients=True)
     report = _fit(tmp_path, strategy(), steps=8, callbacks=[recovery, FailAt(5, "nan", ranks=(1,))])
     assert report["replicas_identical"] and all(loss == loss for loss in report["losses"][-3:])  # finite after the rollback
+
+
+@two_gpus
+def test_sync_batchnorm_statistics_are_the_global_batchs_over_nccl():
+    from lightning.pytorch import Callback
+    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+    from torch.utils.data import DataLoader
+
+    class WithBatchNorm(BoringModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = torch.nn.BatchNorm1d(32)
+
+        def forward(self, x):
+            return self.layer(self.norm(x))
+
+    class Report(Callback):
+        def on_train_end(self, trainer, pl_module):
+            trainer.callback_metrics["synced"] = torch.tensor(float(isinstance(pl_module.norm, torch.nn.SyncBatchNorm)))
+            trainer.callback_metrics["running_mean"] = pl_module.norm.running_mean.detach().cpu().clone()
+
+    seed_everything(1)
+    data = RandomDataset(32, 8)
+    trainer = Trainer(
+        strategy=HybridParallelStrategy(start_method="spawn"), accelerator="cuda", devices=2, max_steps=1,
+        sync_batchnorm=True, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, callbacks=[Report()],
+    )
+    trainer.fit(WithBatchNorm(), DataLoader(data, batch_size=4, shuffle=False))
+    assert trainer.callback_metrics["synced"] == 1
+    # One step over both ranks' 4 samples: the statistics of all 8 (momentum 0.1 from a zero running mean).
+    torch.testing.assert_close(trainer.callback_metrics["running_mean"], 0.1 * data.data.mean(dim=0), rtol=1e-4, atol=1e-5)

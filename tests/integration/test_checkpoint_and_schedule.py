@@ -90,12 +90,18 @@ def test_accumulation_syncs_once_per_optimizer_step_with_linearly_scaled_lr(tmp_
     assert record["gathered"] == [0, 1, 2, 3] and record["broadcast"] == "from 0"
 
 
-def test_loading_a_file_that_is_not_our_checkpoint_says_so(tmp_path):
+@pytest.mark.parametrize(
+    "content, message",
+    [({"weights": {}}, r"model.ckpt is not a Lightning checkpoint \(no 'state_dict' in it\)"),
+     ({"state_dict": {"head.weight": torch.zeros(1)}}, r"the checkpoint is of another model: \d+ of this model's tensors are not in it .* holds 1 this model does not have \['head.weight'\]")],
+    ids=["not-lightning", "another-model"],
+)
+def test_loading_a_file_that_is_not_this_models_checkpoint_says_so(tmp_path, content, message):
     bogus = tmp_path / "model.ckpt"
-    torch.save({"state_dict": {}}, bogus)
+    torch.save(content, bogus)
     trainer = Trainer(  # two processes: the check is the same on every rank, no need to start four
         strategy=HybridParallelStrategy(start_method="forkserver"), accelerator="cpu", devices=2, max_steps=1, logger=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, precision=PRECISION,
     )
-    with pytest.raises(Exception, match="is not a HybridParallelStrategy checkpoint"):
+    with pytest.raises(Exception, match=message):
         trainer.fit(_tiny(), loader(8, 2), ckpt_path=str(bogus))
