@@ -14,3 +14,26 @@ def pytest_report_header(config):
 
     asked = os.environ.get("ATEN_CPU_CAPABILITY", "unset")
     return f"torch {torch.__version__}, CPU kernels {torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY={asked})"
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def moto_endpoint():
+    """An S3-compatible server (moto) on loopback for one test: its ``client_kwargs`` for s3fs. Skipped, saying why,
+    without the test extra or when it cannot start."""
+    server_module = pytest.importorskip("moto.server", reason="moto[server] (test extra) is not installed")
+    pytest.importorskip("s3fs", reason="s3fs (test extra) is not installed")
+    from lightning_ciuic.testing.ports import free_port
+
+    port = free_port()
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    try:
+        server.start()
+    except Exception as err:  # noqa: BLE001 - any failure to start is a reason to skip, said aloud
+        pytest.skip(f"moto server could not start on loopback: {err}")
+    try:
+        yield {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
+    finally:
+        server.stop()

@@ -106,10 +106,11 @@ class SetupAllocations(Callback):
             torch.save({"largest": self._mode.largest, "weights": weights}, self.path)
 
 
-def test_a_model_built_on_the_meta_device_is_materialised_shard_by_shard_and_trains_like_one_process(tmp_path):
-    strategy = HybridParallelStrategy(data_parallel_size=2, data_parallel_shard_size=2, start_method="forkserver")
+def _fit_meta_built(tmp_path, strategy: HybridParallelStrategy, devices: int) -> tuple[DeepSeekMini, dict, dict]:
+    """Train a model built under ``init_module(empty_init=True)``; (module, what set-up allocated and materialised,
+    the single-process reference trained from those materialised weights)."""
     trainer = Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        strategy=strategy, accelerator="cpu", devices=devices, max_steps=STEPS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
         callbacks=[SetupAllocations(tmp_path / "setup.pt")],
     )
@@ -117,45 +118,32 @@ def test_a_model_built_on_the_meta_device_is_materialised_shard_by_shard_and_tra
     with trainer.init_module(empty_init=True):
         module = DeepSeekMini(**TINY_MODEL)
     assert all(p.is_meta for p in module.parameters())
-    trainer.fit(module, loader(STEPS * PER_RANK_BATCH * 2, PER_RANK_BATCH))
+    trainer.fit(module, loader(STEPS * PER_RANK_BATCH * devices, PER_RANK_BATCH))
     setup = torch.load(tmp_path / "setup.pt")
-    largest_parameter = max(p.numel() for p in _tiny().parameters())
-    # The largest tensor any op made during set-up is a shard of the largest parameter: never a whole one.
-    assert 0 < setup["largest"] <= largest_parameter // 2, (setup["largest"], largest_parameter)
+    assert all(torch.isfinite(w).all() and w.abs().sum() > 0 for w in setup["weights"].values())
 
     def from_materialised() -> DeepSeekMini:
         model = _tiny()
         model.load_state_dict(setup["weights"])
         return model
 
-    assert all(torch.isfinite(w).all() and w.abs().sum() > 0 for w in setup["weights"].values())
-    actual = {k: v.detach() for k, v in module.state_dict().items()}
-    assert_state_close(actual, reference_training(from_materialised, STEPS, PER_RANK_BATCH * 2), STEPS)
+    return module, setup, reference_training(from_materialised, STEPS, PER_RANK_BATCH * devices)
+
+
+def test_a_model_built_on_the_meta_device_is_materialised_shard_by_shard_and_trains_like_one_process(tmp_path):
+    strategy = HybridParallelStrategy(data_parallel_size=2, data_parallel_shard_size=2, start_method="forkserver")
+    module, setup, expected = _fit_meta_built(tmp_path, strategy, 2)
+    largest_parameter = max(p.numel() for p in _tiny().parameters())
+    # The largest tensor any op made during set-up is a shard of the largest parameter: never a whole one.
+    assert 0 < setup["largest"] <= largest_parameter // 2, (setup["largest"], largest_parameter)
+    assert_state_close({k: v.detach() for k, v in module.state_dict().items()}, expected, STEPS)
 
 
 def test_auto_sharding_over_one_data_parallel_rank_materialises_the_meta_model_and_trains_like_one_process(tmp_path):
     """data_parallel_shard_size="auto" with dp resolving to 1: nothing to shard; the meta model is materialised whole."""
     strategy = HybridParallelStrategy(data_parallel_shard_size="auto", start_method="forkserver")
-    trainer = Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
-        callbacks=[SetupAllocations(tmp_path / "setup.pt")],
-    )
-    seed_everything(7)
-    with trainer.init_module(empty_init=True):
-        module = DeepSeekMini(**TINY_MODEL)
-    assert all(p.is_meta for p in module.parameters())
-    trainer.fit(module, loader(STEPS * PER_RANK_BATCH, PER_RANK_BATCH))
-    setup = torch.load(tmp_path / "setup.pt")
-
-    def from_materialised() -> DeepSeekMini:
-        model = _tiny()
-        model.load_state_dict(setup["weights"])
-        return model
-
-    assert all(torch.isfinite(w).all() and w.abs().sum() > 0 for w in setup["weights"].values())
-    actual = {k: v.detach() for k, v in module.state_dict().items()}
-    assert_state_close(actual, reference_training(from_materialised, STEPS, PER_RANK_BATCH), STEPS)
+    module, _, expected = _fit_meta_built(tmp_path, strategy, 1)
+    assert_state_close({k: v.detach() for k, v in module.state_dict().items()}, expected, STEPS)
 
 
 class ReduceScatterCount(Callback):

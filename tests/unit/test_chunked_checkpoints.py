@@ -5,7 +5,6 @@ import errno
 import hashlib
 import json
 import os
-import socket
 import time
 
 import pytest
@@ -172,42 +171,25 @@ def test_unwritable_storage_is_reported():
         Storage("/etc/hostname/checkpoints").check_writable()  # below a file: cannot be a directory
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_s3_through_a_real_s3_compatible_server(moto_endpoint):
+    options = {"key": "test", "secret": "test", **moto_endpoint}
+    Storage("s3://ckpt-bucket", options).fs.mkdir("ckpt-bucket")
+    io = ChunkedCheckpointIO("s3://ckpt-bucket/run1", max_keep=1, storage_options=options)
+    io.save_checkpoint(_state(torch.randn(5000), 1), "step=1")
+    io.save_checkpoint(_state(torch.randn(5000), 2), "step=2")
+    restored = io.load_checkpoint("last")
+    assert restored["trained"][0] == 2
+    assert [m.name for m in io.catalog.manifests()] == ["step=2"]
+    io.teardown()
+    # ckpt_path="last": Lightning checks the candidate with fsspec's default options, which cannot reach this
+    # endpoint; AsyncCheckpointer names a marker that it can check and that loads the newest checkpoint
+    from lightning.fabric.utilities.cloud_io import get_filesystem
 
-
-def test_s3_through_a_real_s3_compatible_server():
-    server_module = pytest.importorskip("moto.server", reason="moto[server] (test extra) is not installed")
-    pytest.importorskip("s3fs", reason="s3fs (test extra) is not installed")
-    port = _free_port()
-    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    try:
-        server.start()
-    except Exception as err:  # noqa: BLE001 - any failure to start is a reason to skip, said aloud
-        pytest.skip(f"moto server could not start on loopback: {err}")
-    try:
-        options = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
-        Storage("s3://ckpt-bucket", options).fs.mkdir("ckpt-bucket")
-        io = ChunkedCheckpointIO("s3://ckpt-bucket/run1", max_keep=1, storage_options=options)
-        io.save_checkpoint(_state(torch.randn(5000), 1), "step=1")
-        io.save_checkpoint(_state(torch.randn(5000), 2), "step=2")
-        restored = io.load_checkpoint("last")
-        assert restored["trained"][0] == 2
-        assert [m.name for m in io.catalog.manifests()] == ["step=2"]
-        io.teardown()
-        # ckpt_path="last": Lightning checks the candidate with fsspec's default options, which cannot reach this
-        # endpoint; AsyncCheckpointer names a marker that it can check and that loads the newest checkpoint
-        from lightning.fabric.utilities.cloud_io import get_filesystem
-
-        callback = AsyncCheckpointer("s3://ckpt-bucket/run1", storage_options=options)
-        (marker,) = callback._find_last_checkpoints(trainer=None)
-        assert get_filesystem(marker).exists(marker) and callback.io.manages(marker)
-        assert callback.io.load_checkpoint(marker)["trained"][0] == 2
-        callback.io.teardown()
-    finally:
-        server.stop()
+    callback = AsyncCheckpointer("s3://ckpt-bucket/run1", storage_options=options)
+    (marker,) = callback._find_last_checkpoints(trainer=None)
+    assert get_filesystem(marker).exists(marker) and callback.io.manages(marker)
+    assert callback.io.load_checkpoint(marker)["trained"][0] == 2
+    callback.io.teardown()
 
 
 def test_command_line_lists_verifies_and_exports(tmp_path, capsys):

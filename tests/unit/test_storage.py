@@ -15,7 +15,6 @@ from fsspec.registry import _registry
 from fsspec.spec import AbstractFileSystem
 
 from lightning_ciuic.checkpoint.storage import Storage, StorageCredentialsError, StorageError
-from lightning_ciuic.testing.ports import free_port
 
 
 class NoCredentialsError(Exception):
@@ -189,36 +188,25 @@ def test_local_and_memory_stores_still_get_their_folder(tmp_path):
     memory.fs.rm("/ciuic-storage-test", recursive=True)
 
 
-def test_against_a_real_s3_compatible_server_no_bucket_is_created_and_credentials_are_asked_for(monkeypatch):
+def test_against_a_real_s3_compatible_server_no_bucket_is_created_and_credentials_are_asked_for(monkeypatch, moto_endpoint):
     """The same through s3fs and botocore, against moto on loopback (skipped without the test extra)."""
-    server_module = pytest.importorskip("moto.server", reason="moto[server] (test extra) is not installed")
-    pytest.importorskip("s3fs", reason="s3fs (test extra) is not installed")
     for name in [k for k in os.environ if k.startswith("AWS_")]:
         monkeypatch.delenv(name)
     for name, value in (("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent"), ("AWS_CONFIG_FILE", "/nonexistent"),
                         ("AWS_EC2_METADATA_DISABLED", "true")):  # no credentials from this machine either
         monkeypatch.setenv(name, value)
-    port = free_port()
-    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    try:
-        server.start()
-    except Exception as err:  # noqa: BLE001 - any failure to start is a reason to skip, said aloud
-        pytest.skip(f"moto server could not start on loopback: {err}")
-    try:
-        endpoint = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
-        options = {"key": "test", "secret": "test", **endpoint}
-        Storage("s3://probe-bucket", options).fs.mkdir("probe-bucket")
-        Storage("s3://probe-bucket/run", options).check_writable()
-        typo = Storage("s3://probe-buckett/run", options)
-        with pytest.raises(PermissionError, match="bucket 'probe-buckett' does not exist"):
-            typo.check_writable()
-        with pytest.raises(FileNotFoundError):
-            typo.write_atomic("chunks/ab/ab12.zst", b"chunk")
-        typo.fs.invalidate_cache()
-        buckets = typo.fs.ls("")  # moto keeps its buckets per process, other tests' too
-        assert "probe-bucket" in buckets and "probe-buckett" not in buckets
-        anonymous = Storage("s3://probe-bucket/run", endpoint)
-        with pytest.raises(StorageCredentialsError, match=r"'s3://probe-bucket/run'.*NoCredentialsError.*AWS_ACCESS_KEY_ID"):
-            anonymous.check_writable()
-    finally:
-        server.stop()
+    endpoint = moto_endpoint
+    options = {"key": "test", "secret": "test", **endpoint}
+    Storage("s3://probe-bucket", options).fs.mkdir("probe-bucket")
+    Storage("s3://probe-bucket/run", options).check_writable()
+    typo = Storage("s3://probe-buckett/run", options)
+    with pytest.raises(PermissionError, match="bucket 'probe-buckett' does not exist"):
+        typo.check_writable()
+    with pytest.raises(FileNotFoundError):
+        typo.write_atomic("chunks/ab/ab12.zst", b"chunk")
+    typo.fs.invalidate_cache()
+    buckets = typo.fs.ls("")  # moto keeps its buckets per process, other tests' too
+    assert "probe-bucket" in buckets and "probe-buckett" not in buckets
+    anonymous = Storage("s3://probe-bucket/run", endpoint)
+    with pytest.raises(StorageCredentialsError, match=r"'s3://probe-bucket/run'.*NoCredentialsError.*AWS_ACCESS_KEY_ID"):
+        anonymous.check_writable()
