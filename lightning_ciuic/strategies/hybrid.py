@@ -361,6 +361,7 @@ class HybridParallelStrategy(ParallelStrategy):
     def _init_process_group(self) -> None:
         if dist.is_initialized():
             return
+        self._created_process_group = True
         assert self.cluster_environment is not None
         os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
         os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
@@ -703,6 +704,12 @@ class HybridParallelStrategy(ParallelStrategy):
             # module to the CPU, which a meta tensor cannot do. Allocate it (uninitialised pages cost nothing here).
             module.to_empty(device="cpu")
         super().teardown()
+        if getattr(self, "_created_process_group", False) and self.world_size == 1 and dist.is_initialized():
+            # One process (devices=1, in the caller's process): leave it as it was, so a later Trainer, or the
+            # caller's own init_process_group, starts afresh. A multi-rank worker exits instead (parallel/shutdown.py).
+            dist.destroy_process_group()
+            self._created_process_group = False
+            self._device_mesh = None
 
 
 _REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
