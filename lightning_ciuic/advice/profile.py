@@ -2,11 +2,14 @@
 
 Contract: per-rank mean seconds (and bytes) per training step over a run (:data:`RANK_FIELDS`), the layout, the
 link and codec measurements predictions need; ``to_json`` / ``from_json`` round-trip it through ``monitor.json``
-(written by :class:`~lightning_ciuic.callbacks.monitor.CommunicationMonitor`). No Lightning imports.
+(written by :class:`~lightning_ciuic.callbacks.monitor.CommunicationMonitor`). :func:`format_rate` is the one
+way the report and the console write a rate (bytes per second): in GB/s (10^9 bytes per second), the unit the
+advice text uses too, so one link speed never appears in two units. No Lightning imports.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
@@ -17,6 +20,18 @@ RANK_FIELDS = (
     "pp_bubble",  # pipeline parallel: the schedule's idle time (in compute)
     "checkpoint_stall", "snapshot_stall", "outer_sync",  # training stopped for a checkpoint's staging, a snapshot, a DiLoCo sync
 )
+
+RATE_UNIT = "GB/s"  # 10^9 bytes per second: every rate the report and the console print
+
+
+def format_rate(bytes_per_second: float) -> str:
+    """A rate in :data:`RATE_UNIT`, three significant digits in fixed notation ("0.349 GB/s", "0.00215 GB/s",
+    "12.5 GB/s", "1250 GB/s")."""
+    value = bytes_per_second / 1e9
+    if value <= 0 or not math.isfinite(value):
+        return f"{max(value, 0.0):g} {RATE_UNIT}"
+    decimals = max(0, 2 - math.floor(math.log10(value)))
+    return f"{value:.{decimals}f} {RATE_UNIT}"
 
 
 @dataclass

@@ -6,8 +6,10 @@ the rules' findings. The HTML is one file with no external resources (inline CSS
 every rule checked; the step's breakdown per part (compute, tp comm, pp bubble, exposed dp sync, DiLoCo outer
 sync, data wait, checkpoint and snapshot stalls, other) over the gathered windows, with axes in ms and training
 steps and a legend, and as a table; compute per rank and window as a heatmap with its scale; the data-parallel
-bandwidth (algbw, busbw, the measured link) explained; the per-rank table. :func:`write_report` writes it (and
-the Chrome trace) from a ``monitor.json`` record. No Lightning imports.
+sync's effective throughput (:func:`throughput`) beside the link measured at start, with what it is and is not; the
+per-rank table. :func:`write_report` writes it (and the Chrome trace) from a ``monitor.json`` record. Every rate,
+in the page and in :func:`summary_table` alike, is written by :func:`~lightning_ciuic.advice.profile.format_rate`
+(GB/s). No Lightning imports.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_ciuic.advice.profile import RunProfile
+from lightning_ciuic.advice.profile import RunProfile, format_rate
 from lightning_ciuic.advice.rules import Finding, check
 from lightning_ciuic.advice.trace import chrome_trace
 
@@ -52,13 +54,17 @@ def _mean_ranks(ranks: Sequence[dict[str, float]]) -> dict[str, float]:
     return {k: sum(r.get(k, 0.0) for r in ranks) / len(ranks) for k in keys}
 
 
-def bandwidth(profile: RunProfile) -> tuple[float, float]:
-    """Data-parallel (algbw, busbw) in GB/s as nccl-tests define them, from the mean payload and comm time."""
+def throughput(profile: RunProfile) -> tuple[float, float]:
+    """The data-parallel sync's effective throughput, in bytes per second: (gradient bytes reduced per second of the
+    sync window, the same x 2(n-1)/n: what each rank's link carried per second of it), from the rank means of
+    ``dp_payload`` and ``dp_comm``. The window runs from the first gradient bucket launched to the last one reduced,
+    so it includes the backward the sync overlaps: these are not nccl-tests' algbw and busbw (bytes over the
+    collectives' own time) but lower bounds of them, equal only where nothing overlaps. (0, 0) without dp."""
     comm, payload = profile.mean("dp_comm"), profile.mean("dp_payload")
     if comm <= 0 or profile.dp < 2:
         return 0.0, 0.0
-    algbw = payload / comm / 1e9
-    return algbw, algbw * 2 * (profile.dp - 1) / profile.dp
+    effective = payload / comm
+    return effective, effective * 2 * (profile.dp - 1) / profile.dp
 
 
 def summary_table(profile: RunProfile) -> str:
@@ -77,11 +83,12 @@ def summary_table(profile: RunProfile) -> str:
             f"sharded over dp_shard={profile.dp_shard}: parameter all-gathers {profile.mean('dp_gather') * 1e3:.1f} ms,"
             f" gradient reduce-scatters {profile.mean('dp_scatter') * 1e3:.1f} ms per step (rank mean; in dp comm)"
         )
-    algbw, busbw = bandwidth(profile)
+    effective, per_link = throughput(profile)
     lines.append(
         f"layout pp={profile.pp} x dp={profile.dp} x tp={profile.tp}, compression {profile.compression!r};"
-        f" dp all-reduce algbw {algbw:.3f} GB/s, busbw {busbw:.3f} GB/s"
-        + (f"; link measured {profile.bandwidth_bytes_per_s * 8 / 1e9:.2f} Gbit/s" if profile.bandwidth_bytes_per_s else "")
+        f" dp sync effective throughput {format_rate(effective)}, per link {format_rate(per_link)}"
+        " (gradient bytes / sync window, overlapped backward included: not the link's bandwidth)"
+        + (f"; link measured at start {format_rate(profile.bandwidth_bytes_per_s)}" if profile.bandwidth_bytes_per_s else "")
     )
     return "\n".join(lines)
 
@@ -175,10 +182,11 @@ def _svg_heatmap(windows: Sequence[dict[str, Any]], width: int = 760, cell_h: in
 
 
 def _svg_bandwidth(profile: RunProfile, width: int = 760) -> str:
-    """Horizontal bars in GB/s: the dp all-reduce's algorithm and bus bandwidth beside the measured link."""
-    algbw, busbw = bandwidth(profile)
-    link = (profile.bandwidth_bytes_per_s or 0.0) / 1e9
-    bars = [("dp all-reduce algbw", algbw, "#59a14f"), ("dp all-reduce busbw", busbw, "#4e79a7")]
+    """Horizontal bars, labelled by :func:`format_rate`: the dp sync's effective throughput (and per link) beside
+    the link measured at start."""
+    effective, per_link = throughput(profile)
+    link = profile.bandwidth_bytes_per_s or 0.0
+    bars = [("dp sync, effective", effective, "#59a14f"), ("dp sync, effective per link", per_link, "#4e79a7")]
     if link:
         bars.append(("dp link, measured at start", link, "#bab0ac"))
     top = max(v for _, v, _ in bars) or 1.0
@@ -188,7 +196,7 @@ def _svg_bandwidth(profile: RunProfile, width: int = 760) -> str:
         w = value / top * (width - label_w - value_w)
         out.append(f'<text x="0" y="{i * 28 + 17}">{label}</text>'
                    f'<rect x="{label_w}" y="{i * 28 + 4}" width="{max(w, 1):.1f}" height="18" fill="{color}"/>'
-                   f'<text x="{label_w + w + 6:.1f}" y="{i * 28 + 17}">{value:.3f} GB/s</text>')
+                   f'<text x="{label_w + w + 6:.1f}" y="{i * 28 + 17}">{format_rate(value)}</text>')
     return f'<svg class="chart bandwidth" width="{width}" height="{len(bars) * 28 + 6}" font-size="11">{"".join(out)}</svg>'
 
 
@@ -228,8 +236,10 @@ def render_html(profile: RunProfile, windows: Sequence[dict[str, Any]], findings
                    [["step (all parts)", f"{step * 1e3:.1f}", "100%"]], "parts")
     ranks = _table(["rank", "step ms", "compute ms", "tp comm ms", "dp comm ms", "dp exposed ms", "overlap", "data wait ms",
                     "ckpt + snapshot ms", "straggler wait ms", "MB sent", "memory MB"], _rank_rows(profile), "ranks")
-    algbw, busbw = bandwidth(profile)
+    effective, per_link = throughput(profile)
     link = profile.bandwidth_bytes_per_s
+    comm, exposed = profile.mean("dp_comm"), profile.mean("dp_exposed")
+    overlap = max(0.0, 1 - exposed / comm) if comm > 0 else 0.0
     sharded = (f" Sharded over dp_shard={profile.dp_shard}: parameter all-gathers {profile.mean('dp_gather') * 1e3:.1f} ms and"
                f" gradient reduce-scatters {profile.mean('dp_scatter') * 1e3:.1f} ms per step (in dp comm)." if profile.dp_shard > 1 else "")
     steps = f"steps {windows[0]['step']} to {windows[-1]['step']}" if windows else "no gathered window"
@@ -253,11 +263,17 @@ table.ranks{{width:100%}} .note{{font-size:12px;color:#555}} code{{font-size:12p
 bubble inside it; dp sync (exposed) = gradient synchronization left after backward; stalls = training stopped while a
 checkpoint was staged or a snapshot taken.</p>
 <h2>Compute time per rank</h2>{_svg_heatmap(windows)}
-<h2>Data-parallel bandwidth</h2>{_svg_bandwidth(profile)}
-<p class="note">algbw = gradient bytes reduced / all-reduce time ({algbw:.3f} GB/s). busbw = algbw x 2(n-1)/n with n = dp = {profile.dp}
-({busbw:.3f} GB/s): what each rank's link carried, the figure to compare with the link
-{f"(measured at start: {link / 1e9:.3f} GB/s, {link * 8 / 1e9:.2f} Gbit/s)" if link else "(not measured: measure_link=False)"}.
-A busbw far below the link means latency, the codec or waiting for slower ranks, not the wire, limits the sync.{sharded}</p>
+<h2>Data-parallel sync throughput</h2>{_svg_bandwidth(profile)}
+<p class="note">effective throughput = gradient bytes reduced / sync window ({format_rate(effective)}); per link = effective
+throughput x 2(n-1)/n with n = dp = {profile.dp} ({format_rate(per_link)}): what each rank's link carried per second of the
+window. The window (dp comm, {comm * 1e3:.1f} ms) runs from the first gradient bucket launched to the last one reduced,
+so it includes the backward the sync overlaps ({overlap:.0%} of it hidden behind backward here): these are bytes per
+second of that window, not the all-reduce's bandwidth (nccl-tests' algbw and busbw divide by the collectives' own
+time, which the monitor does not see), and lower than it wherever the link sat idle in the window, waiting for
+backward to produce the next bucket.
+{f"The link, measured at start: {format_rate(link)}." if link else "The link was not measured (measure_link=False)."} Far below the
+link is expected when the sync overlaps backward (hidden sync costs nothing: the exposed part above is what the step
+pays); with little overlap it means latency, the codec or waiting for slower ranks, not the wire, limits the sync.{sharded}</p>
 <h2>Per rank</h2>{ranks}
 </body></html>
 """

@@ -9,9 +9,10 @@ Contract:
   ``dp_payload`` (gradient bytes reduced), ``tp_comm`` (tensor-parallel collectives, timed on every
   ``profile_every``-th step by intercepting the functional collectives DTensor issues; that step's other
   timings are left out of the means), ``memory_mb`` (peak: CUDA allocator, or the process's RSS on CPU).
-* Derived: straggler wait (the slowest rank's compute minus this rank's), algorithm and bus bandwidth of the
-  dp all-reduce as nccl-tests define them (``algbw = payload / time``, ``busbw = algbw * 2 (n-1) / n``), and
-  overlap (``1 - exposed / comm``).
+* Derived: straggler wait (the slowest rank's compute minus this rank's), the dp sync's effective throughput
+  (``payload / dp_comm``, and ``x 2 (n-1) / n`` per link: bytes per second of the sync window, which includes the
+  backward it overlaps, so not nccl-tests' algbw / busbw, which divide by the collectives' own time; rates in
+  GB/s, :func:`lightning_ciuic.advice.profile.format_rate`), and overlap (``1 - exposed / comm``).
 * Output: rank-local metrics ``monitor/<field>_ms`` (and ``monitor/dp_bytes``, ``monitor/memory_mb``) every
   ``log_every_n_steps``; every ``gather_every`` steps the window's per-rank means are gathered and logged as
   ``monitor/rank<r>/compute_ms`` and ``monitor/rank<r>/step_ms``; at the end of training, on rank 0: a summary

@@ -23,7 +23,7 @@ def test_report_renders_its_text_and_non_blank_charts_in_chromium(tmp_path):
 
     seen = probe(page, "svg.chart")
     for text in ("Communication report", "What was checked", "Where a step's time goes", "ms per step (mean of ranks)",
-                 "training step (end of each gathered window)", "dp sync (exposed)", "checkpoint stall", "busbw",
+                 "training step (end of each gathered window)", "dp sync (exposed)", "checkpoint stall", "effective throughput",
                  "Per rank", "straggler wait ms"):
         assert text in seen["text"], text
     charts = {box["cls"]: box for box in seen["boxes"]}

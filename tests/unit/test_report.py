@@ -1,14 +1,18 @@
 """The monitor's report and trace from a recorded run: every part of the step is drawn with axes, units, step
-numbers and a legend; the tables are tables; the advice says what was checked; `lightning-ciuic report` writes
-both files again from monitor.json; the Chrome trace has one process per rank and a track per kind of work."""
+numbers and a legend; the tables are tables; the advice says what was checked; every rate is in one unit (GB/s) in
+the page, the terminal table and the advice; the dp sync's throughput is called what it is (bytes per second of a
+window that includes the overlapped backward), not a bandwidth; `lightning-ciuic report` writes both files again
+from monitor.json; the Chrome trace has one process per rank and a track per kind of work."""
 
 import json
+import re
 from html.parser import HTMLParser
 
 import pytest
 
 from lightning_ciuic.advice import RANK_FIELDS, RunProfile, check
-from lightning_ciuic.advice.report import _PARTS, breakdown, render_html
+from lightning_ciuic.advice.profile import format_rate
+from lightning_ciuic.advice.report import _PARTS, breakdown, render_html, summary_table, throughput
 from lightning_ciuic.advice.trace import chrome_trace
 from lightning_ciuic.cli import main as cli_main
 
@@ -79,10 +83,56 @@ def test_the_report_draws_every_part_with_axes_legend_scale_and_real_tables():
     assert "ms per step (mean of ranks)" in text and "training step (end of each gathered window)" in text
     assert all(str(w["step"]) in text for w in record["windows"])  # x axis: step numbers
     assert "ms compute per step" in text  # the heatmap's scale
-    assert "busbw = algbw x 2(n-1)/n" in text and "7.20 Gbit/s" in text  # bandwidth explained, link in both units
+    assert "per link = effective" in text and "measured at start: 0.900 GB/s" in text  # throughput explained, the link
     assert page.rows["ranks"] == 1 + 4 and page.rows["parts"] == 1 + len(_PARTS) + 1
     assert page.rows["checks"] == 1 + 6  # every rule, with what it checked
     assert "not checked: no pipeline parallelism" in text and "(advised from 1.15x)" in text
+
+
+def _page_text(profile, windows=()):
+    page = _Page()
+    page.feed(render_html(profile, list(windows), check(profile)))
+    return " ".join(page.text)
+
+
+# a number followed by a rate unit (bytes or bits, any prefix, per second)
+_RATE = re.compile(r"(\d[\d.,]*)\s*((?:[kKMGT]i?)?(?:B|bit|b)/s|(?:[kKMGT]i?)?bps)\b")
+
+
+def test_one_unit_for_every_rate_in_the_console_the_page_and_the_advice():
+    record = recorded_run()
+    profile = RunProfile.from_json(record["profile"])
+    console, page = summary_table(profile), _page_text(profile, record["windows"])
+    for text in (console, page):
+        assert {unit for _, unit in _RATE.findall(text)} == {"GB/s"}, _RATE.findall(text)
+        assert format_rate(9e8) == "0.900 GB/s" and "0.900 GB/s" in text  # the measured link, written the same way
+
+    # a sync-bound run on a 1 Gbit/s link: the compression advice gives its rate in the same unit
+    ranks = [dict(_rank(), step=0.47, compute=0.15, tp_comm=0.0, pp_bubble=0.0, dp_comm=0.32, dp_exposed=0.30,
+                  dp_payload=4e7, dp_bytes=4e7) for _ in range(2)]
+    slow = RunProfile(world_size=2, dp=2, gradient_numel=10_000_000, buckets=2, latency_s=1e-4, bandwidth_bytes_per_s=1.25e8,
+                      codec_s_per_value={"none": 0.0, "fp16": 2e-9, "int8": 8e-9, "nf4": 3e-8}, ranks=ranks)
+    advice = [f.advice.summary for f in check(slow) if f.advice is not None]
+    assert any("GB/s" in a for a in advice), advice
+    for text in (*advice, summary_table(slow), _page_text(slow)):
+        assert {unit for _, unit in _RATE.findall(text)} <= {"GB/s"}, text
+
+
+def test_the_dp_sync_throughput_is_bytes_per_second_of_its_window_and_says_so():
+    """dp_comm runs from the first bucket launched to the last reduced, overlapped backward included: payload over it
+    is an effective throughput (a lower bound of the all-reduce's bandwidth), and neither output calls it algbw/busbw."""
+    profile = RunProfile.from_json(recorded_run()["profile"])  # 4 MB reduced in a 120 ms window, 30 ms of it exposed
+    effective, per_link = throughput(profile)
+    assert effective == pytest.approx(4e6 / 0.120) and per_link == pytest.approx(effective * 2 * (2 - 1) / 2)
+    console, page = summary_table(profile), _page_text(profile, recorded_run()["windows"])
+    assert f"dp sync effective throughput {format_rate(effective)}, per link {format_rate(per_link)}" in console
+    assert "overlapped backward included: not the link's bandwidth" in console
+    assert f"effective throughput = gradient bytes reduced / sync window ({format_rate(effective)})" in page
+    assert "includes the backward the sync overlaps (75% of it hidden behind backward here)" in page
+    assert "not the all-reduce's bandwidth" in page
+    for text in (console, page):
+        assert "algbw =" not in text and "busbw =" not in text and "all-reduce algbw" not in text
+    assert throughput(RunProfile(world_size=1, dp=1, ranks=[_rank()])) == (0.0, 0.0)  # no data parallelism
 
 
 def test_report_command_writes_the_page_and_the_trace_again(tmp_path, capsys):
