@@ -14,7 +14,26 @@ meshes, so in practice the threads outlive it.
 peer still uses them), ``destroy_process_group``, then :func:`wait_for_idle_gloo_workers`: with the GIL released, wait
 until every gloo worker thread is asleep and stays asleep (a thread waiting for the GIL wakes every switch interval,
 an idle one does not). :func:`leave_at_exit` registers the same, without the barrier (a peer may be gone after a
-failure), to run at interpreter exit while Python is still whole. Linux (``/proc``); elsewhere the wait is skipped.
+failure), to run at interpreter exit while Python is still whole (:func:`leave_without_peers` runs it now). Linux (``/proc``);
+elsewhere the wait is skipped.
+
+A set-up that fails is left together too, so that its error is reported once, not once per rank followed by the
+peers' gloo tracebacks. :func:`agree_on_setup` is a collective that every rank reaches at the end of its set-up,
+whether its own failed (the exception) or not (``None``): one ``all_reduce`` of a flag per rank on
+:func:`setup_vote_group`, a gloo group beside training's, made by every rank when its processes start (already
+connected, so a peer that died before the vote fails it at once instead of after the timeout). Where nobody failed
+it returns. Otherwise:
+
+* the lowest failing rank raises its own exception, marked (:func:`is_reported_setup_failure`) and with a note
+  naming the failing ranks;
+* every other rank raises a :class:`PeerSetupFailed`, a ``SystemExit``: Python exits on it without a traceback, the
+  multiprocessing launcher turns it into a quiet return. A rank whose own set-up failed raises its own error made
+  quiet (an instance of both, with its message: ``except ValueError`` around ``fit`` behaves as before on every
+  rank). The exit status is the caller's: 1 in the process the user started (the popen launcher's rank 0), 0 in the
+  ranks it launched, so that Lightning's child-process observer does not kill the reporting rank before it reports.
+
+A rank that fails while its peers wait for it in another collective waits in the vote until the process-group
+timeout, like them.
 """
 
 from __future__ import annotations
@@ -23,18 +42,25 @@ import atexit
 import os
 import sys
 import time
+from datetime import timedelta
+from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 GLOO_WORKER_THREAD = "pt_gloo_runloop"
 _registered = False
+_SETUP_FAILURE = "_lightning_ciuic_setup_failure"  # set on the exception the lowest failing rank raises
+_vote_group: Optional[tuple[object, dist.ProcessGroup]] = None  # (the default group it was made in, the vote group)
 
 
 def leave_process_groups() -> None:
     """A finished worker leaves with its peers: barrier, destroy every group, wait for gloo's threads to go idle."""
+    global _vote_group
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    _vote_group = None
     wait_for_idle_gloo_workers()
 
 
@@ -47,9 +73,91 @@ def leave_at_exit() -> None:
 
 
 def _leave_without_peers() -> None:
+    global _vote_group
     if dist.is_initialized():
         dist.destroy_process_group()
+    _vote_group = None
     wait_for_idle_gloo_workers()
+
+
+def leave_without_peers() -> None:
+    """Destroy the groups left (no barrier: a peer may be gone) and wait for idle gloo threads, now."""
+    _leave_without_peers()
+
+
+class PeerSetupFailed(SystemExit):
+    """Raised on a rank that does not report a failed set-up: the lowest failing rank reports it, this one stops
+    without a word (a ``SystemExit``: no traceback; ``code`` is its exit status). ``rank`` is the reporting rank,
+    ``failed`` every rank whose set-up failed. A rank whose own set-up failed raises its own error made quiet: an
+    instance of both this class and the error's type (``except ValueError`` still catches it, with its message)."""
+
+    def __init__(self, message: str, rank: int, failed: list[int], code: int = 1) -> None:
+        super().__init__(message)
+        self.code, self.rank, self.failed = code, rank, failed
+
+
+def _quiet(error: Exception, rank: int, failed: list[int], code: int) -> PeerSetupFailed:
+    """``error`` as a :class:`PeerSetupFailed` that is still an instance of its type, or a plain one where the type
+    cannot be mixed in (its instances have their own C layout, e.g. ``OSError``)."""
+    try:
+        kind = type(f"Quiet{type(error).__name__}", (PeerSetupFailed, type(error)), {"__module__": __name__})
+        quiet = BaseException.__new__(kind, *error.args)
+        quiet.__dict__.update(error.__dict__)
+        quiet.args = error.args
+    except TypeError:
+        return PeerSetupFailed(f"set-up failed on rank(s) {failed}; rank {rank} reports the error", rank, failed, code)
+    quiet.code, quiet.rank, quiet.failed = code, rank, failed
+    return quiet.with_traceback(error.__traceback__)
+
+
+def is_reported_setup_failure(error: BaseException) -> bool:
+    """Whether ``error`` is the one :func:`agree_on_setup` had the lowest failing rank raise."""
+    return getattr(error, _SETUP_FAILURE, False) is True
+
+
+def setup_vote_group(timeout: timedelta) -> Optional[dist.ProcessGroup]:
+    """The gloo group :func:`agree_on_setup` votes on (``None`` in one process). Collective the first time after each
+    ``init_process_group``: call it where every rank passes, right after the processes start."""
+    global _vote_group
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    world = dist.group.WORLD
+    if _vote_group is None or _vote_group[0] is not world:
+        _vote_group = (world, dist.new_group(backend="gloo", timeout=timeout))
+    return _vote_group[1]
+
+
+def agree_on_setup(error: Optional[Exception], group: Optional[dist.ProcessGroup], quiet_exit_code: int = 1) -> None:
+    """Every rank, at the end of its set-up: ``error`` is what its set-up raised, or ``None``. Returns where no rank
+    failed; else the lowest failing rank raises ``error`` and the others :class:`PeerSetupFailed` (``quiet_exit_code``:
+    this process's exit status then). ``group``: :func:`setup_vote_group`'s (``None``: one process, no vote)."""
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    failed, voted = ([0] if error is not None else []), True
+    if group is not None:
+        flags = torch.zeros(world, dtype=torch.int32)
+        flags[rank] = int(error is not None)
+        try:
+            dist.all_reduce(flags, group=group)
+            failed = [r for r, flag in enumerate(flags.tolist()) if flag]
+        except Exception as vote_error:  # a peer is gone: it stopped before the end of its set-up
+            if error is None:
+                raise RuntimeError(
+                    f"HybridParallelStrategy.setup: rank {rank}'s set-up succeeded, but a peer left before the ranks"
+                    f" could agree on it (its own output says why): {vote_error}"
+                ) from None
+            failed, voted = [rank], False
+    if not failed:
+        return
+    if error is None:
+        raise PeerSetupFailed(f"set-up failed on rank(s) {failed}; rank {failed[0]} reports the error", failed[0], failed,
+                              quiet_exit_code)
+    if rank != failed[0]:
+        raise _quiet(error, failed[0], failed, quiet_exit_code) from None
+    setattr(error, _SETUP_FAILURE, True)
+    if world > 1 and voted and hasattr(error, "add_note"):  # Python >= 3.11
+        mine = "the other ranks stopped quietly" if failed == [rank] else f"this is rank {rank}'s error, the others stopped quietly"
+        error.add_note(f"(HybridParallelStrategy.setup failed on rank(s) {failed} of {world}; {mine}.)")
+    raise error
 
 
 def wait_for_idle_gloo_workers(timeout_s: float = 2.0) -> bool:

@@ -74,7 +74,7 @@ from lightning_ciuic.parallel.fsdp import ShardingConfig, check_offload, has_met
 from lightning_ciuic.parallel.parallelize import Parallelized, parallelize
 from lightning_ciuic.parallel.grad_norm import clip_grad_norm_
 from lightning_ciuic.parallel.pipeline import PipelineRunner, PipelineScheduleName
-from lightning_ciuic.parallel.shutdown import leave_at_exit
+from lightning_ciuic.parallel.shutdown import agree_on_setup, leave_at_exit, setup_vote_group
 from lightning_ciuic.strategies import checkpointing
 from lightning_ciuic.strategies.launchers import FullWeightsMultiProcessingLauncher
 from lightning_ciuic.strategies.redirection import through_root
@@ -348,6 +348,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self.set_world_ranks()
         self._init_process_group()
         leave_at_exit()
+        setup_vote_group(self._timeout)  # made here, where every rank passes: setup() agrees on failures on it
         if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # Like torchrun: several ranks on one machine must not each take every core (oversubscribed
             # intra-op threads make CPU collectives several times slower).
@@ -375,17 +376,25 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        assert self.model is not None and self.accelerator is not None
-        self.accelerator.setup(trainer)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self._parallelize()
-        self._setup_data_parallel()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-            if self.data_parallel is not None:
-                self.data_parallel.track_optimizers([compat.unwrap_optimizer(o) for o in self.optimizers])
-        self.setup_precision_plugin()
+        # Every rank ends its set-up at the same vote, failed or not: a failure is reported once, by the lowest rank
+        # that had it, and the others stop quietly (lightning_ciuic.parallel.shutdown.agree_on_setup).
+        failure: Optional[Exception] = None
+        try:
+            assert self.model is not None and self.accelerator is not None
+            self.accelerator.setup(trainer)
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
+            self._parallelize()
+            self._setup_data_parallel()
+            if trainer.state.fn == TrainerFn.FITTING:
+                self.setup_optimizers(trainer)
+                if self.data_parallel is not None:
+                    self.data_parallel.track_optimizers([compat.unwrap_optimizer(o) for o in self.optimizers])
+            self.setup_precision_plugin()
+        except Exception as error:
+            failure = error
+        launched_peers = bool(getattr(self.launcher, "procs", None))  # the popen launcher's rank 0: the process the user ran
+        agree_on_setup(failure, setup_vote_group(self._timeout), quiet_exit_code=1 if launched_peers else 0)
         self.barrier("setup")
 
     def _parallelize(self) -> None:

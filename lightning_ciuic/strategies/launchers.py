@@ -15,14 +15,23 @@ not the caller's, so :class:`ForkserverHandoff` hands it the caller's, as a spaw
 Lightning: the environment (``PL_GLOBAL_SEED``, ``MASTER_PORT``, ...), stdout and stderr (file descriptors 1 and 2),
 the deterministic flags and random states; and the launcher unshares a CPU module from the caller's memory, as
 Lightning does under spawn. Not handed: what torch read once at import in the server (``ATEN_CPU_CAPABILITY``).
+
+A set-up that failed (:func:`~lightning_ciuic.parallel.shutdown.agree_on_setup`) reaches the caller once, as itself:
+the lowest failing rank hands its exception to the main process in place of rank 0's results (with a note saying
+where it was raised), the other ranks return quietly, and ``Trainer.fit`` in the main process raises that exception,
+its type and message unchanged, instead of torch's ``ProcessRaisedException`` wrapping a worker's traceback. An
+exception that does not survive pickling, or pickles to more than 16 KiB, is raised in its worker as before
+(``ProcessRaisedException``, the other ranks still quiet).
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import sys
 import tempfile
+import traceback
 from multiprocessing import reduction
 from typing import Any, Optional
 
@@ -36,7 +45,9 @@ from typing_extensions import override
 
 from lightning_ciuic import compat
 from lightning_ciuic.parallel.fsdp import has_meta_tensors, materialize
-from lightning_ciuic.parallel.shutdown import leave_process_groups
+from lightning_ciuic.parallel.shutdown import (
+    PeerSetupFailed, is_reported_setup_failure, leave_process_groups, leave_without_peers,
+)
 from lightning_ciuic.parallel.axes import Axis
 
 
@@ -88,6 +99,32 @@ def _rebuilt_handoff(environ: dict, global_state: Any, streams: tuple) -> Forkse
     return handoff
 
 
+class WorkerSetupFailure:
+    """What the lowest failing rank hands the main process when its set-up failed: the exception, pickled."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_HANDOVER_LIMIT = 16384  # bytes: the main process reads the queue only once every rank has exited, so what a rank
+# puts must fit the pipe's buffer (64 KiB on Linux) or the rank would wait forever to exit
+
+
+def _handed_over(error: BaseException, rank: int) -> Optional[WorkerSetupFailure]:
+    """``error`` with a note of where it was raised, ready for the queue; ``None`` where it does not survive pickling
+    or is too large for it (an exception holding a model, ...)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if frames and hasattr(error, "add_note"):  # Python >= 3.11
+        frame = frames[-1]
+        error.add_note(f"(raised on rank {rank} at {frame.filename}:{frame.lineno}, in {frame.name})")
+    try:
+        data = pickle.dumps(error)
+        pickle.loads(data)
+    except Exception:
+        return None
+    return WorkerSetupFailure(error) if len(data) <= _HANDOVER_LIMIT else None
+
+
 class FullWeightsMultiProcessingLauncher(MultiProcessingLauncher):
     """Lightning's spawn/fork/forkserver launcher, except that the weights handed back to the main process are
     full tensors (tensor-parallel DTensors are gathered on every rank first: the main process has no mesh),
@@ -95,6 +132,7 @@ class FullWeightsMultiProcessingLauncher(MultiProcessingLauncher):
     caller's environment, streams and global state, as a spawned rank does."""
 
     _handoff: Optional[ForkserverHandoff] = None  # set while a forkserver launch is under way
+    _fit_before = False  # _already_fit when the launch began: restored when a set-up failed
 
     @override
     def launch(self, function: Any, *args: Any, trainer: Optional[Trainer] = None, **kwargs: Any) -> Any:
@@ -103,10 +141,14 @@ class FullWeightsMultiProcessingLauncher(MultiProcessingLauncher):
             # Lightning sets the port next, in this process; the rank must see it in the environment handed over.
             os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)
             self._handoff = ForkserverHandoff(GlobalStateSnapshot.capture())
+        self._fit_before = self._already_fit
         try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
+            output = super().launch(function, *args, trainer=trainer, **kwargs)
         finally:
             self._handoff = None  # pickled with the ranks only: its descriptors travel with a launch
+        if isinstance(output, WorkerSetupFailure):  # trainer=None: Lightning hands the worker output back as it is
+            raise output.error
+        return output
 
     @override
     def _wrapping_function(
@@ -117,11 +159,25 @@ class FullWeightsMultiProcessingLauncher(MultiProcessingLauncher):
             self._handoff.apply()
             if isinstance(self._strategy.accelerator, CPUAccelerator):
                 args, kwargs = unshare_module_memory((args, kwargs))
-        super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
+        try:
+            super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
+        except PeerSetupFailed:  # a peer's set-up failed: it hands its error over, this rank says nothing
+            leave_without_peers()
+            return
+        except Exception as error:
+            failure = _handed_over(error, self._strategy.global_rank) if is_reported_setup_failure(error) else None
+            if failure is None:
+                raise
+            return_queue.put(failure)  # in place of rank 0's results: no rank has any
+            leave_without_peers()
+            return
         leave_process_groups()
 
     @override
     def _recover_results_in_main_process(self, worker_output: WorkerOutput, trainer: Trainer) -> None:
+        if isinstance(worker_output, WorkerSetupFailure):
+            self._already_fit = self._fit_before  # nothing ran: this Trainer may fit again
+            raise worker_output.error
         module = trainer.lightning_module
         if worker_output.weights_path is not None and has_meta_tensors(module):
             # Built on the meta device (sharded, empty_init=True): allocate it here so the trained weights load into
