@@ -9,6 +9,12 @@ resolve without being installed.
 ``monitor.json`` it wrote in ``RUN_DIR`` (or any folder below it); ``lightning-ciuic report RUN_DIR`` writes its
 ``report.html`` (and ``trace.json`` when the run was traced) again beside that ``monitor.json``.
 
+A bad ``communication_compression`` (``--trainer.strategy.communication_compression int9``, or the same in YAML) is
+said as the choices and what was given, instead of jsonargparse's error for each member of the argument's
+``Union[CompressionMode, GradientQuantizer]`` ("Expected a path", "dot import path", ...): :class:`PackArgumentParser`.
+A set-up error of the strategy (a tensor-parallel plan that does not fit, ...) is printed once, by the lowest rank that
+had it, and the command exits 1 (:func:`~lightning_ciuic.parallel.shutdown.agree_on_setup`).
+
 After ``fit``, the console script ends with a short summary of what the pack did (:mod:`lightning_ciuic.summary`):
 the monitor's report, the checkpoints, the snapshots and how to resume.
 
@@ -24,12 +30,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, NoReturn, Optional
 
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_ciuic  # noqa: F401  (registers the strategy names and classes)
 
@@ -157,8 +164,54 @@ def main(args: Optional[list[str]] = None) -> None:
     )
 
 
+_PARSER_KEY = re.compile(r'Parser key "([^"]+)":')
+_GIVEN = re.compile(r"Given value type: <class '([^']+)'>\n\s*Given value: ([^\n]*)")
+_QUANTIZER_PROBLEM = re.compile(r"Problem with given class_path '[\w.]*GradientQuantizer':\n(.*?)\n\s*Given value type", re.S)
+
+
+def compression_error(message: str) -> str:
+    """jsonargparse's ``message``, or, where it is about ``communication_compression``, what was given and the choices."""
+    from lightning_ciuic.comm.compression import COMPRESSION_MODES
+    from lightning_ciuic.comm.hooks import GradientQuantizer
+
+    keys = list(_PARSER_KEY.finditer(message))
+    at = next((i for i, key in enumerate(keys) if key.group(1).split(".")[-1] == "communication_compression"), None)
+    if at is None:
+        return message
+    block = message[keys[at].start():]
+    given = _GIVEN.search(block)
+    if given is None:
+        return message
+    kind, value = given.groups()
+    name = ".".join(key.group(1) for key in keys[: at + 1])  # "trainer.strategy" + "communication_compression"
+    shown = repr(value) if kind == "str" else value
+    problem = _QUANTIZER_PROBLEM.search(block) if kind != "str" else None
+    why = ""
+    if problem is not None:
+        why = " (the GradientQuantizer given: " + "; ".join(line.strip() for line in problem.group(1).splitlines() if line.strip()) + ")"
+    *most, last = sorted(GradientQuantizer.MODES, reverse=True)
+    bits = f"{', '.join(str(b) for b in most)} or {last}"
+    return (
+        f"{name}={shown} is not one of {', '.join(repr(m) for m in COMPRESSION_MODES)}, nor a GradientQuantizer{why}."
+        f" Give one of those, or a GradientQuantizer: --{name} GradientQuantizer --{name}.bits 8 (bits {bits};"
+        " in YAML: class_path: lightning_ciuic.GradientQuantizer, init_args: {bits: 8})."
+    )
+
+
+class PackArgumentParser(LightningArgumentParser):
+    """Lightning's parser, with the errors about ``communication_compression`` said as :func:`compression_error` says."""
+
+    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        # Only where the message is printed: a class's own parser (exit_on_error=False) raises it to the outer one,
+        # whose message holds the whole path of keys.
+        super().error(compression_error(message) if self.exit_on_error else message, ex)
+
+
 class PackCLI(LightningCLI):
-    """LightningCLI that ends ``fit`` with the pack's summary (rank 0)."""
+    """LightningCLI that ends ``fit`` with the pack's summary (rank 0); its parser is :class:`PackArgumentParser`."""
+
+    def __init__(self, *args: Any, parser_class: type[LightningArgumentParser] = PackArgumentParser, **kwargs: Any) -> None:
+        super().__init__(*args, parser_class=parser_class, **kwargs)
 
     def after_fit(self) -> None:
         from lightning_ciuic.summary import run_summary

@@ -1,0 +1,63 @@
+"""What the console script says about a bad ``communication_compression``: what was given and the choices, not
+jsonargparse's error for each member of ``Union[CompressionMode, GradientQuantizer]``; the good forms still parse."""
+
+from pathlib import Path
+
+import pytest
+from lightning.pytorch import LightningDataModule, LightningModule
+
+from lightning_ciuic.cli import PackCLI, main
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = str(ROOT / "examples/configs/demo.yaml")
+CHOICES = "'none', 'fp16', 'bf16', 'int8', 'nf4', 'topk', 'powersgd', 'auto'"
+
+
+@pytest.mark.parametrize("where", ["command line", "yaml"])
+def test_a_bad_compression_is_said_as_what_was_given_and_the_choices(where, tmp_path, capsys):
+    if where == "yaml":
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("trainer:\n  strategy:\n    init_args:\n      communication_compression: int9\n")
+        args = ["fit", "--config", DEMO, "--config", str(bad)]
+    else:
+        args = ["fit", "--config", DEMO, "--trainer.strategy.communication_compression", "int9"]
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    error = err[err.index("error: "):]
+    assert error.startswith(f"error: trainer.strategy.communication_compression='int9' is not one of {CHOICES}, nor a GradientQuantizer."), error
+    assert "--trainer.strategy.communication_compression GradientQuantizer --trainer.strategy.communication_compression.bits 8 (bits 16, 8 or 4" in error
+    for noise in ("Expected a path", "dot import path", "Union subtypes", "NestedArg"):
+        assert noise not in err, err
+    assert len(error.splitlines()) == 1, error
+
+
+def test_a_bad_gradient_quantizer_says_what_is_wrong_with_it(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", DEMO, "--trainer.strategy.communication_compression",
+              '{"class_path": "GradientQuantizer", "init_args": {"bitz": 8}}'])
+    err = capsys.readouterr().err
+    assert "(the GradientQuantizer given: Option 'bitz' is not accepted)" in err and "Union subtypes" not in err, err
+
+
+@pytest.mark.parametrize(
+    "args, mode",
+    [
+        (["--trainer.strategy.communication_compression", "int8"], "int8"),
+        (["--trainer.strategy.communication_compression", "GradientQuantizer", "--trainer.strategy.communication_compression.bits", "4"], "nf4"),
+        (["--trainer.strategy.communication_compression", '{"class_path": "lightning_ciuic.GradientQuantizer", "init_args": {"bits": 16}}'], "fp16"),
+        (["--config", "QUANTIZER_YAML"], "nf4"),
+    ],
+    ids=["mode", "class-name-and-bits", "class-path", "yaml-class-path"],
+)
+def test_the_good_forms_still_parse(args, mode, tmp_path):
+    quantizer = tmp_path / "quantizer.yaml"
+    quantizer.write_text(
+        "trainer:\n  strategy:\n    init_args:\n      communication_compression:\n"
+        "        class_path: lightning_ciuic.GradientQuantizer\n        init_args: {bits: 4}\n"
+    )
+    args = [str(quantizer) if a == "QUANTIZER_YAML" else a for a in args]
+    cli = PackCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
+                  args=["--config", DEMO, *args])
+    assert cli.trainer.strategy.compression_config.mode == mode
