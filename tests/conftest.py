@@ -37,3 +37,14 @@ def moto_endpoint():
         yield {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
     finally:
         server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Each test starts from the same environment: a variable a run sets in the caller's process (MASTER_PORT, which
+    Lightning's spawn launcher sets there) must not change the next test's launch. What a fit must leave unchanged
+    is asserted where it matters (tests/integration/test_launchers.py)."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)

@@ -328,7 +328,9 @@ class HybridParallelStrategy(ParallelStrategy):
             )
         # Fail in the launching process, before any worker starts, when the layout cannot fit the world.
         self.parallelism.resolve(self.num_nodes * self.num_processes)
-        if self.cluster_environment.creates_processes_externally:
+        if self.cluster_environment.creates_processes_externally or self.num_nodes * self.num_processes == 1:
+            # One process runs here, in the caller's process: a launcher would only set LOCAL_RANK, NODE_RANK, ... in
+            # the caller's environment, and the next Trainer there would take itself for a launched rank.
             return
         if self._start_method == "popen":
             script_launcher = compat.launchers()[0]
@@ -364,14 +366,18 @@ class HybridParallelStrategy(ParallelStrategy):
             return
         self._created_process_group = True
         assert self.cluster_environment is not None
-        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
-        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        if self.world_size == 1:  # no peer to meet: no port taken, nothing set in the caller's environment
+            store: Optional[dist.Store] = dist.HashStore()
+        else:
+            os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+            os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+            store = restarted_worker_store(self.world_size, self._timeout)
         dist.init_process_group(
             self.process_group_backend,
             rank=self.global_rank,
             world_size=self.world_size,
             timeout=self._timeout,
-            store=restarted_worker_store(self.world_size, self._timeout),
+            store=store,
         )
 
     @override
@@ -714,8 +720,8 @@ class HybridParallelStrategy(ParallelStrategy):
             module.to_empty(device="cpu")
         super().teardown()
         if getattr(self, "_created_process_group", False) and self.world_size == 1 and dist.is_initialized():
-            # One process (devices=1, in the caller's process): leave it as it was, so a later Trainer, or the
-            # caller's own init_process_group, starts afresh. A multi-rank worker exits instead (parallel/shutdown.py).
+            # One process (devices=1, in the caller's process): leave it and its environment as they were, so a later
+            # Trainer, or the caller's own init_process_group, starts afresh. A multi-rank worker exits instead (parallel/shutdown.py).
             dist.destroy_process_group()
             self._created_process_group = False
             self._device_mesh = None

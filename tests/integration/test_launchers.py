@@ -59,3 +59,21 @@ def test_forkserver_rank_gets_the_callers_environment_streams_random_state_and_o
     assert record == {"variable": "set after the forkserver started", "draw": expected_draw, "deterministic": True, "shared": False}
     out, err = capfd.readouterr()
     assert "rank 0 on stdout" in out and "rank 0 on stderr" in err
+
+
+def test_a_one_process_fit_leaves_the_callers_environment_so_a_later_launch_starts_its_ranks(tmp_path):
+    """One process runs in the caller's process with no launcher: nothing of a launch (LOCAL_RANK, MASTER_PORT, ...)
+    stays behind, so the next Trainer in that process starts its two ranks (it took itself for a launched rank 0 and
+    waited for a rank 1 nobody started)."""
+    names = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    before = {name: os.environ.get(name) for name in names}
+    for devices, start_method in ((1, "popen"), (2, "forkserver")):
+        trainer = Trainer(
+            strategy=HybridParallelStrategy(start_method=start_method), accelerator="cpu", devices=devices, max_steps=1,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        trainer.fit(DeepSeekMini(**TINY_MODEL), loader(4, 1))
+        assert trainer.world_size == devices and trainer.state.finished
+        if devices == 1:
+            assert {name: os.environ.get(name) for name in names} == before
