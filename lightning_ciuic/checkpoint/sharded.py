@@ -18,7 +18,7 @@ Contract (collective calls: every rank of ``process_group`` calls them for the s
   model's, no more and no fewer (else a ``ValueError`` names the differences); otherwise only the common ones load.
 * ``load_whole(model, optimizers, checkpoint, strict=True)``: the same from Lightning's single-file checkpoint dict
   (every tensor whole; optimizer states keyed by index, as ``Optimizer.state_dict()`` writes them, or by name),
-  into any layout.
+  into any layout; a pipeline stage loads its part (:func:`optimizer_state_by_name` says how positions are named).
 * ``optimizer_state_by_name(model, optimizer, saved)``: an ``Optimizer.state_dict()`` keyed by parameter name.
 * ``optimizer_state(model, optimizer)``: torch's ``get_optimizer_state_dict`` without its side effect: for an
   optimizer with no state and no gradients it runs a step with zero gradients and then ``zero_grad()``; here a
@@ -130,16 +130,34 @@ def load_whole(
     if not strict and not all(map(_fits, optimizers, optimizer_states)):
         _optimizers_start_afresh()
         optimizer_states = []
-    if not any(isinstance(p, DTensor) for p in model.parameters()):  # a whole model: Lightning's own way
+    elsewhere = on_other_stages(model)
+    if not elsewhere and not any(isinstance(p, DTensor) for p in model.parameters()):  # Lightning's own way
         model.load_state_dict(saved, strict=strict)
         for optimizer, optimizer_saved in zip(optimizers, optimizer_states):
             optimizer.load_state_dict(optimizer_saved)
         return checkpoint
-    options = StateDictOptions(full_state_dict=True, strict=strict)  # whole tensors into this rank's shards
-    set_model_state_dict(model, saved, options=options)
+    # Whole tensors into this rank's shards, or this pipeline stage's part of the model.
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    set_model_state_dict(model, {k: v for k, v in saved.items() if not k.startswith(elsewhere)}, options=options)
     for optimizer, optimizer_saved in zip(optimizers, optimizer_states):
-        set_optimizer_state_dict(model, optimizer, optimizer_state_by_name(model, optimizer, optimizer_saved), options=options)
+        by_name = _held_by(model, optimizer, optimizer_state_by_name(model, optimizer, optimizer_saved, saved.keys()))
+        set_optimizer_state_dict(model, optimizer, by_name, options=options)
     return checkpoint
+
+
+def on_other_stages(model: torch.nn.Module) -> tuple[str, ...]:
+    """The name prefixes (``"model.layers.2."``) of the blocks that live on other pipeline stages; () without any."""
+    return tuple(name + "." for name, m in model.named_modules() if isinstance(m, OnAnotherStage))
+
+
+def _held_by(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """A by-name optimizer state restricted to the parameters ``optimizer`` holds (a stage's share of the model's)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    held = {names[id(p)] for group in optimizer.param_groups for p in group["params"]}
+    return {
+        "state": {k: v for k, v in state["state"].items() if k in held},
+        "param_groups": [{**g, "params": [n for n in g["params"] if n in held]} for g in state["param_groups"]],
+    }
 
 
 def _optimizers_start_afresh() -> None:
@@ -161,7 +179,7 @@ def _fits(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> bool:
 def check_same_parameters(model: torch.nn.Module, model_names: Any, saved_names: Any, strict: bool) -> None:
     """With ``strict``, a checkpoint of another architecture is an error naming what differs (the tensors of blocks
     that live on other pipeline stages are expected in it, not here)."""
-    elsewhere = tuple(m.block_name + "." for m in model.modules() if isinstance(m, OnAnotherStage))
+    elsewhere = on_other_stages(model)
     missing = sorted(set(model_names) - set(saved_names))
     unexpected = sorted(n for n in set(saved_names) - set(model_names) if not n.startswith(elsewhere))
     if strict and (missing or unexpected):
@@ -185,13 +203,30 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
         params[0].grad = None
 
 
-def optimizer_state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
-    """An ``Optimizer.state_dict()`` (parameters by index) keyed by parameter name, as torch's state-dict API takes it."""
+def optimizer_state_by_name(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any], saved_names: Any = None
+) -> dict[str, Any]:
+    """An ``Optimizer.state_dict()`` (parameters by index) keyed by parameter name, as torch's state-dict API takes it.
+
+    The index is a position in the optimizer that saved it: this ``optimizer``'s own order where it holds as many
+    parameters, else (a pipeline stage, which holds part of them) the order of the checkpoint's tensors
+    ``saved_names`` where they are as many as the saved positions (a module without persistent buffers)."""
     groups = saved.get("param_groups", [])
     if not groups or not groups[0]["params"] or isinstance(groups[0]["params"][0], str):
         return saved
     names = {id(p): name for name, p in model.named_parameters()}
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    positions = sum(len(group["params"]) for group in groups)
+    if len(order) != positions:
+        held, order = len(order), list(saved_names or ())
+        if len(order) != positions:
+            raise ValueError(
+                f"the checkpoint's optimizer state is keyed by position ({positions} parameters) and this rank's"
+                f" optimizer holds {held} of them (a pipeline stage's share), and its {len(order)} saved tensors"
+                " do not say which positions are which (buffers among them). Resume with pipeline_parallel_size=1,"
+                " or from a checkpoint this strategy wrote sharded (a directory: keyed by name), or set"
+                " `self.strict_loading = False` to load the weights and start the optimizers afresh."
+            )
     return {
         "state": {order[i]: value for i, value in saved["state"].items()},
         "param_groups": [{**group, "params": [order[i] for i in group["params"]]} for group in groups],

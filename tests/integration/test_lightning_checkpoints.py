@@ -9,7 +9,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_ciuic import HybridParallelStrategy
-from lightning_ciuic.checkpoint.sharded import optimizer_state
+from lightning_ciuic.checkpoint.sharded import optimizer_state, optimizer_state_by_name
 
 
 class SaveAtEnd(Callback):
@@ -123,3 +123,22 @@ def test_lr_find_on_a_model_without_a_scheduler_restores_its_state(tmp_path):
     result = Tuner(trainer).lr_find(model, num_training=10, update_attr=False)
     assert len(result.results["lr"]) == 10
     torch.testing.assert_close(model.layer.weight.detach(), before)  # lr_find's trial steps were rolled back
+
+
+def test_a_stage_maps_a_single_files_optimizer_positions_by_the_saved_tensors_or_refuses():
+    """A pipeline stage's optimizer holds part of the parameters: the positions of a whole run's optimizer state are
+    named by the checkpoint's tensors where they are as many, and refused (saying what would work) where buffers
+    make that ambiguous."""
+    whole = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    optimizer = torch.optim.Adam(whole.parameters())
+    whole(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    stage = torch.nn.Sequential(torch.nn.Linear(2, 2))  # the first stage: "0.weight", "0.bias"
+    stage_optimizer = torch.optim.Adam(stage.parameters())
+    named = optimizer_state_by_name(stage, stage_optimizer, saved, whole.state_dict().keys())
+    assert sorted(named["state"]) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    torch.testing.assert_close(named["state"]["1.weight"]["exp_avg"], optimizer.state[whole[1].weight]["exp_avg"])
+    with_buffers = [*whole.state_dict().keys(), "2.running_mean"]
+    with pytest.raises(ValueError, match="keyed by position .4 parameters. and this rank's optimizer holds 2"):
+        optimizer_state_by_name(stage, stage_optimizer, saved, with_buffers)
