@@ -317,7 +317,13 @@ def _status(case: ET.Element) -> tuple[str, str]:
     for tag, status in (("failure", "failed"), ("error", "error")):
         el = case.find(tag)
         if el is not None:
-            return status, (el.get("message") or el.text or "").strip()
+            message = (el.get("message") or el.text or "").strip()
+            head = message.splitlines()[0].rstrip() if message else ""
+            if head.endswith(":"):  # e.g. ProcessRaisedException: the cause is a rank's error, at the end of the text
+                causes = re.findall(r"^E\s+([\w.]*(?:Error|Exception|Interrupt)\b.*)$", el.text or "", re.M)
+                if causes:
+                    message = f"{head} {causes[-1].strip()}\n{message}"
+            return status, message
     el = case.find("skipped")
     if el is not None:
         return "skipped", (el.get("message") or "").strip()

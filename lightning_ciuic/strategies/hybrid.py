@@ -328,9 +328,12 @@ class HybridParallelStrategy(ParallelStrategy):
             )
         # Fail in the launching process, before any worker starts, when the layout cannot fit the world.
         self.parallelism.resolve(self.num_nodes * self.num_processes)
-        if self.cluster_environment.creates_processes_externally or self.num_nodes * self.num_processes == 1:
-            # One process runs here, in the caller's process: a launcher would only set LOCAL_RANK, NODE_RANK, ... in
-            # the caller's environment, and the next Trainer there would take itself for a launched rank.
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self._start_method == "popen" and self.num_nodes * self.num_processes == 1:
+            # One process runs here, in the caller's process: Lightning's script launcher would only set LOCAL_RANK,
+            # NODE_RANK, ... in the caller's environment, and the next Trainer there would take itself for a launched
+            # rank (spawn, fork and forkserver still start their one process, as DDPStrategy's do).
             return
         if self._start_method == "popen":
             script_launcher = compat.launchers()[0]
@@ -358,8 +361,8 @@ class HybridParallelStrategy(ParallelStrategy):
         self.parallel_dims = self.parallelism.resolve(self.world_size)
         self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
         rank_zero_info(f"HybridParallelStrategy: {self.parallel_dims}, backend {self.process_group_backend}")
-        assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh  # read by LightningModule.device_mesh
+        if self.lightning_module is not None:  # set up without a module too (collectives only), as DDPStrategy is
+            self.lightning_module._device_mesh = self._device_mesh  # read by LightningModule.device_mesh
 
     def _init_process_group(self) -> None:
         if dist.is_initialized():

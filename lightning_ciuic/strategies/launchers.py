@@ -37,6 +37,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.trainer.states import TrainerFn
@@ -189,7 +190,11 @@ class FullWeightsMultiProcessingLauncher(MultiProcessingLauncher):
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Optional[WorkerOutput]:
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None)
-        state_dict = get_model_state_dict(trainer.lightning_module, options=StateDictOptions(full_state_dict=True))
+        module = trainer.lightning_module
+        if any(isinstance(p, DTensor) for p in module.parameters()):  # full tensors: the main process has no mesh
+            state_dict = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+        else:
+            state_dict = module.state_dict()
         dims = getattr(self._strategy, "parallel_dims", None)
         if dims is not None and dims.pp_enabled:
             stages: list[Any] = [None] * dims.pp

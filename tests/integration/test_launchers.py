@@ -77,3 +77,21 @@ def test_a_one_process_fit_leaves_the_callers_environment_so_a_later_launch_star
         assert trainer.world_size == devices and trainer.state.finished
         if devices == 1:
             assert {name: os.environ.get(name) for name in names} == before
+
+
+def test_one_process_with_a_start_method_is_started_and_the_strategy_sets_up_without_a_module(tmp_path):
+    """As DDPStrategy's: start_method="fork" (spawn, forkserver) starts its one process with the launcher (only
+    "popen" runs one process in the caller's), and setup_environment() works with no LightningModule connected
+    (collectives only), as Lightning's own tests use a strategy."""
+    import torch.distributed as dist
+
+    forked = Trainer(strategy=HybridParallelStrategy(start_method="fork"), accelerator="cpu", devices=1, logger=False)
+    assert forked.strategy.launcher is not None and forked.strategy.launcher.is_interactive_compatible
+    popen = Trainer(strategy=HybridParallelStrategy(), accelerator="cpu", devices=1, logger=False)
+    assert popen.strategy.launcher is None
+    popen.strategy.setup_environment()
+    try:
+        assert dist.is_initialized() and popen.strategy.device_mesh.size() == 1
+    finally:
+        popen.strategy.teardown()
+    assert not dist.is_initialized()
