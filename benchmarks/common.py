@@ -7,6 +7,8 @@ carries the command that produced it.
 
 from __future__ import annotations
 
+import datetime
+
 import json
 import os
 import platform
@@ -111,10 +113,10 @@ def malloc_settings(keep_freed: bool) -> str:
 
 
 def write_section(name: str, markdown: str) -> None:
-    """Replace (or append) the ``name`` section of docs/benchmarks.md."""
+    """Replace (or append) the ``name`` section of docs/benchmarks.md, ending with the date it was measured."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    block = f"{start}\n{markdown.strip()}\n{end}"
+    block = f"{start}\n{markdown.strip()}\n\nMeasured {datetime.date.today().isoformat()}.\n{end}"
     if start in text and end in text:
         text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
     else:
