@@ -120,7 +120,7 @@ def test_lr_find_on_a_model_without_a_scheduler_restores_its_state(tmp_path):
     )
     model = LearningRate()
     before = model.layer.weight.detach().clone()
-    result = Tuner(trainer).lr_find(model, num_training=10, update_attr=False)
+    result = Tuner(trainer).lr_find(model, num_training=10, update_attr=False, early_stop_threshold=None)  # all 10 trials
     assert len(result.results["lr"]) == 10
     torch.testing.assert_close(model.layer.weight.detach(), before)  # lr_find's trial steps were rolled back
 
