@@ -23,7 +23,8 @@ the monitor's report, the checkpoints, the snapshots and how to resume.
 ``checkpoint export URL NAME OUT [--format torch|safetensors|hf]`` writes one checkpoint: as a plain ``torch.save``
 dict (tensors on CPU; the default), as one safetensors file of the model's weights (any module), or, for a
 ``HuggingFaceCausalLM``, as a Hugging Face directory that ``transformers.AutoModelForCausalLM.from_pretrained(OUT)``
-loads.
+loads. ``checkpoint export DIR OUT [--format ...]`` does the same for a sharded checkpoint directory that
+``trainer.save_checkpoint`` (or ``ModelCheckpoint``) wrote under the strategy (a DCP directory).
 """
 
 from __future__ import annotations
@@ -79,15 +80,13 @@ def report_command(run_dir: str) -> int:
 
 CHECKPOINT_USAGE = (
     "usage: lightning-ciuic checkpoint ls URL | verify URL [NAME] | export URL NAME OUT [--format torch|safetensors|hf]"
+    " | export DIR OUT [--format ...] (DIR: a sharded checkpoint trainer.save_checkpoint wrote)"
 )
 EXPORT_FORMATS = ("torch", "safetensors", "hf")
 
 
 def checkpoint_command(argv: list[str]) -> int:
-    import torch
-
     from lightning_ciuic.checkpoint.dcp import load_full
-    from lightning_ciuic.checkpoint.huggingface import save_pretrained, save_safetensors
     from lightning_ciuic.checkpoint.sharded import lightning_checkpoint
     from lightning_ciuic.checkpoint.incremental import CorruptCheckpointError
     from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO
@@ -97,6 +96,17 @@ def checkpoint_command(argv: list[str]) -> int:
         print(CHECKPOINT_USAGE, file=sys.stderr)
         return 2
     action, url, rest = argv[0], argv[1], argv[2:]
+    if action == "export" and Path(url, ".metadata").is_file():  # a DCP directory of trainer.save_checkpoint
+        from torch.distributed.checkpoint import FileSystemReader
+
+        from lightning_ciuic.checkpoint.dcp import load_whole_dcp
+
+        rest = [url, *rest]  # its name is the directory
+        export_format, rest = _export_format(rest)
+        if len(rest) != 2:
+            print(CHECKPOINT_USAGE, file=sys.stderr)
+            return 2
+        return _export(lightning_checkpoint(load_whole_dcp(FileSystemReader(url))), url, rest[1], export_format)
     io = ChunkedCheckpointIO(url)
     manifests = io.catalog.manifests()
     if not manifests:
@@ -117,14 +127,30 @@ def checkpoint_command(argv: list[str]) -> int:
                 failed += 1
                 print(f"DAMAGED  {name}: {err}")
         return 1 if failed else 0
-    export_format = "torch"
-    if len(rest) == 4 and rest[2] == "--format":
-        export_format, rest = rest[3], rest[:2]
-    if len(rest) != 2 or export_format not in EXPORT_FORMATS:
+    export_format, rest = _export_format(rest)
+    if len(rest) != 2:
         print(CHECKPOINT_USAGE, file=sys.stderr)
         return 2
-    name, out = io.name_of(rest[0]), rest[1]
-    checkpoint = lightning_checkpoint(load_full(io.store, name))
+    name = io.name_of(rest[0])
+    return _export(lightning_checkpoint(load_full(io.store, name)), name, rest[1], export_format)
+
+
+def _export_format(rest: list[str]) -> tuple[str, list[str]]:
+    """``(format, the other arguments)`` of ``export``'s arguments; an unknown format is returned as it is."""
+    if len(rest) >= 2 and rest[-2] == "--format":
+        return rest[-1], rest[:-2]
+    return "torch", rest
+
+
+def _export(checkpoint: dict, name: str, out: str, export_format: str) -> int:
+    """Write Lightning's whole checkpoint dict ``checkpoint`` to ``out`` in ``export_format``; the exit status."""
+    import torch
+
+    from lightning_ciuic.checkpoint.huggingface import save_pretrained, save_safetensors
+
+    if export_format not in EXPORT_FORMATS:
+        print(f"--format {export_format!r} is not one of {', '.join(EXPORT_FORMATS)}. {CHECKPOINT_USAGE}", file=sys.stderr)
+        return 2
     if export_format == "torch":
         torch.save(checkpoint, out)
     elif export_format == "safetensors":

@@ -232,8 +232,13 @@ def load_full(store: ChunkStore, name: str) -> dict[str, Any]:
             return value
 
         return fill(metadata["skeleton"])
+    return load_whole_dcp(ChunkedReader(store, name))
+
+
+def load_whole_dcp(storage_reader: StorageReader) -> dict[str, Any]:
+    """Every tensor and object a DCP checkpoint holds, whole, as CPU tensors, in this process alone (no group)."""
     state: dict[str, Any] = {}
     # What torch's own dcp_to_torch_save does: the empty-state-dict planner rebuilds the saved structure. The public
     # dcp.load cannot: it copies back only the keys the given state dict already had (none), and warns.
-    load_state_dict_into(state, storage_reader=ChunkedReader(store, name), planner=EmptyStateDictLoadPlanner(), no_dist=True)
+    load_state_dict_into(state, storage_reader=storage_reader, planner=EmptyStateDictLoadPlanner(), no_dist=True)
     return state

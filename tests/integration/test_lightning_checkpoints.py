@@ -9,6 +9,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_ciuic import HybridParallelStrategy
+from lightning_ciuic.cli import checkpoint_command
 from lightning_ciuic.checkpoint.sharded import optimizer_state, optimizer_state_by_name
 
 
@@ -62,6 +63,13 @@ def test_checkpoints_carry_lightnings_state_to_hooks_in_both_formats(tmp_path, s
         saved = torch.load(path, weights_only=False)
         assert saved["my_callback"] == {"saw": ["optimizer_states", "state_dict"]} and saved["global_step"] == 2
         loaded = BoringModel.load_from_checkpoint(path)
+        torch.testing.assert_close(loaded.layer.weight, saved["state_dict"]["layer.weight"])
+    else:  # a DCP directory: `lightning-ciuic checkpoint export DIR OUT` makes it one file load_from_checkpoint reads
+        assert checkpoint_command(["export", str(path), str(tmp_path / "whole.ckpt")]) == 0
+        saved = torch.load(tmp_path / "whole.ckpt", weights_only=False)
+        assert saved["my_callback"] == {"saw": ["optimizer_states", "state_dict"]} and saved["global_step"] == 2
+        assert sorted(saved["state_dict"]) == ["layer.bias", "layer.weight"] and len(saved["optimizer_states"]) == 1
+        loaded = BoringModel.load_from_checkpoint(tmp_path / "whole.ckpt")
         torch.testing.assert_close(loaded.layer.weight, saved["state_dict"]["layer.weight"])
     resumed = _trainer(tmp_path, steps=3, **strategy)
     resumed.fit(BoringModel(), ckpt_path=str(path))
