@@ -152,8 +152,7 @@ def on_other_stages(model: torch.nn.Module) -> tuple[str, ...]:
 
 def _held_by(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
     """A by-name optimizer state restricted to the parameters ``optimizer`` holds (a stage's share of the model's)."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    held = {names[id(p)] for group in optimizer.param_groups for p in group["params"]}
+    held = set(_names_in_order(model, optimizer))
     return {
         "state": {k: v for k, v in state["state"].items() if k in held},
         "param_groups": [{**g, "params": [n for n in g["params"] if n in held]} for g in state["param_groups"]],
@@ -214,8 +213,7 @@ def optimizer_state_by_name(
     groups = saved.get("param_groups", [])
     if not groups or not groups[0]["params"] or isinstance(groups[0]["params"][0], str):
         return saved
-    names = {id(p): name for name, p in model.named_parameters()}
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    order = _names_in_order(model, optimizer)
     positions = sum(len(group["params"]) for group in groups)
     if len(order) != positions:
         held, order = len(order), list(saved_names or ())
@@ -231,6 +229,12 @@ def optimizer_state_by_name(
         "state": {order[i]: value for i, value in saved["state"].items()},
         "param_groups": [{**group, "params": [order[i] for i in group["params"]]} for group in groups],
     }
+
+
+def _names_in_order(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of ``optimizer``'s parameters in ``model``, in the optimizer's order (its state's positions)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
 def lightning_checkpoint(saved: dict[str, Any]) -> dict[str, Any]:

@@ -68,21 +68,17 @@ def leave_at_exit() -> None:
     """Once per process: at interpreter exit, destroy the groups left (no barrier) and wait for idle gloo threads."""
     global _registered
     if not _registered:
-        atexit.register(_leave_without_peers)
+        atexit.register(leave_without_peers)
         _registered = True
 
 
-def _leave_without_peers() -> None:
+def leave_without_peers() -> None:
+    """Destroy the groups left (no barrier: a peer may be gone) and wait for idle gloo threads, now."""
     global _vote_group
     if dist.is_initialized():
         dist.destroy_process_group()
     _vote_group = None
     wait_for_idle_gloo_workers()
-
-
-def leave_without_peers() -> None:
-    """Destroy the groups left (no barrier: a peer may be gone) and wait for idle gloo threads, now."""
-    _leave_without_peers()
 
 
 class PeerSetupFailed(SystemExit):
@@ -134,7 +130,7 @@ def agree_on_setup(error: Optional[Exception], group: Optional[dist.ProcessGroup
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     failed, voted = ([0] if error is not None else []), True
     if group is not None:
-        flags = torch.zeros(world, dtype=torch.int32)
+        flags = torch.zeros(world, dtype=torch.int32, device="cpu")  # the vote group is gloo's, on the host
         flags[rank] = int(error is not None)
         try:
             dist.all_reduce(flags, group=group)
