@@ -5,8 +5,11 @@ Architecture (after DeepSeek-V2/V3, scaled down to about a million parameters):
 * Multi-head latent attention (MLA): keys and values are reconstructed from a low-rank latent
   ``c_kv`` (``kv_lora_rank``) plus a small rotary key part shared by all heads.
 * Mixture-of-experts feed-forward: ``n_shared_experts`` always-on experts plus ``n_routed_experts``
-  SwiGLU experts of which each token uses the top ``n_activated_experts`` (normalized softmax gates).
-  The first ``n_dense_layers`` blocks use a dense SwiGLU feed-forward instead.
+  SwiGLU experts of which each token uses the top ``n_activated_experts`` (normalized softmax gates; a per-expert
+  ``e_score_correction_bias``, zero unless a balancing callback moves it, takes part in choosing the experts, never
+  in weighing them: DeepSeek-V3's auxiliary-loss-free balancing). The routed experts are packed as transformers
+  packs them (:class:`PackedExperts`), the form expert parallelism shards. The first ``n_dense_layers`` blocks use a
+  dense SwiGLU feed-forward instead.
 * Byte-level tokens (vocabulary 256), RMSNorm, rotary position embeddings.
 
 Pipeline parallelism: the model is a sequence of blocks (embedding, decoder layers, norm, head), each taking
@@ -14,10 +17,10 @@ one tensor; :class:`DeepSeekMini` names them in ``pipeline_blocks()`` (the ``Pip
 ``HybridParallelStrategy(pipeline_parallel_size=...)`` can cut it into stages.
 
 Tensor parallelism: :meth:`DeepSeekTransformer.tensor_parallel_plan` shards attention heads (query and latent
-up-projections column-wise, output row-wise) and every expert (gate/up column-wise, down row-wise); the
-router, norms and embeddings stay replicated. The strategy applies it (``parallelize()``): the module only
-says what to shard. Every expert runs on every step (on zero tokens if none
-are routed to it) so all ranks run the same collectives and every parameter receives a gradient.
+up-projections column-wise, output row-wise) and the dense and shared-expert feed-forwards (gate/up column-wise,
+down row-wise); the router, norms, embeddings and routed experts stay replicated over tp (expert parallelism,
+``expert_parallel_size``, shards the routed experts over data-parallel ranks instead). The strategy applies it
+(``parallelize()``): the module only says what to shard.
 """
 
 from __future__ import annotations
@@ -133,24 +136,55 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class PackedExperts(nn.Module):
+    """A layer's routed SwiGLU experts as two 3-D parameters, ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows)
+    and ``down_proj`` [E, H, I], as transformers' mixture-of-experts models hold them; ``forward(x, top_k_index,
+    top_k_weights)`` is each token's weighted sum of its experts' outputs."""
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * inter_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
+        self.act_fn = F.silu
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """As ``nn.Linear`` initialises each expert's projections: uniform in +-1/sqrt(fan_in)."""
+        nn.init.uniform_(self.gate_up_proj, -self.gate_up_proj.shape[-1] ** -0.5, self.gate_up_proj.shape[-1] ** -0.5)
+        nn.init.uniform_(self.down_proj, -self.down_proj.shape[-1] ** -0.5, self.down_proj.shape[-1] ** -0.5)
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for index in range(self.gate_up_proj.shape[0]):
+            token, slot = torch.where(top_k_index == index)
+            gate, up = F.linear(x[token], self.gate_up_proj[index]).chunk(2, dim=-1)
+            expert = F.linear(self.act_fn(gate) * up, self.down_proj[index])
+            out = out.index_add(0, token, expert * top_k_weights[token, slot, None])
+        return out
+
+
 class MixtureOfExperts(nn.Module):
     def __init__(self, cfg: DeepSeekConfig) -> None:
         super().__init__()
         self.top_k = cfg.n_activated_experts
         self.gate = nn.Linear(cfg.dim, cfg.n_routed_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(cfg.dim, cfg.moe_inter_dim) for _ in range(cfg.n_routed_experts))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+        self.experts = PackedExperts(cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim)
         self.shared = SwiGLU(cfg.dim, cfg.n_shared_experts * cfg.moe_inter_dim)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.e_score_correction_bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, chosen = self.gate(x).softmax(dim=-1).topk(self.top_k, dim=-1)
+        scores = self.gate(x).softmax(dim=-1)
+        chosen = (scores + self.e_score_correction_bias).topk(self.top_k, dim=-1).indices  # the bias chooses only
+        weights = scores.gather(1, chosen)
         weights = weights / weights.sum(dim=-1, keepdim=True)
-        routed = torch.zeros_like(x)
-        for index, expert in enumerate(self.experts):
-            token, slot = torch.where(chosen == index)
-            routed = routed.index_add(0, token, expert(x[token]) * weights[token, slot, None])
-        return (routed + self.shared(x)).view(shape)
+        return (self.experts(x, chosen, weights) + self.shared(x)).view(shape)
 
 
 class Block(nn.Module):
@@ -200,13 +234,10 @@ class DeepSeekTransformer(nn.Module):
             plan[f"{prefix}.attn.wq"] = ColwiseParallel()
             plan[f"{prefix}.attn.wkv_b"] = ColwiseParallel()
             plan[f"{prefix}.attn.wo"] = RowwiseParallel()
-            mlps = [f"{prefix}.ffn"] if isinstance(layer.ffn, SwiGLU) else [
-                f"{prefix}.ffn.shared", *(f"{prefix}.ffn.experts.{j}" for j in range(len(layer.ffn.experts)))
-            ]
-            for mlp in mlps:
-                plan[f"{mlp}.w1"] = ColwiseParallel()
-                plan[f"{mlp}.w3"] = ColwiseParallel()
-                plan[f"{mlp}.w2"] = RowwiseParallel()
+            mlp = f"{prefix}.ffn" if isinstance(layer.ffn, SwiGLU) else f"{prefix}.ffn.shared"
+            plan[f"{mlp}.w1"] = ColwiseParallel()
+            plan[f"{mlp}.w3"] = ColwiseParallel()
+            plan[f"{mlp}.w2"] = RowwiseParallel()
         return plan
 
 

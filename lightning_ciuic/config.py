@@ -4,7 +4,9 @@ Contract: ``ParallelismConfig(...)`` validates on construction and raises ``Valu
 was given and what would work: each degree a positive integer (``data_parallel_size`` and
 ``data_parallel_shard_size`` may be ``"auto"``); ``weight_all_gather_compression`` only with sharding; sharded data
 parallelism only with the codecs and schedules it supports; DiLoCo only with whole replicas and no per-step
-compression. ``resolve(world_size)`` gives the :class:`~lightning_ciuic.parallel.dims.ParallelDims` (degrees against
+compression; ``expert_parallel_size`` a positive integer dividing the innermost data-parallel degree (checked
+against the world by ``resolve``), ``expert_dispatch_compression`` one of ``"none"``, ``"bf16"``, ``"fp8"``,
+``"int8"`` and only with expert parallelism. ``resolve(world_size)`` gives the :class:`~lightning_ciuic.parallel.dims.ParallelDims` (degrees against
 the world: errors name every factor). The pieces are the configs of the parts that use them:
 :class:`~lightning_ciuic.parallel.pipeline_module.PipelineConfig`, :class:`~lightning_ciuic.parallel.fsdp.ShardingConfig`,
 :class:`~lightning_ciuic.comm.compression.CompressionConfig` and :class:`~lightning_ciuic.comm.diloco.DiLoCo`.
@@ -22,6 +24,7 @@ from typing import Any, Literal, Optional, Union
 from lightning_ciuic.comm.compression import CompressionConfig
 from lightning_ciuic.comm.diloco import DiLoCo
 from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.parallel.experts import DISPATCH_COMPRESSIONS, DispatchCompression
 from lightning_ciuic.parallel.fsdp import ShardingConfig
 from lightning_ciuic.parallel.pipeline_module import PipelineConfig
 
@@ -39,6 +42,8 @@ class ParallelismConfig:
     data_parallel_size: Degree = "auto"
     tensor_parallel_size: int = 1
     data_parallel_shard_size: Degree = 1
+    expert_parallel_size: int = 1
+    expert_dispatch_compression: DispatchCompression = "none"
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
@@ -57,13 +62,15 @@ class ParallelismConfig:
             self._check_sharded()
         if self.diloco is not None:
             self._check_diloco()
+        self._check_experts()
 
     @property
     def degrees(self) -> dict[str, Any]:
-        """The four degrees as ``ParallelDims.resolve`` takes them."""
+        """The degrees as ``ParallelDims.resolve`` takes them."""
         return dict(
             pipeline_parallel_size=self.pipeline_parallel_size, data_parallel_size=self.data_parallel_size,
             tensor_parallel_size=self.tensor_parallel_size, data_parallel_shard_size=self.data_parallel_shard_size,
+            expert_parallel_size=self.expert_parallel_size,
         )
 
     def resolve(self, world_size: int) -> ParallelDims:
@@ -108,4 +115,22 @@ class ParallelismConfig:
             raise ValueError(
                 f"diloco with data_parallel_shard_size={self.data_parallel_shard_size!r}: DiLoCo's workers are whole"
                 " replicas (tensor or pipeline parallel inside each), not shards; use data_parallel_shard_size=1."
+            )
+
+    def _check_experts(self) -> None:
+        dispatch = self.expert_dispatch_compression
+        if dispatch not in DISPATCH_COMPRESSIONS:
+            raise ValueError(
+                f"expert_dispatch_compression={dispatch!r}: use one of {list(DISPATCH_COMPRESSIONS)} (how the tokens"
+                " sent to the experts cross the all-to-all)."
+            )
+        if dispatch != "none" and self.expert_parallel_size == 1:
+            raise ValueError(
+                f"expert_dispatch_compression={dispatch!r} compresses the tokens sent to other ranks' experts, and"
+                " expert_parallel_size=1 sends none: set expert_parallel_size > 1, or leave it 'none'."
+            )
+        if self.expert_parallel_size > 1 and self.diloco is not None:
+            raise ValueError(
+                f"expert_parallel_size={self.expert_parallel_size} spreads each layer's experts over data-parallel"
+                " ranks, and diloco= trains those ranks as independent whole replicas: use one of them."
             )

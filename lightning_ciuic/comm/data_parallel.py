@@ -7,7 +7,9 @@ Contract of a :class:`DataParallel` engine, driven by the strategy at four point
   ``stages`` are the pipeline stages this rank runs (sub-module groups of ``module`` that torch's pipeline
   schedule calls directly), empty without pipeline parallelism. The engine makes every replica start from the
   weights of the first data-parallel rank and installs what it needs (gradient hooks, buckets, reducers; or,
-  sharded, FSDP2's units, with each stage as a root).
+  sharded, FSDP2's units, with each stage as a root). Under expert parallelism ``experts`` is the
+  :class:`~lightning_ciuic.parallel.experts.ExpertLayout`: the experts' gradients are averaged over its
+  ``data_mesh`` (the ranks holding the same experts), not over ``mesh``.
 * ``before_step(global_step) -> list[str]``: at the start of every training batch (the engine acts once per
   optimizer step); returns messages worth logging once (a decision of ``"auto"``).
 * ``no_sync()``: backward passes inside it accumulate locally (gradient accumulation, pipeline micro-batches);
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Optional
 
 import torch
@@ -50,6 +52,7 @@ from lightning_ciuic.comm.compression import CompressionConfig, GradientCompress
 from lightning_ciuic.comm.grad_sync import GradientSynchronizer, SyncStats, mean_all_reduce
 from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.parallel.axes import Axis
+from lightning_ciuic.parallel.experts import ExpertLayout
 
 
 class DataParallel(ABC):
@@ -59,7 +62,10 @@ class DataParallel(ABC):
     replicas_differ = False  # True: replicated tensors are not equal across data-parallel ranks (DiLoCo)
 
     @abstractmethod
-    def setup(self, module: torch.nn.Module, mesh: DeviceMesh, stages: Sequence[torch.nn.Module] = ()) -> None: ...
+    def setup(
+        self, module: torch.nn.Module, mesh: DeviceMesh, stages: Sequence[torch.nn.Module] = (),
+        experts: Optional[ExpertLayout] = None,
+    ) -> None: ...
 
     @abstractmethod
     def before_step(self, global_step: int) -> list[str]: ...
@@ -119,26 +125,40 @@ class Replicated(DataParallel):
     def __init__(self, compression: CompressionConfig = CompressionConfig(), bucket_size_mb: float = 25.0, timeout: float = 300.0) -> None:
         self.config, self.bucket_size_mb, self.timeout = compression, bucket_size_mb, timeout
         self.synchronizer: Optional[GradientSynchronizer] = None
+        self.expert_synchronizer: Optional[GradientSynchronizer] = None  # experts' gradients, over their data mesh
         self.compression: Optional[GradientCompression] = None
         self.auto: Optional[AutoCompression] = None
         self._auto_step = -1
 
-    def setup(self, module: torch.nn.Module, mesh: DeviceMesh, stages: Sequence[torch.nn.Module] = ()) -> None:
+    def setup(
+        self, module: torch.nn.Module, mesh: DeviceMesh, stages: Sequence[torch.nn.Module] = (),
+        experts: Optional[ExpertLayout] = None,
+    ) -> None:
         self.close()
         group = self.group = mesh.get_group()
         self._auto_step = -1
         if not self.config.exact_mean:
             self.compression = GradientCompression.from_config(self.config)
+        expert_ids = experts.parameter_ids() if experts is not None else set()
         self.synchronizer = GradientSynchronizer(
-            module.parameters(), group=group, bucket_size_mb=self.bucket_size_mb, timeout=self.timeout,
-            axis_name=Axis.DP, reducer=self.compression or mean_all_reduce,
+            (p for p in module.parameters() if id(p) not in expert_ids), group=group,
+            bucket_size_mb=self.bucket_size_mb, timeout=self.timeout, axis_name=Axis.DP,
+            reducer=self.compression or mean_all_reduce,
         )
+        if experts is not None and experts.data_mesh.size() > 1:
+            reduce = self.compression or mean_all_reduce
+            self.expert_synchronizer = GradientSynchronizer(
+                experts.parameters(), group=experts.data_mesh.get_group(), bucket_size_mb=self.bucket_size_mb,
+                timeout=self.timeout, axis_name=Axis.EDP,
+                reducer=lambda key, *args: reduce(f"experts.{key}", *args),
+            )
+            self.expert_synchronizer.broadcast_parameters(experts.parameters())
         if self.config.mode == "auto":
             assert self.compression is not None
             device = self.synchronizer.buckets[0].buffer.device if self.synchronizer.buckets else torch.device("cpu")
             self.auto = AutoCompression(self.compression, self.config.auto_recheck_steps, device=device)
         # Like DDP: every replica starts from the weights of the first rank of its group.
-        self.synchronizer.broadcast_parameters([*module.parameters(), *module.buffers()])
+        self.synchronizer.broadcast_parameters([*(p for p in module.parameters() if id(p) not in expert_ids), *module.buffers()])
 
     def before_step(self, global_step: int) -> list[str]:
         """Compression warm-up, and ``"auto"``'s trial and decisions (once per optimizer step)."""
@@ -151,18 +171,23 @@ class Replicated(DataParallel):
         decision = self.auto.on_step(self.synchronizer.group, global_step, *self.payload())
         return [decision.reason] if decision is not None else []
 
+    def _synchronizers(self) -> list[GradientSynchronizer]:
+        assert self.synchronizer is not None
+        return [s for s in (self.synchronizer, self.expert_synchronizer) if s is not None]
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        assert self.synchronizer is not None
-        with self.synchronizer.no_sync():
+        with ExitStack() as stack:
+            for synchronizer in self._synchronizers():
+                stack.enter_context(synchronizer.no_sync())
             yield
 
     def after_backward(self, accumulated: bool = False) -> None:
-        assert self.synchronizer is not None
-        if accumulated:
-            self.synchronizer.sync_accumulated()
-        else:
-            self.synchronizer.finish()
+        for synchronizer in self._synchronizers():
+            if accumulated:
+                synchronizer.sync_accumulated()
+            else:
+                synchronizer.finish()
 
     @property
     def stats(self) -> SyncStats:
@@ -199,11 +224,12 @@ class Replicated(DataParallel):
             self.compression.set_mode(**description)
 
     def close(self) -> None:
-        if self.synchronizer is not None:
-            self.synchronizer.remove()
+        for synchronizer in (self.synchronizer, self.expert_synchronizer):
+            if synchronizer is not None:
+                synchronizer.remove()
         if self.compression is not None:
             self.compression.close()
-        self.synchronizer = self.compression = self.auto = None
+        self.synchronizer = self.expert_synchronizer = self.compression = self.auto = None
 
 
 @torch.no_grad()

@@ -8,7 +8,11 @@ replicas of the shards (HSDP); ``dp_shard`` must divide ``dp``. ``build_mesh`` r
 ``tp`` innermost so tensor-parallel peers are neighbouring ranks (the same node on a real cluster): the axes
 ``("pp", "dp", "tp")``, or, with ``dp_shard > 1``, ``("pp", "dp_replicate", "dp_shard", "tp")`` plus ``"dp"``,
 the two data-parallel axes flattened (what samplers and replica-wide collectives use), and Lightning's
-``ModelParallelStrategy`` names for the same axes (``data_parallel``, ``tensor_parallel``). Axis names are
+``ModelParallelStrategy`` names for the same axes (``data_parallel``, ``tensor_parallel``). ``ep`` (default 1) ranks
+hold different experts of each mixture-of-experts layer (expert parallelism): they are carved from the innermost
+data-parallel axis (``dp_shard`` when sharded, else ``dp``), as torchtitan's and DeepSpeed's are, and must divide it;
+:meth:`build_expert_mesh` gives the expert view of the same world, ``(pp, dp_replicate, edp, ep, tp)`` (sharded) or
+``(pp, edp, ep, tp)``, where ``edp`` ranks hold the same experts. Axis names are
 :class:`~lightning_ciuic.parallel.axes.Axis` members. Everything else asks this object ``pp_enabled``,
 ``dp_enabled``, ``tp_enabled``, ``sharded`` instead of comparing sizes itself, :meth:`ParallelDims.fsdp_mesh` for
 the mesh FSDP2 shards over, and :meth:`ParallelDims.layout_key` for the identity of a rank's local state.
@@ -45,6 +49,7 @@ class ParallelDims:
     tp: int
     world_size: int
     dp_shard: int = 1
+    ep: int = 1
 
     @classmethod
     def resolve(
@@ -54,12 +59,16 @@ class ParallelDims:
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
         tensor_parallel_size: int = 1,
         data_parallel_shard_size: Union[int, Literal["auto"]] = 1,
+        expert_parallel_size: int = 1,
     ) -> "ParallelDims":
         """Validate the degrees and fill in ``"auto"``: ``data_parallel_size`` from the world size,
         ``data_parallel_shard_size`` as the data-parallel size (plain FSDP over every data-parallel rank, whatever
         their number: what an elastic run needs)."""
         check_int("world_size", world_size)
-        cls.check_degrees(pipeline_parallel_size, data_parallel_size, tensor_parallel_size, data_parallel_shard_size)
+        cls.check_degrees(
+            pipeline_parallel_size, data_parallel_size, tensor_parallel_size, data_parallel_shard_size,
+            expert_parallel_size,
+        )
         pp, tp = pipeline_parallel_size, tensor_parallel_size
         model_parallel = pp * tp
         if data_parallel_size == "auto":
@@ -90,7 +99,16 @@ class ParallelDims:
                 f" (pp={pp}, tp={tp}, world size {world_size}); use one of {_divisors(dp)}"
                 f" ({dp} is plain FSDP, a smaller divisor is HSDP: replicas of sharded groups)."
             )
-        return cls(pp=pp, dp=dp, tp=tp, world_size=world_size, dp_shard=data_parallel_shard_size)
+        ep = expert_parallel_size
+        borrowed, axis = (data_parallel_shard_size, "data_parallel_shard_size") if data_parallel_shard_size > 1 else (dp, "data_parallel_size")
+        if borrowed % ep != 0:
+            raise ValueError(
+                f"expert_parallel_size={ep} must divide {axis}={borrowed} (pp={pp}, dp={dp}, dp_shard="
+                f"{data_parallel_shard_size}, tp={tp}, world size {world_size}): the expert-parallel ranks are"
+                f" data-parallel ranks that hold different experts. Use one of {_divisors(borrowed)}, or more"
+                f" data-parallel ranks."
+            )
+        return cls(pp=pp, dp=dp, tp=tp, world_size=world_size, dp_shard=data_parallel_shard_size, ep=ep)
 
     @staticmethod
     def check_degrees(
@@ -98,6 +116,7 @@ class ParallelDims:
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
         tensor_parallel_size: int = 1,
         data_parallel_shard_size: Union[int, Literal["auto"]] = 1,
+        expert_parallel_size: int = 1,
     ) -> None:
         """Raise ``ValueError`` unless each degree is a positive integer (``dp`` and ``dp_shard`` may also be
         ``"auto"``)."""
@@ -106,6 +125,7 @@ class ParallelDims:
             "data_parallel_size": data_parallel_size,
             "tensor_parallel_size": tensor_parallel_size,
             "data_parallel_shard_size": data_parallel_shard_size,
+            "expert_parallel_size": expert_parallel_size,
         }
         for name, value in degrees.items():
             check_int(name, value, allowed=("auto",) if name in ("data_parallel_size", "data_parallel_shard_size") else ())
@@ -121,6 +141,15 @@ class ParallelDims:
     @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def edp(self) -> int:
+        """Ranks of the innermost data-parallel axis that hold the same experts."""
+        return (self.dp_shard if self.sharded else self.dp) // self.ep
 
     @property
     def sharded(self) -> bool:
@@ -139,7 +168,8 @@ class ParallelDims:
         """The identity of a rank's local state: what its shards' shapes depend on (``pp``, ``tp``, ``dp_shard``), not
         the number of replicas, so an elastic change of ``dp_replicate`` keeps it. Checkpoints key per-rank state with
         it, snapshots record it, and a restore takes per-rank state only from the same key."""
-        return f"{Axis.PP}{self.pp}.{Axis.TP}{self.tp}.{Axis.DP_SHARD}{self.dp_shard}"
+        key = f"{Axis.PP}{self.pp}.{Axis.TP}{self.tp}.{Axis.DP_SHARD}{self.dp_shard}"
+        return key + (f".{Axis.EP}{self.ep}" if self.ep_enabled else "")
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the mesh over the initialized default process group (collective call); see the module docstring."""
@@ -153,6 +183,19 @@ class ParallelDims:
             compat.flatten_mesh(mesh, (axis,), alias)
         return mesh
 
+    def build_expert_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The expert view of ``mesh`` (collective call; same ranks, same root): the innermost data-parallel axis split
+        into ``(edp, ep)``, ``ep`` innermost so expert-parallel peers are neighbouring ranks."""
+        axis = Axis.DP_SHARD if self.sharded else Axis.DP
+        return mesh._unflatten(axis, (self.edp, self.ep), (Axis.EDP, Axis.EP))
+
+    def expert_data_mesh(self, expert_mesh: DeviceMesh) -> DeviceMesh:
+        """Of :meth:`build_expert_mesh`'s mesh, the ranks holding the same experts: ``edp``, with ``dp_replicate``
+        in front when sharded with replicas (HSDP for the experts)."""
+        if self.sharded and self.dp_replicate > 1:
+            return expert_mesh[Axis.DP_REPLICATE, Axis.EDP]
+        return expert_mesh[Axis.EDP]
+
     def data_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The mesh a data-parallel engine works on: ``"dp"`` (replicated) or :meth:`fsdp_mesh` (sharded)."""
         return self.fsdp_mesh(mesh) if self.sharded else mesh[Axis.DP]
@@ -164,4 +207,5 @@ class ParallelDims:
 
     def __str__(self) -> str:
         dp = f"dp={self.dp}" if not self.sharded else f"dp={self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard})"
-        return f"pp={self.pp} x {dp} x tp={self.tp} (world size {self.world_size})"
+        ep = f" x ep={self.ep} (of the data-parallel ranks)" if self.ep_enabled else ""
+        return f"pp={self.pp} x {dp} x tp={self.tp}{ep} (world size {self.world_size})"

@@ -25,15 +25,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from lightning_ciuic import compat
 from lightning_ciuic.tensors import local_tensor
+
+if TYPE_CHECKING:
+    from lightning_ciuic.parallel.experts import ExpertLayout
 
 UnitSpec = Union[str, type]
 
@@ -126,24 +130,51 @@ def _gathered_numel(unit: nn.Module, skip: set[int]) -> int:
     return sum(local_tensor(p).numel() for p in unit.parameters() if id(p) not in skip)
 
 
-def shard(module: nn.Module, mesh: DeviceMesh, config: ShardingConfig, stages: Sequence[nn.Module] = ()) -> FSDPLayout:
-    """Apply ``fully_shard`` to the units, then the roots (see the module docstring)."""
+def shard(
+    module: nn.Module, mesh: DeviceMesh, config: ShardingConfig, stages: Sequence[nn.Module] = (),
+    experts: Optional["ExpertLayout"] = None,
+) -> FSDPLayout:
+    """Apply ``fully_shard`` to the experts (each packed-experts module a unit over the ranks holding the same
+    experts), the units, then the roots (see the module docstring)."""
+    expert_units = _shard_experts(experts, config) if experts is not None else {}
     roots = list(stages) or [module]
     if config.units is None:
         units = [unit for root in roots for unit in default_units(root)]
     else:  # named against the whole module; a pipeline rank shards those of its stages
         inside = {id(m) for root in roots for m in root.modules()}
         units = [unit for unit in select_units(module, config.units) if id(unit) in inside]
-    mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
-    offload = CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()
-    counted: set[int] = set()
-    numel: list[int] = []
+    policies = _policies(config)
+    counted: set[int] = {id(p) for unit in expert_units for p in unit.parameters()}
+    numel: list[int] = list(expert_units.values())
     for group, reshard in ((units, config.reshard_after_forward), (roots, False)):
         for unit in group:
             numel.append(_gathered_numel(unit, counted))
             counted.update(id(p) for p in unit.parameters())
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
-    return FSDPLayout(mesh, roots, units, numel)  # type: ignore[arg-type]
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, **policies)
+    return FSDPLayout(mesh, roots, [*expert_units, *units], numel)  # type: ignore[arg-type]
+
+
+def _policies(config: ShardingConfig) -> dict:
+    return dict(
+        mp_policy=MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype),
+        offload_policy=CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy(),
+    )
+
+
+def _shard_experts(experts: "ExpertLayout", config: ShardingConfig) -> dict[nn.Module, int]:
+    """Each packed-experts module its own unit over ``experts.data_mesh`` (its parameters are ``ep`` DTensors already):
+    on the experts' dim while each rank keeps at least one, else on the next. Returns each unit's gathered numel."""
+    mesh = experts.data_mesh
+    units = {}
+    for unit in experts.modules.values():
+        units[unit] = _gathered_numel(unit, set())
+        local_experts = local_tensor(unit.gate_up_proj).shape[0]
+        dim = 0 if local_experts >= mesh.size() else 1
+        fully_shard(
+            unit, mesh=mesh, reshard_after_forward=config.reshard_after_forward,
+            shard_placement_fn=lambda param, dim=dim: Shard(dim), **_policies(config),
+        )
+    return units
 
 
 def found_sharding(module: nn.Module) -> Optional[FSDPLayout]:
@@ -178,19 +209,50 @@ def has_meta_tensors(module: nn.Module) -> bool:
 @torch.no_grad()
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Allocate a module's meta tensors on ``device`` (a sharded module's: this rank's shards) and initialise them: the
-    module's ``init_weights()`` when it has one (torchtitan's convention), else every sub-module's
-    ``reset_parameters()``. DTensor random ops give each shard the values of its part of the whole tensor, the same
-    on every data-parallel replica. A sub-module with parameters or buffers and neither method is an error (its
-    values would be uninitialised memory)."""
+    module's ``init_weights()`` when it has one (torchtitan's convention); else each Hugging Face ``PreTrainedModel``
+    in it by its own initialisation (:func:`_init_hugging_face`: rotary tables and other non-persistent buffers
+    included) and every other sub-module by its ``reset_parameters()``. DTensor random ops give each shard the values
+    of its part of the whole tensor, the same on every data-parallel replica. A sub-module with parameters or buffers
+    that none of these initialises is an error (its values would be uninitialised memory)."""
     module.to_empty(device=device)
     init = getattr(module, "init_weights", None)
-    if callable(init):
+    if callable(init) and not _is_hugging_face(module):
         init()
         return
+    models = _hugging_face_models(module)
+    for model in models:
+        _init_hugging_face(model)
+    _reset_parameters(module, skip={id(sub) for model in models for sub in model.modules()})
+
+
+def _is_hugging_face(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``transformers`` ``PreTrainedModel`` (found by its classes: transformers is optional)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__ == "transformers.modeling_utils" for c in type(module).__mro__)
+
+
+def _hugging_face_models(module: nn.Module) -> list[nn.Module]:
+    """The outermost Hugging Face models in ``module`` (``module`` itself if it is one)."""
+    if _is_hugging_face(module):
+        return [module]
+    return [model for child in module.children() for model in _hugging_face_models(child)]
+
+
+def _init_hugging_face(model: nn.Module) -> None:
+    """``model.init_weights()``, as ``from_pretrained`` initialises what it did not load: every module's
+    ``_init_weights`` (norms ones, rotary ``inv_freq`` computed from the config, ...), then the tied weights tied. The
+    ``_is_hf_initialized`` marks that make it skip a module are cleared first: ``to_empty`` replaced every value."""
+    for sub in model.modules():
+        sub.__dict__.pop("_is_hf_initialized", None)
+    model.init_weights()
+
+
+def _reset_parameters(module: nn.Module, skip: set[int]) -> None:
+    """Every sub-module of ``module`` not in ``skip`` (ids) that owns parameters or buffers: its ``reset_parameters()``;
+    those without one are named in a ``TypeError``."""
     missing = []
     for sub in module.modules():
         owns = any(True for _ in sub.parameters(recurse=False)) or any(True for _ in sub.buffers(recurse=False))
-        if not owns:
+        if id(sub) in skip or not owns:
             continue
         reset = getattr(sub, "reset_parameters", None)
         if callable(reset):

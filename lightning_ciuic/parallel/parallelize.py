@@ -10,7 +10,11 @@ and no Trainer. ``mesh`` is the layout's device mesh (built from ``dims`` when n
    translated (:func:`~lightning_ciuic.parallel.tensor.hugging_face_plan`). A module whose parameters are already
    DTensors (its own ``parallelize_module`` in ``configure_model``) is left as it is. ``tp > 1`` with no plan and
    nothing sharded is an error: every tp rank would compute the same thing.
-2. Expert parallel: not yet (experts stay replicated over tp and dp, sharded with the rest under FSDP).
+2. **Expert parallel** over ``ep`` (``dims.ep > 1``): every data-parallel rank first takes the first one's weights,
+   then every packed-experts module is sharded expert-wise over ``ep`` and dispatches its tokens
+   (:func:`~lightning_ciuic.parallel.experts.shard_experts`); ``Parallelized.experts`` is its layout, which the
+   data-parallel engine reads (expert gradients are averaged over the ranks holding the same experts). Sharded,
+   each experts module becomes its own FSDP2 unit over those ranks (step 5).
 3. **Activation checkpointing** (``config.gradient_checkpointing``): each pipeline block of a
    :class:`~lightning_ciuic.parallel.pipeline_module.PipelineModule`, else each block of the module's outermost
    ``nn.ModuleList`` s; a module with neither is an error.
@@ -45,6 +49,7 @@ from lightning_ciuic.comm.data_parallel import broadcast_from_first
 from lightning_ciuic.config import ParallelismConfig
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.parallel.experts import ExpertLayout, shard_experts
 from lightning_ciuic.parallel.fsdp import FSDPLayout, default_units, found_sharding, has_meta_tensors, shard
 from lightning_ciuic.parallel.fsdp import materialize as materialize_meta
 from lightning_ciuic.parallel.pipeline import PipelineRunner, block_modules, checkpoint_activations
@@ -63,6 +68,7 @@ class Parallelized:
     pipeline: Optional[PipelineRunner] = None
     fsdp: Optional[FSDPLayout] = None  # the FSDP2 units, ours or the user's
     user_sharded: bool = False  # the units are the user's own fully_shard calls
+    experts: Optional[ExpertLayout] = None  # expert parallelism's layout (dims.ep > 1)
 
     @property
     def stages(self) -> tuple[nn.Module, ...]:
@@ -79,9 +85,19 @@ def parallelize(
     user_fsdp = found_sharding(module)
     if dims.tp_enabled:
         tensor_parallel(module, mesh[Axis.TP])
+    result = Parallelized(module, dims, mesh)
+    if user_fsdp is None and (dims.sharded or dims.ep_enabled):
+        broadcast_from_first(module, mesh[Axis.DP])  # replicas start equal, as DDP's do; then each keeps its shards
+    if dims.ep_enabled:
+        if user_fsdp is not None:
+            raise ValueError(
+                f"{type(module).__name__} calls fully_shard itself, and expert_parallel_size={dims.ep} shards its"
+                " experts first: leave sharding to the strategy (data_parallel_shard_size > 1), or use"
+                " expert_parallel_size=1."
+            )
+        result.experts = shard_experts(module, dims, mesh, config.expert_dispatch_compression)
     if config.gradient_checkpointing:
         checkpoint_blocks(module)
-    result = Parallelized(module, dims, mesh)
     if dims.pp_enabled:
         if user_fsdp is not None:
             raise ValueError(
@@ -90,13 +106,13 @@ def parallelize(
                 " (data_parallel_shard_size > 1) or use pipeline_parallel_size=1."
             )
         result.pipeline = build_pipeline(module, mesh, config.pipeline, device)
+        if result.experts is not None:
+            result.experts.keep_within(result.stages)
     if user_fsdp is not None:
         check_user_sharding(module, user_fsdp, mesh[Axis.DP], config)
         result.fsdp, result.user_sharded = user_fsdp, True
     elif dims.sharded:
-        fsdp_mesh = dims.fsdp_mesh(mesh)
-        broadcast_from_first(module, fsdp_mesh)  # replicas start equal, as DDP's do
-        result.fsdp = shard(module, fsdp_mesh, config.sharding, result.stages)
+        result.fsdp = shard(module, dims.fsdp_mesh(mesh), config.sharding, result.stages, experts=result.experts)
     if materialize and has_meta_tensors(module):
         materialize_meta(module, device)
     return result

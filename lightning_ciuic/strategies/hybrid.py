@@ -70,6 +70,7 @@ from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.config import SHARDED_CODECS, ParallelismConfig
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.parallel.experts import DispatchCompression
 from lightning_ciuic.parallel.fsdp import ShardingConfig, check_offload, has_meta_tensors
 from lightning_ciuic.parallel.parallelize import Parallelized, parallelize
 from lightning_ciuic.parallel.grad_norm import clip_grad_norm_
@@ -148,6 +149,13 @@ class HybridParallelStrategy(ParallelStrategy):
         diloco: a :class:`~lightning_ciuic.comm.diloco.DiLoCo` configuration: data-parallel replicas train alone
             and average their pseudo-gradients every ``sync_every`` steps through an outer Nesterov step
             (docs/diloco.md). It changes the optimisation: nothing turns it on but this argument.
+        expert_parallel_size: data-parallel ranks (of ``data_parallel_shard_size`` when sharded, else of
+            ``data_parallel_size``) that each hold a share of every mixture-of-experts layer's experts and send
+            tokens to each other (docs/expert_parallel.md); the model's experts are packed (transformers' DeepSeek-V3,
+            Qwen3-MoE, Mixtral, the example model).
+        expert_dispatch_compression: ``"none"``, ``"bf16"``, ``"fp8"`` or ``"int8"``: how the tokens sent to the
+            experts cross the all-to-all (fp8/int8 with a scale per 128 values); results and gradients return in
+            the working precision.
     """
 
     strategy_name = "ciuic"
@@ -180,6 +188,8 @@ class HybridParallelStrategy(ParallelStrategy):
         fsdp_cpu_offload: bool = False,
         weight_all_gather_compression: Literal["none", "int8"] = "none",
         diloco: Optional[DiLoCo] = None,
+        expert_parallel_size: int = 1,
+        expert_dispatch_compression: DispatchCompression = "none",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -217,6 +227,8 @@ class HybridParallelStrategy(ParallelStrategy):
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_shard_size=data_parallel_shard_size,
+            expert_parallel_size=expert_parallel_size,
+            expert_dispatch_compression=expert_dispatch_compression,
             pipeline=PipelineConfig(
                 pipeline_schedule, num_microbatches, stages_per_rank,
                 tuple(pipeline_split_points) if pipeline_split_points is not None else None,
@@ -438,11 +450,13 @@ class HybridParallelStrategy(ParallelStrategy):
             return
         if not dims.dp_enabled:
             return
+        mesh = dims.data_parallel_mesh(self.device_mesh)
         if self.parallelism.diloco is not None:
             self.data_parallel = DiLoCoEngine(self.parallelism.diloco)
+            self.data_parallel.setup(self.model, mesh, parallelized.stages)
         else:
             self.data_parallel = Replicated(self.compression_config, self.bucket_size_mb, self._sync_timeout.total_seconds())
-        self.data_parallel.setup(self.model, dims.data_parallel_mesh(self.device_mesh), parallelized.stages)
+            self.data_parallel.setup(self.model, mesh, parallelized.stages, experts=parallelized.experts)
 
     def _sharding_dtypes(self) -> ShardingConfig:
         """The sharding config with FSDP2's dtypes: parameters in the precision plugin's compute dtype

@@ -1,0 +1,297 @@
+"""Expert parallelism: each rank of the ``ep`` axis holds its share of every mixture-of-experts layer's experts, and
+tokens travel to the rank that holds their expert and back.
+
+Contract:
+
+* **Packed experts** (:func:`packed_experts`): the modules this works on hold a layer's experts as two 3-D
+  parameters, ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows) and ``down_proj`` ``[E, H, I]``, an
+  ``act_fn``, and compute ``forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``: each token
+  the weighted sum of its ``k`` experts' SwiGLU outputs. transformers' DeepSeek-V3, Qwen3-MoE and Mixtral experts are
+  such modules, and so is the pack's example model's. The router stays outside, replicated.
+* :func:`shard_experts(module, dims, mesh, dispatch)`: every packed-experts module's two parameters become DTensors
+  ``Shard(0)`` over ``ep`` (global shapes: DCP checkpoints and Hugging Face loading keep working), rank ``j`` holding
+  experts ``[j E/ep, (j+1) E/ep)``, and its forward becomes the expert-parallel one below. ``E % ep`` must be 0.
+  Returns an :class:`ExpertLayout` (``None`` if ``dims.ep == 1``); applying it twice changes nothing.
+* **The forward** (:func:`expert_parallel_forward`): the ``T k`` (token, expert) pairs sorted by expert, the counts
+  exchanged (one small all-to-all), the rows sent to their experts' ranks (``all_to_all_single``, uneven splits), the
+  local experts run on what arrived (``torch._grouped_mm`` for float32/bf16/fp16 with 16-byte rows, else a loop over
+  experts: float64), the results sent back, and each token's outputs summed with its routing weights, on the sender
+  (the router's gradient stays local). A rank that receives no token still takes part in every collective. Backward
+  runs the same exchanges in reverse, in the working precision.
+* **Gradient scale**: an expert's gradient on its rank sums the contributions of every token its ``ep`` group
+  routed to it. The forward scales it by ``1/ep`` on its way to the parameter, so the engines' mean over the ranks
+  that hold the same experts (``edp``, and ``dp_replicate``: :meth:`ExpertLayout.data_mesh`) makes it the mean over
+  all data-parallel ranks, as a dense gradient is.
+* **Compressed dispatch** (``dispatch="bf16" | "fp8" | "int8"``): the rows going to the experts cross the
+  all-to-all encoded (``fp8``: e4m3 codes, ``int8``: int8 codes, each with a float32 scale per 128 values; ``bf16``
+  a cast), as DeepSeek-V3 dispatches in FP8; the results coming back and every gradient cross in the working
+  precision. :class:`DispatchStats` counts the bytes each way and the tokens routed to each expert (what the
+  load-balance callback and the monitor read).
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from lightning_ciuic.comm.codecs import BlockFP8, BlockInt8, Codec, HalfPrecision
+from lightning_ciuic.parallel.axes import Axis
+from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.tensors import local_tensor
+
+DispatchCompression = Literal["none", "bf16", "fp8", "int8"]
+DISPATCH_COMPRESSIONS = ("none", "bf16", "fp8", "int8")
+DISPATCH_BLOCK = 128  # values per scale of the fp8/int8 dispatch (DeepSeek-V3's 1x128 activation tiles)
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def dispatch_codec(name: str) -> Optional[Codec]:
+    """The codec the dispatched rows cross the all-to-all with (``None``: their own dtype, exactly)."""
+    codecs = {"none": None, "bf16": HalfPrecision(torch.bfloat16), "fp8": BlockFP8(DISPATCH_BLOCK), "int8": BlockInt8(DISPATCH_BLOCK)}
+    if name not in codecs:
+        raise ValueError(f"expert_dispatch_compression={name!r}: use one of {list(DISPATCH_COMPRESSIONS)}.")
+    return codecs[name]
+
+
+def is_packed_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds its experts packed (see the module docstring)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (
+        isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3 and down.dim() == 3
+        and gate_up.shape[0] == down.shape[0] and callable(getattr(module, "act_fn", None))
+    )
+
+
+def packed_experts(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every packed-experts module inside ``module``."""
+    return [(name, sub) for name, sub in module.named_modules() if is_packed_experts(sub)]
+
+
+@dataclass
+class DispatchStats:
+    """What the expert-parallel forwards moved since the counters were last read (see :meth:`take_counts`)."""
+
+    dispatch_bytes: int = 0  # sent by this rank to the experts' ranks (encoded)
+    combine_bytes: int = 0  # sent back
+    received_tokens: int = 0  # rows this rank's experts computed
+    counts: dict[str, torch.Tensor] = field(default_factory=dict)  # layer -> tokens this rank routed to each expert
+
+    def add_counts(self, layer: str, counts: torch.Tensor) -> None:
+        previous = self.counts.get(layer)
+        self.counts[layer] = counts.detach().clone() if previous is None else previous + counts.detach()
+
+    def take_counts(self) -> dict[str, torch.Tensor]:
+        """The per-layer routed-token counts accumulated since the last call, and reset them."""
+        counts, self.counts = self.counts, {}
+        return counts
+
+
+@dataclass
+class ExpertLayout:
+    """What :func:`shard_experts` made: the expert view of the mesh, the sharded modules and the dispatch's stats."""
+
+    dims: ParallelDims
+    mesh: DeviceMesh  # (pp, [dp_replicate,] edp, ep, tp)
+    modules: dict[str, nn.Module]
+    dispatch: DispatchCompression = "none"
+    stats: DispatchStats = field(default_factory=DispatchStats)
+    ep_mesh: DeviceMesh = field(init=False)
+    codec: Optional[Codec] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ep_mesh = self.mesh[Axis.EP]
+        self.codec = dispatch_codec(self.dispatch)
+
+    @property
+    def data_mesh(self) -> DeviceMesh:
+        """The ranks holding the same experts, over which their gradients are averaged (and, sharded, split)."""
+        return self.dims.expert_data_mesh(self.mesh)
+
+    def keep_within(self, stages: Sequence[nn.Module]) -> None:
+        """Forget the experts of pipeline stages this rank does not run (after the cut)."""
+        here = {id(m) for stage in stages for m in stage.modules()}
+        self.modules = {name: m for name, m in self.modules.items() if id(m) in here}
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for module in self.modules.values() for p in (module.gate_up_proj, module.down_proj)]
+
+    def parameter_ids(self) -> set[int]:
+        return {id(p) for p in self.parameters()}
+
+
+def shard_experts(
+    module: nn.Module, dims: ParallelDims, mesh: DeviceMesh, dispatch: DispatchCompression = "none"
+) -> Optional[ExpertLayout]:
+    """Shard every packed-experts module of ``module`` over ``ep`` (see the module docstring). The caller makes the
+    data-parallel replicas equal first: each rank keeps its experts' rows of its own copy."""
+    if not dims.ep_enabled:
+        return None
+    found = packed_experts(module)
+    if not found:
+        raise ValueError(
+            f"expert_parallel_size={dims.ep}, but {type(module).__name__} has no packed mixture-of-experts module"
+            " (gate_up_proj [E, 2I, H] and down_proj [E, H, I] parameters, an act_fn, forward(hidden, top_k_index,"
+            " top_k_weights), as transformers' DeepSeek-V3, Qwen3-MoE and Mixtral experts): give its experts that"
+            " form, or use expert_parallel_size=1."
+        )
+    existing = getattr(found[0][1], "_expert_layout", None)
+    if existing is not None:
+        return existing  # applied already (Lightning sets a model up for each of fit, validate, test)
+    layout = ExpertLayout(dims, dims.build_expert_mesh(mesh), dict(found), dispatch)
+    ep_mesh = layout.ep_mesh
+    for name, experts in found:
+        _check_shardable(name, experts, dims.ep)
+        for attr in ("gate_up_proj", "down_proj"):
+            param = getattr(experts, attr)
+            setattr(experts, attr, nn.Parameter(_shard_rows(param.data, ep_mesh), requires_grad=param.requires_grad))
+        experts._expert_layout = layout
+        experts._expert_layer = name
+        experts.forward = types.MethodType(expert_parallel_forward, experts)
+    return layout
+
+
+def _check_shardable(name: str, experts: nn.Module, ep: int) -> None:
+    n = experts.gate_up_proj.shape[0]
+    if n % ep:
+        raise ValueError(
+            f"{name} has {n} experts, which expert_parallel_size={ep} does not divide: use one of"
+            f" {[d for d in range(1, n + 1) if n % d == 0]}."
+        )
+    for flag, expected in (("has_bias", False), ("is_transposed", False), ("has_gate", True), ("is_concatenated", True)):
+        if getattr(experts, flag, expected) != expected:
+            raise ValueError(
+                f"{name} ({type(experts).__name__}) has {flag}={not expected}; expert parallelism runs concatenated"
+                " gate/up SwiGLU experts without bias (DeepSeek-V3, Qwen3-MoE, Mixtral): use expert_parallel_size=1."
+            )
+
+
+def _shard_rows(tensor: torch.Tensor, ep_mesh: DeviceMesh) -> DTensor:
+    """``Shard(0)`` over ``ep_mesh`` without communication: every rank holds the whole tensor (or a meta one)."""
+    if tensor.is_meta:
+        rows = tensor.shape[0] // ep_mesh.size()
+        local = torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype, device="meta")
+        return DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+    return distribute_tensor(tensor, ep_mesh, [Shard(0)], src_data_rank=None)
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
+def _all_to_all_bytes(send: torch.Tensor, send_bytes: list[int], recv_bytes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Flat bytes exchanged with uneven splits; every rank calls it, with or without anything to send."""
+    received = send.new_empty(sum(recv_bytes))
+    dist.all_to_all_single(received, send, recv_bytes, send_bytes, group=group)
+    return received
+
+
+def _flat_bytes(rows: torch.Tensor) -> torch.Tensor:
+    return rows.contiguous().view(-1).view(torch.uint8)
+
+
+class _Exchange(torch.autograd.Function):
+    """Rows to their ranks through an all-to-all (``send_rows[j]`` rows to rank ``j`` of ``group``): forward
+    ``codec``-encoded, each destination's rows as one block-scaled piece (``None``: the rows' own bytes, exactly);
+    backward the gradients' own bytes. Counts what left this rank in ``stats.<direction>``."""
+
+    @staticmethod
+    def forward(ctx, rows, send_rows, recv_rows, group, codec, stats, direction):  # type: ignore[override]
+        ctx.send_rows, ctx.recv_rows, ctx.group = send_rows, recv_rows, group
+        width, dtype = rows.shape[1], rows.dtype
+        if codec is None:
+            row_bytes = width * rows.element_size()
+            send_bytes, recv_bytes = [n * row_bytes for n in send_rows], [n * row_bytes for n in recv_rows]
+            payload = _flat_bytes(rows)
+        else:
+            send_bytes, recv_bytes = [codec.nbytes(n * width) for n in send_rows], [codec.nbytes(n * width) for n in recv_rows]
+            payload = torch.cat([codec.encode(piece.reshape(-1).float()) for piece in rows.split(send_rows)])
+        received = _all_to_all_bytes(payload, send_bytes, recv_bytes, group)
+        setattr(stats, direction, getattr(stats, direction) + sum(send_bytes) - send_bytes[dist.get_rank(group)])
+        if codec is None:
+            return received.view(dtype).view(-1, width)
+        pieces = [
+            codec.decode(piece, n * width).view(n, width) for piece, n in zip(received.split(recv_bytes), recv_rows)
+        ]
+        return torch.cat(pieces).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        width, row_bytes = grad.shape[1], grad.shape[1] * grad.element_size()
+        send_bytes, recv_bytes = [n * row_bytes for n in ctx.recv_rows], [n * row_bytes for n in ctx.send_rows]
+        back = _all_to_all_bytes(_flat_bytes(grad), send_bytes, recv_bytes, ctx.group)
+        return back.view(grad.dtype).view(-1, width), None, None, None, None, None, None
+
+
+def run_local_experts(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor, grad_scale: float) -> torch.Tensor:
+    """This rank's experts on ``rows`` sorted by local expert (``counts[e]`` rows each): SwiGLU per expert."""
+    gate_up = _ScaleGradient.apply(local_tensor(experts.gate_up_proj), grad_scale)
+    down = _ScaleGradient.apply(local_tensor(experts.down_proj), grad_scale)
+    if _grouped_mm_fits(rows, gate_up, down):
+        offsets = counts.cumsum(0).to(torch.int32)
+        hidden = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offsets)
+        gate, up = hidden.chunk(2, dim=-1)
+        return torch._grouped_mm((experts.act_fn(gate) * up).contiguous(), down.transpose(-2, -1), offs=offsets)
+    outputs = []
+    for e, chunk in enumerate(rows.split(counts.tolist())):
+        gate, up = nn.functional.linear(chunk, gate_up[e]).chunk(2, dim=-1)
+        outputs.append(nn.functional.linear(experts.act_fn(gate) * up, down[e]))
+    return torch.cat(outputs) if outputs else rows.new_empty((0, down.shape[1]))
+
+
+def _grouped_mm_fits(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """torch's grouped GEMM: float32/bf16/fp16, every row a multiple of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm") or rows.dtype not in _GROUPED_MM_DTYPES or gate_up.dtype != rows.dtype:
+        return False
+    size = rows.element_size()
+    return all((d * size) % 16 == 0 for d in (gate_up.shape[-1], gate_up.shape[-2] // 2, down.shape[-2]))
+
+
+def expert_parallel_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The packed experts' forward under expert parallelism (bound to each sharded module; see the module docstring)."""
+    layout: ExpertLayout = self._expert_layout
+    group, ep = layout.ep_mesh.get_group(), layout.ep_mesh.size()
+    n_experts = self.gate_up_proj.shape[0]
+    local = n_experts // ep
+    tokens, k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, so by destination rank
+    source_token = order // k
+    counts = torch.bincount(flat, minlength=n_experts)
+    layout.stats.add_counts(self._expert_layer, counts)
+    arriving = torch.empty_like(counts)
+    dist.all_to_all_single(arriving, counts, group=group)  # [source rank, local expert] tokens coming here
+    arriving = arriving.view(ep, local)
+    send_rows = counts.view(ep, local).sum(1).tolist()
+    recv_rows = arriving.sum(1).tolist()
+    received = _Exchange.apply(
+        hidden.index_select(0, source_token), send_rows, recv_rows, group, layout.codec, layout.stats, "dispatch_bytes"
+    )
+    # what arrived is grouped by source rank, then expert; the experts want it grouped by expert
+    expert_of_row = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(arriving.reshape(-1))
+    by_expert = expert_of_row.argsort(stable=True)
+    computed = run_local_experts(self, received.index_select(0, by_expert), arriving.sum(0), 1.0 / ep)
+    layout.stats.received_tokens += computed.shape[0]
+    unsorted = torch.empty_like(computed).index_copy(0, by_expert, computed)
+    returned = _Exchange.apply(unsorted, recv_rows, send_rows, group, None, layout.stats, "combine_bytes")
+    weights = top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(returned.dtype)
+    combined = hidden.new_zeros((tokens, returned.shape[1]), dtype=returned.dtype)
+    return combined.index_add(0, source_token, returned * weights).to(hidden.dtype)
