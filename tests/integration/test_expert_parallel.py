@@ -37,3 +37,42 @@ def test_expert_parallel_layout_matches_single_process(dp, shard, pp, ep, clip):
     trainer.fit(module, loader(STEPS * global_batch, PER_RANK_BATCH))
     actual = {k: v.detach() for k, v in module.state_dict().items()}
     assert_state_close(actual, reference_training(_tiny, STEPS, global_batch, clip=clip), STEPS)
+
+
+HF_COMMON = dict(
+    vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=32,
+    num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, experts_implementation="eager",
+)
+HF_MOE = {
+    "qwen3_moe": dict(HF_COMMON, num_experts=4, moe_intermediate_size=16, norm_topk_prob=True),
+    "mixtral": dict(HF_COMMON, num_local_experts=4),
+}
+
+
+def _hugging_face(model_type: str):
+    def build():
+        from lightning_ciuic.huggingface import HuggingFaceCausalLM
+
+        seed_everything(5)
+        return HuggingFaceCausalLM(model_type, HF_MOE[model_type], lr=1e-2).double()
+
+    return build
+
+
+@pytest.mark.parametrize("model_type", sorted(HF_MOE))
+@pytest.mark.parametrize("shard", [1, 2], ids=["replicated", "fsdp"])
+def test_hugging_face_moe_families_train_with_experts_sharded(model_type, shard):
+    """transformers' own experts modules (packed weights, routed in float32 by the model) under ep=2 over dp=2."""
+    pytest.importorskip("transformers")
+    factory = _hugging_face(model_type)
+    strategy = HybridParallelStrategy(
+        data_parallel_size=2, data_parallel_shard_size=shard, expert_parallel_size=2, start_method="forkserver"
+    )
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
+    )
+    module = factory()
+    trainer.fit(module, loader(STEPS * PER_RANK_BATCH * 2, PER_RANK_BATCH))
+    actual = {k: v.detach() for k, v in module.state_dict().items()}
+    assert_state_close(actual, reference_training(factory, STEPS, PER_RANK_BATCH * 2), STEPS, lr=1e-2)
