@@ -169,7 +169,7 @@ def _shard_experts(experts: "ExpertLayout", config: ShardingConfig) -> dict[nn.M
     for unit in experts.modules.values():
         units[unit] = _gathered_numel(unit, set())
         local_experts = local_tensor(unit.gate_up_proj).shape[0]
-        dim = 0 if local_experts >= mesh.size() else 1
+        dim = 0 if local_experts >= mesh.size(mesh.ndim - 1) else 1  # the last axis shards (HSDP: the first replicates)
         fully_shard(
             unit, mesh=mesh, reshard_after_forward=config.reshard_after_forward,
             shard_placement_fn=lambda param, dim=dim: Shard(dim), **_policies(config),
