@@ -4,8 +4,8 @@ Contract (collective calls, every rank with the same path):
 
 * ``save_checkpoint(strategy, checkpoint, filepath)``: with a :class:`ChunkedCheckpointIO` (``AsyncCheckpointer``)
   that manages ``filepath``, the state is staged now and written in the background as chunks. Otherwise, where
-  every rank holds the whole state (:func:`whole_on_every_rank`: no pipeline stages, no tensor-parallel or FSDP
-  shards, no per-rank engine state), it is Lightning's ordinary single-file checkpoint, written by rank zero through
+  every rank holds the whole state (:func:`whole_on_every_rank`: no pipeline stages, no tensor-parallel, expert or
+  FSDP shards, no per-rank engine state), it is Lightning's ordinary single-file checkpoint, written by rank zero through
   the strategy's ``CheckpointIO`` (``LightningModule.load_from_checkpoint`` and ``torch.load`` read it, as they read
   ``DDPStrategy``'s). Else it is a ``torch.distributed.checkpoint`` directory at ``filepath``, tensors sharded per
   rank under the unsplit model's parameter names; Lightning's non-tensor state travels inside as one object;
@@ -55,7 +55,7 @@ def whole_on_every_rank(strategy: HybridParallelStrategy) -> bool:
     dims, parallelized, engine = strategy.parallel_dims, strategy.parallelized, strategy.data_parallel
     if dims is None:  # no layout here: the launching process, handed the whole model after a spawned fit
         return True
-    if dims.pp_enabled or dims.tp_enabled:
+    if dims.pp_enabled or dims.tp_enabled or dims.ep_enabled:
         return False
     if parallelized is not None and parallelized.fsdp is not None:
         return False

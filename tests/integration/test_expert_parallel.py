@@ -76,3 +76,31 @@ def test_hugging_face_moe_families_train_with_experts_sharded(model_type, shard)
     trainer.fit(module, loader(STEPS * PER_RANK_BATCH * 2, PER_RANK_BATCH))
     actual = {k: v.detach() for k, v in module.state_dict().items()}
     assert_state_close(actual, reference_training(factory, STEPS, PER_RANK_BATCH * 2), STEPS, lr=1e-2)
+
+
+def _fit_for(steps: int, tmp_path, ckpt_path=None, **layout):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    strategy = HybridParallelStrategy(data_parallel_size=2, start_method="forkserver", **layout)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, logger=False, callbacks=[checkpoints],
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, precision=PRECISION,
+    )
+    module = _tiny()
+    trainer.fit(module, loader(3 * 2 * PER_RANK_BATCH, PER_RANK_BATCH), ckpt_path=ckpt_path)
+    return {k: v.detach() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "resume_layout",
+    [dict(), dict(data_parallel_shard_size=2, expert_parallel_size=2)],
+    ids=["into-replicated-ep1", "into-fsdp2-ep2"],
+)
+def test_a_checkpoint_of_an_expert_parallel_run_resumes_in_another_layout(tmp_path, resume_layout):
+    _fit_for(3, tmp_path, expert_parallel_size=2)  # replicated dp 2, ep 2: a DCP directory at step 3
+    step3 = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
+    assert (step3 / ".metadata").is_file(), "expert shards make the checkpoint a DCP directory"
+    resumed = _fit_for(6, tmp_path / "resumed", ckpt_path=str(step3), **resume_layout)
+    expected = reference_training(_tiny, 6, 2 * PER_RANK_BATCH, num_samples=3 * 2 * PER_RANK_BATCH)
+    assert_state_close(resumed, expected, 6)
