@@ -28,6 +28,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "DiLoCo": ("lightning_ciuic.comm.diloco", "DiLoCo"),
     "DynamicDataBalancer": ("lightning_ciuic.callbacks.data_balance", "DynamicDataBalancer"),
     "ElasticResourceManager": ("lightning_ciuic.callbacks.elastic", "ElasticResourceManager"),
+    "ExpertLoadBalancer": ("lightning_ciuic.callbacks.expert_balance", "ExpertLoadBalancer"),
     "GradientCompression": ("lightning_ciuic.comm.compression", "GradientCompression"),
     "GradientQuantizer": ("lightning_ciuic.comm.hooks", "GradientQuantizer"),
     "GradientSyncOptimizer": ("lightning_ciuic.strategies.hybrid", "HybridParallelStrategy"),  # seed alias

@@ -20,7 +20,9 @@ Touch points:
   checkpoint whole in one process, as torch's own ``dcp_to_torch_save`` does), ``DeviceMesh._flatten`` (two mesh
   axes named as one, as torchtitan names ``dp_replicate x dp_shard`` "dp"), FSDP2's ``ReduceScatter`` interface
   (``set_custom_reduce_scatter`` is public, the class it takes is not), and the mesh of a user's ``fully_shard``
-  unit (its state's parameter group); ``nn.Module``'s own forward-hook tables (suspended while a step is routed
+  unit (its state's parameter group); autograd's current graph task (``in_backward``: an activation-checkpointing
+  recompute runs a module's forward again inside backward); ``DeviceMesh._unflatten`` (the expert view of a mesh
+  axis, as torchtitan splits ``dp_shard`` into ``efsdp x ep``); ``nn.Module``'s own forward-hook tables (suspended while a step is routed
   through an FSDP2 root, so its hooks run once per step).
 """
 
@@ -54,8 +56,10 @@ __all__ = [
     "epoch_position",
     "flatten_mesh",
     "forward_hooks_suspended",
+    "in_backward",
     "fsdp_mesh",
     "launchers",
+    "unflatten_mesh",
     "load_state_dict_into",
     "reset_optimizers_and_schedulers",
     "rewind_step_counters",
@@ -174,10 +178,21 @@ def flatten_mesh(mesh: Any, axes: tuple[str, ...], name: str) -> Any:
     return mesh[axes]._flatten(name)
 
 
+def unflatten_mesh(mesh: Any, axis: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """The mesh with ``axis`` split into ``names`` of ``sizes`` (same ranks, same root: FSDP2 accepts DTensors on one
+    for units on the other)."""
+    return mesh._unflatten(axis, sizes, names)
+
+
 def fsdp_mesh(unit: Any) -> Any:
     """The mesh an FSDP2 unit (a ``fully_shard`` ed module) shards its own parameters over; ``None`` if it owns none."""
     group = unit._get_fsdp_state()._fsdp_param_group
     return group.mesh_info.mesh if group is not None else None
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (a checkpointed block's forward recomputed)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 @contextmanager

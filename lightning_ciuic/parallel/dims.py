@@ -187,7 +187,7 @@ class ParallelDims:
         """The expert view of ``mesh`` (collective call; same ranks, same root): the innermost data-parallel axis split
         into ``(edp, ep)``, ``ep`` innermost so expert-parallel peers are neighbouring ranks."""
         axis = Axis.DP_SHARD if self.sharded else Axis.DP
-        return mesh._unflatten(axis, (self.edp, self.ep), (Axis.EDP, Axis.EP))
+        return compat.unflatten_mesh(mesh, axis, (self.edp, self.ep), (Axis.EDP, Axis.EP))
 
     def expert_data_mesh(self, expert_mesh: DeviceMesh) -> DeviceMesh:
         """Of :meth:`build_expert_mesh`'s mesh, the ranks holding the same experts: ``edp``, with ``dp_replicate``

@@ -25,14 +25,18 @@ Contract:
 * **Compressed dispatch** (``dispatch="bf16" | "fp8" | "int8"``): the rows going to the experts cross the
   all-to-all encoded (``fp8``: e4m3 codes, ``int8``: int8 codes, each with a float32 scale per 128 values; ``bf16``
   a cast), as DeepSeek-V3 dispatches in FP8; the results coming back and every gradient cross in the working
-  precision. :class:`DispatchStats` counts the bytes each way and the tokens routed to each expert (what the
-  load-balance callback and the monitor read).
+  precision. :class:`DispatchStats` counts the bytes each way and the rows this rank's experts computed.
+* :class:`RoutedTokens(module)`: the tokens routed to each expert of each packed-experts module, counted as they enter
+  it in training mode (with or without expert parallelism; not again when activation checkpointing recomputes a block
+  in backward):
+  what the load-balance callback and the monitor read.
 
 No Lightning imports.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,6 +48,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from lightning_ciuic import compat
 from lightning_ciuic.comm.codecs import BlockFP8, BlockInt8, Codec, HalfPrecision
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.dims import ParallelDims
@@ -79,21 +84,41 @@ def packed_experts(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 @dataclass
 class DispatchStats:
-    """What the expert-parallel forwards moved since the counters were last read (see :meth:`take_counts`)."""
+    """What the expert-parallel forwards of one layout moved (running totals)."""
 
-    dispatch_bytes: int = 0  # sent by this rank to the experts' ranks (encoded)
-    combine_bytes: int = 0  # sent back
+    dispatch_bytes: int = 0  # sent by this rank to other ranks' experts (encoded)
+    combine_bytes: int = 0  # their results sent back
     received_tokens: int = 0  # rows this rank's experts computed
-    counts: dict[str, torch.Tensor] = field(default_factory=dict)  # layer -> tokens this rank routed to each expert
 
-    def add_counts(self, layer: str, counts: torch.Tensor) -> None:
-        previous = self.counts.get(layer)
-        self.counts[layer] = counts.detach().clone() if previous is None else previous + counts.detach()
 
-    def take_counts(self) -> dict[str, torch.Tensor]:
-        """The per-layer routed-token counts accumulated since the last call, and reset them."""
+class RoutedTokens:
+    """Tokens this rank routed to each expert of each packed-experts module of ``module`` (see the module docstring).
+    ``take()`` returns ``{module name: counts [E]}`` since the last call and starts again; ``remove()`` detaches."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.modules = dict(packed_experts(module))
+        self.counts: dict[str, torch.Tensor] = {}
+        self._handles = [
+            experts.register_forward_pre_hook(functools.partial(self._count, name), with_kwargs=True)
+            for name, experts in self.modules.items()
+        ]
+
+    def _count(self, name: str, experts: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not experts.training or compat.in_backward():
+            return  # evaluation; or a recompute, which routes the same tokens again
+        index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        counts = torch.bincount(index.reshape(-1), minlength=experts.gate_up_proj.shape[0])
+        previous = self.counts.get(name)
+        self.counts[name] = counts if previous is None else previous + counts
+
+    def take(self) -> dict[str, torch.Tensor]:
         counts, self.counts = self.counts, {}
         return counts
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
 
 @dataclass
@@ -155,7 +180,6 @@ def shard_experts(
             param = getattr(experts, attr)
             setattr(experts, attr, nn.Parameter(_shard_rows(param.data, ep_mesh), requires_grad=param.requires_grad))
         experts._expert_layout = layout
-        experts._expert_layer = name
         experts.forward = types.MethodType(expert_parallel_forward, experts)
     return layout
 
@@ -276,7 +300,6 @@ def expert_parallel_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: 
     order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, so by destination rank
     source_token = order // k
     counts = torch.bincount(flat, minlength=n_experts)
-    layout.stats.add_counts(self._expert_layer, counts)
     arriving = torch.empty_like(counts)
     dist.all_to_all_single(arriving, counts, group=group)  # [source rank, local expert] tokens coming here
     arriving = arriving.view(ep, local)

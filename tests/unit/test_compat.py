@@ -60,6 +60,24 @@ def test_torch_private_helpers():
     assert inspect.isclass(compat.TorchDispatchMode)
 
 
+def test_backward_is_told_from_forward():
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(compat.in_backward())
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(compat.in_backward())
+            return grad
+
+    Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert seen == [False, True]
+
+
 def test_mesh_axes_flatten_into_one_named_axis():
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -68,6 +86,8 @@ def test_mesh_axes_flatten_into_one_named_axis():
         mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("a", "b", "c"))
         flat = compat.flatten_mesh(mesh, ("a", "b"), "ab")
         assert flat.mesh_dim_names == ("ab",) and mesh["ab"].size() == 1
+        split = compat.unflatten_mesh(mesh, "c", (1, 1), ("c1", "c2"))
+        assert split.mesh_dim_names == ("a", "b", "c1", "c2") and split["c2"].size() == 1
     finally:
         dist.destroy_process_group()
 
