@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo demo-pipeline demo-sharded test test-gpu setup browser clean bench
+.PHONY: demo demo-pipeline demo-sharded demo-experts test test-gpu setup browser clean bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ demo-pipeline: setup
 # The main job with sharded data parallelism (FSDP2 dp_shard=2 x tp=2): same model, only the strategy's arguments differ.
 demo-sharded: setup
 	$(VENV)/bin/lightning-ciuic fit --config examples/configs/sharded.yaml
+
+demo-experts: setup
+	$(VENV)/bin/lightning-ciuic fit --config examples/configs/experts.yaml
 
 # The browser test renders the monitor's report in headless Chromium: Debian's package, installed here where apt
 # can (as root); without it that one test is skipped, and says why.

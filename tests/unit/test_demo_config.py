@@ -20,7 +20,7 @@ EVERY = 4
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "pipeline.yaml", "sharded.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "pipeline.yaml", "sharded.yaml", "experts.yaml"])
 def test_one_epoch_of_the_shipped_main_jobs_is_the_run(name):
     config = yaml.safe_load((CONFIGS / name).read_text())
     trainer = config["trainer"]
