@@ -21,8 +21,12 @@ Contract (a :class:`~lightning_ciuic.comm.data_parallel.DataParallel` engine):
 * ``no_sync()``: FSDP2's ``set_requires_gradient_sync(False)``: gradients accumulate unreduced (and unsharded)
   until the last micro-batch, whose backward reduce-scatters the sum.
 * ``after_backward()``: nothing to wait for: FSDP2 waits for its reduce-scatters at the end of backward. It adds
-  the bytes of FSDP2's own all-reduce over ``dp_replicate`` (HSDP), computed for a ring (2 (r-1)/r of the gradient
-  shard), not measured, and not timed.
+  the bytes of FSDP2's own all-reduce over ``dp_replicate`` (HSDP), computed for a ring (2 (r-1)/r of each unit's
+  gradient shard, over the unit's own mesh), not measured, and not timed.
+* ``payload()``: (parameter values gathered, units): read from the sharded units (:func:`owned_numel`), each
+  parameter counted once, in the unit FSDP2 gives it (a unit's own: those under it that no unit nested in it
+  owns), at the size its all-gather yields on this rank (a tensor-parallel parameter's tp-local size). The
+  float32 gradient bytes each synchronized backward adds to ``bytes_reduced`` follow from it.
 * ``state_dict()``: the quantized reduce-scatters' error-feedback residuals (per rank, saved with checkpoints and
   snapshots like the replicated engine's; ``has_rank_state`` says whether there are any); ``label``: what the
   monitor shows (``"none"``, ``"fp16"``, ``"int8"``, with ``"+ int8 weights"`` for a quantized all-gather).
@@ -32,6 +36,7 @@ No Lightning imports.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Optional
@@ -40,7 +45,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
+from lightning_ciuic import compat
 from lightning_ciuic.comm.codecs import dense_codec
 from lightning_ciuic.comm.data_parallel import DataParallel
 from lightning_ciuic.comm.fsdp_comms import AllGatherComm, ReduceScatterComm
@@ -61,7 +68,7 @@ class Sharded(DataParallel):
         self.units: list[nn.Module] = []
         self._stats = SyncStats()
         self._sync = True
-        self._unit_numel: list[int] = []  # parameters of each unit, the roots' own last (gathered sizes)
+        self._unit_numel: list[int] = []  # parameters each unit owns, the roots' last (gathered sizes: owned_numel)
         self._replica_bytes = 0
         self.gradient_comms: list[ReduceScatterComm] = []  # one per unit, the roots' last
 
@@ -75,7 +82,7 @@ class Sharded(DataParallel):
         check_offload(self.config.cpu_offload, layout.mesh.device_type)
         self.mesh, self.group = layout.mesh, layout.mesh.get_group(layout.mesh.ndim - 1)
         self.module, self.roots, self.units = module, layout.roots, layout.units  # type: ignore[assignment]
-        self._unit_numel = list(layout.unit_numel)
+        self._unit_numel = owned_numel(layout)
         clock = DeviceClock(device_of(layout.mesh))
         gradient_codec = dense_codec(self.config.gradient_codec) if self.config.gradient_codec else None
         gather = AllGatherComm(self._stats, clock, dense_codec(self.config.weight_codec) if self.config.weight_codec else None)
@@ -108,13 +115,16 @@ class Sharded(DataParallel):
 
     def _replica_traffic(self) -> int:
         """Bytes this rank sends per synchronized backward in FSDP2's own all-reduce over ``dp_replicate`` (HSDP; a
-        ring: 2 (r-1)/r of its gradient shard). The gathers and reduce-scatters count themselves (fsdp_comms)."""
-        assert self.mesh is not None
-        if self.mesh.ndim == 1:
-            return 0
-        shard, replicate = self.mesh.size(1), self.mesh.size(0)
+        ring: 2 (r-1)/r of each unit's gradient shard, over the unit's own mesh). The gathers and reduce-scatters
+        count themselves (fsdp_comms)."""
         reduce_bytes = (self.config.reduce_dtype or self.config.param_dtype or _param_dtype(self.module)).itemsize
-        return int(2 * (sum(self._unit_numel) / shard) * reduce_bytes * (replicate - 1) / replicate)
+        total = 0.0
+        for unit, numel in zip((*self.units, *self.roots), self._unit_numel):
+            mesh = compat.fsdp_mesh(unit)
+            if mesh is not None and mesh.ndim == 2:  # (dp_replicate, dp_shard)
+                replicate, shard = mesh.size(0), mesh.size(1)
+                total += 2 * (numel / shard) * reduce_bytes * (replicate - 1) / replicate
+        return int(total)
 
     @property
     def stats(self) -> SyncStats:
@@ -142,6 +152,33 @@ class Sharded(DataParallel):
 
     def close(self) -> None:
         self.module, self.roots, self.units, self.mesh, self.gradient_comms = None, [], [], None, []
+
+
+def owned_numel(layout: FSDPLayout) -> list[int]:
+    """How many parameter values each unit's all-gather yields on this rank, ``layout.units`` first then its roots:
+    a unit owns the parameters under it that no FSDP2 unit nested in it owns (FSDP2's grouping: each parameter
+    counts once), each at :func:`_gathered_numel` over the unit's own mesh."""
+    counts: dict[int, int] = {}
+    claimed: set[int] = set()
+    for root in layout.roots:
+        for sub in reversed(list(root.modules())):  # every module after those nested in it
+            if isinstance(sub, FSDPModule) and id(sub) not in counts:
+                owned = [p for p in sub.parameters() if id(p) not in claimed]
+                claimed.update(id(p) for p in owned)
+                mesh = compat.fsdp_mesh(sub)
+                counts[id(sub)] = sum(_gathered_numel(p, mesh.ndim) for p in owned) if mesh is not None else 0
+    return [counts[id(unit)] for unit in (*layout.units, *layout.roots)]
+
+
+def _gathered_numel(param: torch.Tensor, fsdp_ndim: int) -> int:
+    """How many values of a sharded ``param`` its unit's all-gather yields on this rank: whole over the FSDP mesh's
+    axes (the first ``fsdp_ndim`` of its DTensor's mesh: FSDP2 puts them first), this rank's part along each later
+    axis that cuts it (tensor parallelism, whose cuts are even: :mod:`~lightning_ciuic.parallel.tensor`)."""
+    if not isinstance(param, DTensor):
+        return param.numel()
+    mesh = param.device_mesh
+    cuts = math.prod(mesh.size(axis) for axis in range(fsdp_ndim, mesh.ndim) if param.placements[axis].is_shard())
+    return param.numel() // cuts
 
 
 def _param_dtype(module: Optional[nn.Module]) -> torch.dtype:
