@@ -13,8 +13,7 @@ Contract:
   FSDP2's ``MixedPrecisionPolicy``; ``cpu_offload`` its ``CPUOffloadPolicy``.
 * :func:`found_sharding(module)`: the units a user's own ``fully_shard`` calls made (in ``configure_model``, as
   for Lightning's ``ModelParallelStrategy``), or ``None``; the roots are the outermost ones.
-* :class:`FSDPLayout`: the roots, the other units and each unit's parameter count as gathered (this rank's
-  tensor-parallel shard, every parameter counted once), the roots' last.
+* :class:`FSDPLayout`: the mesh, the roots and the other units (sizes: ``comm.sharded.owned_numel``).
 * :func:`materialize(module, device)`: allocate meta tensors (a sharded module's: this rank's shards only) and
   initialise them.
 
@@ -24,7 +23,7 @@ No Lightning imports.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
 import torch
@@ -72,7 +71,6 @@ class FSDPLayout:
     mesh: DeviceMesh
     roots: list[FSDPModule]
     units: list[FSDPModule]
-    unit_numel: list[int] = field(default_factory=list)  # as gathered, the units' first, then the roots'
 
 
 def check_offload(cpu_offload: bool, device_type: str) -> None:
@@ -125,18 +123,13 @@ def select_units(module: nn.Module, units: Optional[Sequence[UnitSpec]]) -> list
     return [unit for unit in chosen if id(unit) not in inside]
 
 
-def _gathered_numel(unit: nn.Module, skip: set[int]) -> int:
-    """Parameters of ``unit`` not in ``skip``, at this rank's tensor-parallel size (what its all-gather yields)."""
-    return sum(local_tensor(p).numel() for p in unit.parameters() if id(p) not in skip)
-
-
 def shard(
     module: nn.Module, mesh: DeviceMesh, config: ShardingConfig, stages: Sequence[nn.Module] = (),
     experts: Optional["ExpertLayout"] = None,
 ) -> FSDPLayout:
     """Apply ``fully_shard`` to the experts (each packed-experts module a unit over the ranks holding the same
     experts), the units, then the roots (see the module docstring)."""
-    expert_units = _shard_experts(experts, config) if experts is not None else {}
+    expert_units = _shard_experts(experts, config) if experts is not None else []
     roots = list(stages) or [module]
     if config.units is None:
         units = [unit for root in roots for unit in default_units(root)]
@@ -144,14 +137,10 @@ def shard(
         inside = {id(m) for root in roots for m in root.modules()}
         units = [unit for unit in select_units(module, config.units) if id(unit) in inside]
     policies = _policies(config)
-    counted: set[int] = {id(p) for unit in expert_units for p in unit.parameters()}
-    numel: list[int] = list(expert_units.values())
     for group, reshard in ((units, config.reshard_after_forward), (roots, False)):
         for unit in group:
-            numel.append(_gathered_numel(unit, counted))
-            counted.update(id(p) for p in unit.parameters())
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, **policies)
-    return FSDPLayout(mesh, roots, [*expert_units, *units], numel)  # type: ignore[arg-type]
+    return FSDPLayout(mesh, roots, [*expert_units, *units])  # type: ignore[arg-type]
 
 
 def _policies(config: ShardingConfig) -> dict:
@@ -161,13 +150,12 @@ def _policies(config: ShardingConfig) -> dict:
     )
 
 
-def _shard_experts(experts: "ExpertLayout", config: ShardingConfig) -> dict[nn.Module, int]:
+def _shard_experts(experts: "ExpertLayout", config: ShardingConfig) -> list[nn.Module]:
     """Each packed-experts module its own unit over ``experts.data_mesh`` (its parameters are ``ep`` DTensors already):
-    on the experts' dim while each rank keeps at least one, else on the next. Returns each unit's gathered numel."""
+    on the experts' dim while each rank keeps at least one, else on the next."""
     mesh = experts.data_mesh
-    units = {}
-    for unit in experts.modules.values():
-        units[unit] = _gathered_numel(unit, set())
+    units = list(experts.modules.values())
+    for unit in units:
         local_experts = local_tensor(unit.gate_up_proj).shape[0]
         dim = 0 if local_experts >= mesh.size(mesh.ndim - 1) else 1  # the last axis shards (HSDP: the first replicates)
         fully_shard(
@@ -191,15 +179,9 @@ def found_sharding(module: nn.Module) -> Optional[FSDPLayout]:
             f"{type(module).__name__}'s fully_shard units use {len(meshes)} different meshes; shard every unit over"
             " the same data-parallel mesh (self.device_mesh['data_parallel'])."
         )
-    counted: set[int] = set()
-    numel = []
     if not meshes:
         raise ValueError(f"{type(module).__name__}'s fully_shard units own no parameters: nothing is sharded.")
-    mesh = next(iter(meshes.values()))
-    for unit in (*reversed(units), *roots):  # innermost first: a parameter counts for the unit that owns it
-        numel.append(sum(local_tensor(p).numel() * mesh.size(mesh.ndim - 1) for p in unit.parameters() if id(p) not in counted))
-        counted.update(id(p) for p in unit.parameters())
-    return FSDPLayout(mesh, roots, units, numel)  # type: ignore[arg-type]
+    return FSDPLayout(next(iter(meshes.values())), roots, units)  # type: ignore[arg-type]
 
 
 def has_meta_tensors(module: nn.Module) -> bool:

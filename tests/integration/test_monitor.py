@@ -117,10 +117,14 @@ def test_sharded_gathers_and_reduce_scatters_are_timed_and_counted(tmp_path, cap
     assert all(rank["dp_comm"] >= rank["dp_gather"] + rank["dp_scatter"] - 1e-9 for rank in profile["ranks"])
     # Bytes per step as the collectives ran, against the ring formula for 2 ranks (half of each float32 tensor):
     # each block (a unit) gathered for forward and again for backward, the root's own parameters once, every
-    # gradient reduce-scattered once.
+    # gradient reduce-scattered once. FSDP2 pads dim 0 to a multiple of the 2 ranks (3 packed experts: 4 rows).
     model = DeepSeekMini(**TINY_MODEL)
-    blocks = sum(p.numel() for p in model.model.layers.parameters())
-    total = sum(p.numel() for p in model.parameters())
+
+    def padded(p):
+        return -(-p.shape[0] // 2) * 2 * p[0].numel()
+
+    blocks = sum(padded(p) for p in model.model.layers.parameters())
+    total = sum(padded(p) for p in model.parameters())
     expected = (2 * blocks + (total - blocks) + total) * 4 / 2
     assert all(rank["dp_bytes"] == pytest.approx(expected, rel=0.01) for rank in profile["ranks"])
     # Rank 0 holds half the parameters, and AdamW's two moments and the gradients of that half.
