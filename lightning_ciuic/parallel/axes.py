@@ -9,7 +9,8 @@ works, a member prints as its value), so torch's ``DeviceMesh`` takes it whereve
 * The expert view of the same world (expert parallelism, :meth:`~lightning_ciuic.parallel.dims.ParallelDims.build_expert_mesh`):
   ``EP``: ranks that hold different experts of one layer and exchange tokens, carved from the innermost
   data-parallel axis; ``EDP``: what is left of that axis, ranks holding the same experts (their gradients are averaged
-  over it, and over ``DP_REPLICATE``; sharded, FSDP2 shards the experts over it).
+  over it, and over ``DP_REPLICATE``; sharded, FSDP2 shards the experts over it); ``EP_DP``: the data-parallel part of
+  ``EP`` when ``EP`` also takes the tensor-parallel peers (``EP`` is then ``EP_DP x TP`` flattened).
 * :data:`MESH_ALIASES`: the names Lightning's ``ModelParallelStrategy`` gives the same axes, so a module written
   for it (``self.device_mesh["data_parallel"]``) runs unchanged.
 
@@ -29,6 +30,7 @@ class Axis(StrEnum):
     TP = "tp"
     EP = "ep"
     EDP = "edp"
+    EP_DP = "ep_dp"  # the data-parallel part of ep when ep also takes the tp peers
 
 
 MESH_ALIASES: dict[str, Axis] = {"data_parallel": Axis.DP, "tensor_parallel": Axis.TP}

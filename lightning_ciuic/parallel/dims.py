@@ -10,7 +10,8 @@ replicas of the shards (HSDP); ``dp_shard`` must divide ``dp``. ``build_mesh`` r
 the two data-parallel axes flattened (what samplers and replica-wide collectives use), and Lightning's
 ``ModelParallelStrategy`` names for the same axes (``data_parallel``, ``tensor_parallel``). ``ep`` (default 1) ranks
 hold different experts of each mixture-of-experts layer (expert parallelism): they are carved from the innermost
-data-parallel axis (``dp_shard`` when sharded, else ``dp``), as torchtitan's and DeepSpeed's are, and must divide it;
+data-parallel axis (``dp_shard`` when sharded, else ``dp``), as torchtitan's and DeepSpeed's are, and must divide it,
+or be ``tp`` times a divisor of it (``ep`` then takes the tensor-parallel peers too: ``ep_over_tp``);
 :meth:`build_expert_mesh` gives the expert view of the same world, ``(pp, dp_replicate, edp, ep, tp)`` (sharded) or
 ``(pp, edp, ep, tp)``, where ``edp`` ranks hold the same experts. Axis names are
 :class:`~lightning_ciuic.parallel.axes.Axis` members. Everything else asks this object ``pp_enabled``,
@@ -101,12 +102,13 @@ class ParallelDims:
             )
         ep = expert_parallel_size
         borrowed, axis = (data_parallel_shard_size, "data_parallel_shard_size") if data_parallel_shard_size > 1 else (dp, "data_parallel_size")
-        if borrowed % ep != 0:
+        if borrowed % ep != 0 and not (ep % tp == 0 and borrowed % (ep // tp) == 0):
+            choices = sorted({*_divisors(borrowed), *(tp * d for d in _divisors(borrowed))})
             raise ValueError(
                 f"expert_parallel_size={ep} must divide {axis}={borrowed} (pp={pp}, dp={dp}, dp_shard="
-                f"{data_parallel_shard_size}, tp={tp}, world size {world_size}): the expert-parallel ranks are"
-                f" data-parallel ranks that hold different experts. Use one of {_divisors(borrowed)}, or more"
-                f" data-parallel ranks."
+                f"{data_parallel_shard_size}, tp={tp}, world size {world_size}), or be tp={tp} times a divisor of it:"
+                f" the expert-parallel ranks are data-parallel ranks (and their tensor-parallel peers) that hold"
+                f" different experts. Use one of {choices}, or more data-parallel ranks."
             )
         return cls(pp=pp, dp=dp, tp=tp, world_size=world_size, dp_shard=data_parallel_shard_size, ep=ep)
 
@@ -147,9 +149,20 @@ class ParallelDims:
         return self.ep > 1
 
     @property
+    def ep_over_tp(self) -> bool:
+        """Whether the expert-parallel ranks include the tensor-parallel peers (``ep`` does not divide the innermost
+        data-parallel degree alone): each tp rank then dispatches its share of the tokens they all hold."""
+        return self.ep_enabled and (self.dp_shard if self.sharded else self.dp) % self.ep != 0
+
+    @property
+    def ep_data_ranks(self) -> int:
+        """Data-parallel ranks in one expert-parallel group (``ep``, or ``ep / tp`` when it includes the tp peers)."""
+        return self.ep // self.tp if self.ep_over_tp else self.ep
+
+    @property
     def edp(self) -> int:
         """Ranks of the innermost data-parallel axis that hold the same experts."""
-        return (self.dp_shard if self.sharded else self.dp) // self.ep
+        return (self.dp_shard if self.sharded else self.dp) // self.ep_data_ranks
 
     @property
     def sharded(self) -> bool:
@@ -185,9 +198,20 @@ class ParallelDims:
 
     def build_expert_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The expert view of ``mesh`` (collective call; same ranks, same root): the innermost data-parallel axis split
-        into ``(edp, ep)``, ``ep`` innermost so expert-parallel peers are neighbouring ranks."""
+        into ``(edp, ep)``, ``ep`` innermost so expert-parallel peers are neighbouring ranks; when ``ep`` includes the
+        tp peers (:attr:`ep_over_tp`), ``ep_dp``, that axis's part (``ep`` is ``ep_dp x tp``:
+        :meth:`expert_parallel_mesh`)."""
         axis = Axis.DP_SHARD if self.sharded else Axis.DP
-        return compat.unflatten_mesh(mesh, axis, (self.edp, self.ep), (Axis.EDP, Axis.EP))
+        if not self.ep_over_tp:
+            return compat.unflatten_mesh(mesh, axis, (self.edp, self.ep), (Axis.EDP, Axis.EP))
+        return compat.unflatten_mesh(mesh, axis, (self.edp, self.ep_data_ranks), (Axis.EDP, Axis.EP_DP))
+
+    def expert_parallel_mesh(self, expert_mesh: DeviceMesh) -> DeviceMesh:
+        """Of :meth:`build_expert_mesh`'s mesh, the ranks that exchange tokens (``ep``; ``ep_dp x tp`` flattened when
+        ep includes the tp peers). Call once per expert mesh."""
+        if not self.ep_over_tp:
+            return expert_mesh[Axis.EP]
+        return compat.flatten_mesh(expert_mesh, (Axis.EP_DP, Axis.TP), Axis.EP)
 
     def expert_data_mesh(self, expert_mesh: DeviceMesh) -> DeviceMesh:
         """Of :meth:`build_expert_mesh`'s mesh, the ranks holding the same experts: ``edp``, with ``dp_replicate``

@@ -18,10 +18,14 @@ Contract:
   experts: float64), the results sent back, and each token's outputs summed with its routing weights, on the sender
   (the router's gradient stays local). A rank that receives no token still takes part in every collective. Backward
   runs the same exchanges in reverse, in the working precision.
+* **Over tensor-parallel peers** (``dims.ep_over_tp``: ``ep`` takes the tp peers too, which hold the same tokens):
+  each peer dispatches its share of the tokens, and the shares' outputs are all-gathered; the inputs' gradients are
+  summed over the peers (Megatron's copy-to-tensor-parallel-region), each peer keeps its share's output gradient.
 * **Gradient scale**: an expert's gradient on its rank sums the contributions of every token its ``ep`` group
-  routed to it. The forward scales it by ``1/ep`` on its way to the parameter, so the engines' mean over the ranks
-  that hold the same experts (``edp``, and ``dp_replicate``: :meth:`ExpertLayout.data_mesh`) makes it the mean over
-  all data-parallel ranks, as a dense gradient is.
+  routed to it, i.e. of ``dims.ep_data_ranks`` data-parallel ranks' batches. The forward scales it by
+  ``1/ep_data_ranks`` on its way to the parameter, so the engines' mean over the ranks that hold the same experts
+  (``edp``, and ``dp_replicate``: :meth:`ExpertLayout.data_mesh`) makes it the mean over all data-parallel ranks, as
+  a dense gradient is.
 * **Compressed dispatch** (``dispatch="bf16" | "fp8" | "int8"``): the rows going to the experts cross the
   all-to-all encoded (``fp8``: e4m3 codes, ``int8``: int8 codes, each with a float32 scale per 128 values; ``bf16``
   a cast), as DeepSeek-V3 dispatches in FP8; the results coming back and every gradient cross in the working
@@ -52,6 +56,7 @@ from lightning_ciuic import compat
 from lightning_ciuic.comm.codecs import BlockFP8, BlockInt8, Codec, HalfPrecision
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.parallel.tensor import sum_grad_over
 from lightning_ciuic.tensors import local_tensor
 
 DispatchCompression = Literal["none", "bf16", "fp8", "int8"]
@@ -87,7 +92,9 @@ class DispatchStats:
     """What the expert-parallel forwards of one layout moved (running totals)."""
 
     dispatch_bytes: int = 0  # sent by this rank to other ranks' experts (encoded)
-    combine_bytes: int = 0  # their results sent back
+    dispatch_rows: int = 0  # the rows (token, expert pairs) those bytes carried
+    combine_bytes: int = 0  # results this rank sent back to the ranks that routed them
+    combine_rows: int = 0
     received_tokens: int = 0  # rows this rank's experts computed
 
 
@@ -132,10 +139,14 @@ class ExpertLayout:
     stats: DispatchStats = field(default_factory=DispatchStats)
     ep_mesh: DeviceMesh = field(init=False)
     codec: Optional[Codec] = field(init=False)
+    grad_scale: float = field(init=False)
+    tp_mesh: Optional[DeviceMesh] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.ep_mesh = self.mesh[Axis.EP]
+        self.ep_mesh = self.dims.expert_parallel_mesh(self.mesh)
         self.codec = dispatch_codec(self.dispatch)
+        self.grad_scale = 1.0 / self.dims.ep_data_ranks  # see "Gradient scale" in the module docstring
+        self.tp_mesh = self.mesh[Axis.TP] if self.dims.ep_over_tp else None  # peers that split their tokens
 
     @property
     def data_mesh(self) -> DeviceMesh:
@@ -235,7 +246,7 @@ def _flat_bytes(rows: torch.Tensor) -> torch.Tensor:
 class _Exchange(torch.autograd.Function):
     """Rows to their ranks through an all-to-all (``send_rows[j]`` rows to rank ``j`` of ``group``): forward
     ``codec``-encoded, each destination's rows as one block-scaled piece (``None``: the rows' own bytes, exactly);
-    backward the gradients' own bytes. Counts what left this rank in ``stats.<direction>``."""
+    backward the gradients' own bytes. Counts what left this rank in ``stats.<direction>_bytes`` / ``_rows``."""
 
     @staticmethod
     def forward(ctx, rows, send_rows, recv_rows, group, codec, stats, direction):  # type: ignore[override]
@@ -249,7 +260,9 @@ class _Exchange(torch.autograd.Function):
             send_bytes, recv_bytes = [codec.nbytes(n * width) for n in send_rows], [codec.nbytes(n * width) for n in recv_rows]
             payload = torch.cat([codec.encode(piece.reshape(-1).float()) for piece in rows.split(send_rows)])
         received = _all_to_all_bytes(payload, send_bytes, recv_bytes, group)
-        setattr(stats, direction, getattr(stats, direction) + sum(send_bytes) - send_bytes[dist.get_rank(group)])
+        me = dist.get_rank(group)
+        setattr(stats, f"{direction}_bytes", getattr(stats, f"{direction}_bytes") + sum(send_bytes) - send_bytes[me])
+        setattr(stats, f"{direction}_rows", getattr(stats, f"{direction}_rows") + sum(send_rows) - send_rows[me])
         if codec is None:
             return received.view(dtype).view(-1, width)
         pieces = [
@@ -292,6 +305,46 @@ def _grouped_mm_fits(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
 def expert_parallel_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """The packed experts' forward under expert parallelism (bound to each sharded module; see the module docstring)."""
     layout: ExpertLayout = self._expert_layout
+    if layout.tp_mesh is not None:
+        return _split_over_tensor_parallel_peers(self, layout, hidden, top_k_index, top_k_weights)
+    return _dispatch_and_combine(self, layout, hidden, top_k_index, top_k_weights)
+
+
+def _split_over_tensor_parallel_peers(experts, layout, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+    """ep includes the tp peers, which hold the same tokens: each dispatches its share and the shares' outputs are
+    gathered. The inputs' gradients are summed over the peers (each saw one share), the output's gradient is the
+    same on every peer (the rest of the layer is replicated or tensor-parallel), so each keeps its share's."""
+    tp_mesh = layout.tp_mesh
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    tokens = hidden.shape[0]
+    sizes = [tokens // tp + (1 if i < tokens % tp else 0) for i in range(tp)]
+    start = sum(sizes[:rank])
+    share = slice(start, start + sizes[rank])
+    hidden, top_k_weights = sum_grad_over(hidden, tp_mesh), sum_grad_over(top_k_weights, tp_mesh)
+    out = _dispatch_and_combine(experts, layout, hidden[share], top_k_index[share], top_k_weights[share])
+    return _GatherShares.apply(out, sizes, rank, tp_mesh.get_group())
+
+
+class _GatherShares(torch.autograd.Function):
+    """Forward: every peer's rows (``sizes[i]`` from peer ``i``) concatenated; backward: this peer's rows' gradient."""
+
+    @staticmethod
+    def forward(ctx, rows, sizes, rank, group):  # type: ignore[override]
+        ctx.share = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+        widest = max(sizes)
+        padded = rows.new_zeros((widest, *rows.shape[1:]))
+        padded[: rows.shape[0]] = rows
+        gathered = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(gathered, padded.contiguous(), group=group)
+        return torch.cat([part[:n] for part, n in zip(gathered, sizes)])
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad[ctx.share].contiguous(), None, None, None
+
+
+def _dispatch_and_combine(self, layout, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+    """Route, send, compute, send back, combine (see the module docstring)."""
     group, ep = layout.ep_mesh.get_group(), layout.ep_mesh.size()
     n_experts = self.gate_up_proj.shape[0]
     local = n_experts // ep
@@ -306,15 +359,15 @@ def expert_parallel_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: 
     send_rows = counts.view(ep, local).sum(1).tolist()
     recv_rows = arriving.sum(1).tolist()
     received = _Exchange.apply(
-        hidden.index_select(0, source_token), send_rows, recv_rows, group, layout.codec, layout.stats, "dispatch_bytes"
+        hidden.index_select(0, source_token), send_rows, recv_rows, group, layout.codec, layout.stats, "dispatch"
     )
     # what arrived is grouped by source rank, then expert; the experts want it grouped by expert
     expert_of_row = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(arriving.reshape(-1))
     by_expert = expert_of_row.argsort(stable=True)
-    computed = run_local_experts(self, received.index_select(0, by_expert), arriving.sum(0), 1.0 / ep)
+    computed = run_local_experts(self, received.index_select(0, by_expert), arriving.sum(0), layout.grad_scale)
     layout.stats.received_tokens += computed.shape[0]
     unsorted = torch.empty_like(computed).index_copy(0, by_expert, computed)
-    returned = _Exchange.apply(unsorted, recv_rows, send_rows, group, None, layout.stats, "combine_bytes")
+    returned = _Exchange.apply(unsorted, recv_rows, send_rows, group, None, layout.stats, "combine")
     weights = top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(returned.dtype)
     combined = hidden.new_zeros((tokens, returned.shape[1]), dtype=returned.dtype)
     return combined.index_add(0, source_token, returned * weights).to(hidden.dtype)

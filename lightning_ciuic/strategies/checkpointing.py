@@ -16,6 +16,8 @@ Contract (collective calls, every rank with the same path):
   architecture, with parameters this model lacks or lacking some it has, fails naming them), and returns
   Lightning's whole checkpoint dict, ``state_dict`` and ``optimizer_states`` included, as ``on_load_checkpoint``
   hooks expect. Residuals written by another rank or layout are not loaded: they start at zero.
+* The first sharded directory a strategy writes is followed by one line (rank zero) saying how to read it:
+  ``Trainer.fit(ckpt_path=...)``, or ``lightning-ciuic checkpoint export`` for ``load_from_checkpoint``.
 * ``remove_checkpoint(strategy, filepath)`` deletes one (global rank zero).
 """
 
@@ -103,6 +105,20 @@ def save_checkpoint(strategy: HybridParallelStrategy, checkpoint: dict[str, Any]
     strategy.barrier("checkpoint-dir")
     save_sharded(model_state, optimizer_states, checkpoint, rank_state, key, checkpoint_id=path, lowest_rank=lowest_rank)
     strategy.barrier("checkpoint-saved")
+    _say_how_to_read_once(strategy, path)
+
+
+def _say_how_to_read_once(strategy: HybridParallelStrategy, path: Path) -> None:
+    """The first sharded directory a strategy writes comes with one line on reading it: Lightning's
+    ``load_from_checkpoint`` opens the path as a file before any hook of ours runs, so it cannot say this itself."""
+    if getattr(strategy, "_told_how_to_read", False):
+        return
+    strategy._told_how_to_read = True
+    rank_zero_info(
+        f"HybridParallelStrategy: {path} is a sharded checkpoint directory (torch.distributed.checkpoint): Trainer.fit"
+        f"(ckpt_path=...) resumes from it in any layout; LightningModule.load_from_checkpoint and torch.load read one"
+        f" file, which `lightning-ciuic checkpoint export {path} {path.with_suffix('')}-whole.ckpt` writes."
+    )
 
 
 def load_checkpoint(strategy: HybridParallelStrategy, checkpoint_path: Any) -> dict[str, Any]:

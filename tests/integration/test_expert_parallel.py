@@ -19,17 +19,23 @@ def _tiny() -> DeepSeekMini:
 
 
 @pytest.mark.parametrize(
-    "dp, shard, pp, ep, clip",
-    [(2, 1, 1, 2, 0.05), (2, 2, 1, 2, None), (4, 4, 1, 2, 0.05), (4, 2, 1, 2, None), (2, 1, 2, 2, 0.05)],
-    ids=["ep2-over-dp2", "ep2-over-fsdp2", "ep2-over-fsdp4", "ep2-over-hsdp2x2", "ep2-pp2"],
+    "dp, shard, pp, tp, ep, clip",
+    [
+        (2, 1, 1, 1, 2, 0.05), (2, 2, 1, 1, 2, None), (4, 4, 1, 1, 2, 0.05), (4, 2, 1, 1, 2, None), (2, 1, 2, 1, 2, 0.05),
+        (2, 2, 1, 2, 2, 0.05), (2, 2, 1, 2, 4, 0.05), (2, 1, 1, 2, 4, None),
+    ],
+    ids=[
+        "ep2-over-dp2", "ep2-over-fsdp2", "ep2-over-fsdp4", "ep2-over-hsdp2x2", "ep2-pp2", "ep2-over-fsdp2-tp2",
+        "ep4-over-fsdp2xtp2", "ep4-over-dp2xtp2",
+    ],
 )
-def test_expert_parallel_layout_matches_single_process(dp, shard, pp, ep, clip):
+def test_expert_parallel_layout_matches_single_process(dp, shard, pp, tp, ep, clip):
     strategy = HybridParallelStrategy(
-        data_parallel_size=dp, data_parallel_shard_size=shard, pipeline_parallel_size=pp, expert_parallel_size=ep,
-        num_microbatches=2, start_method="forkserver",
+        data_parallel_size=dp, data_parallel_shard_size=shard, pipeline_parallel_size=pp, tensor_parallel_size=tp,
+        expert_parallel_size=ep, num_microbatches=2, start_method="forkserver",
     )
     trainer = Trainer(
-        strategy=strategy, accelerator="cpu", devices=dp * pp, max_steps=STEPS, logger=False, gradient_clip_val=clip,
+        strategy=strategy, accelerator="cpu", devices=dp * pp * tp, max_steps=STEPS, logger=False, gradient_clip_val=clip,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
     )
     module = _tiny()

@@ -55,16 +55,22 @@ def _trainer(tmp_path, devices=2, steps=2, save=None, **strategy):
 
 
 @pytest.mark.parametrize("strategy, single_file", [(dict(), True), (dict(data_parallel_shard_size=2), False)], ids=["replicated", "sharded"])
-def test_checkpoints_carry_lightnings_state_to_hooks_in_both_formats(tmp_path, strategy, single_file):
+def test_checkpoints_carry_lightnings_state_to_hooks_in_both_formats(tmp_path, strategy, single_file, capfd):
     path = tmp_path / "x.ckpt"
     _trainer(tmp_path, save=path, **strategy).fit(BoringModel())
+    captured = capfd.readouterr()
+    told = (captured.out + captured.err).count(f"lightning-ciuic checkpoint export {path} {tmp_path / 'x'}-whole.ckpt")
     assert path.is_file() is single_file and path.is_dir() is not single_file
     if single_file:  # what DDPStrategy writes: torch.load and load_from_checkpoint read it
         saved = torch.load(path, weights_only=False)
         assert saved["my_callback"] == {"saw": ["optimizer_states", "state_dict"]} and saved["global_step"] == 2
         loaded = BoringModel.load_from_checkpoint(path)
         torch.testing.assert_close(loaded.layer.weight, saved["state_dict"]["layer.weight"])
+        assert told == 0
     else:  # a DCP directory: `lightning-ciuic checkpoint export DIR OUT` makes it one file load_from_checkpoint reads
+        assert told == 1  # said once, by rank zero, at the first sharded save
+        with pytest.raises(IsADirectoryError):  # Lightning opens the path before any code of ours runs
+            BoringModel.load_from_checkpoint(path)
         assert checkpoint_command(["export", str(path), str(tmp_path / "whole.ckpt")]) == 0
         saved = torch.load(tmp_path / "whole.ckpt", weights_only=False)
         assert saved["my_callback"] == {"saw": ["optimizer_states", "state_dict"]} and saved["global_step"] == 2

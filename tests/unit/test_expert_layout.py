@@ -18,6 +18,7 @@ from lightning_ciuic.parallel.parallelize import parallelize
     "layout, message",
     [
         (dict(data_parallel_size=4, expert_parallel_size=3), r"expert_parallel_size=3 must divide data_parallel_size=4 .* one of \[1, 2, 4\]"),
+        (dict(data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=3), r"or be tp=2 times a divisor of it.* one of \[1, 2, 4\]"),
         (dict(data_parallel_size=4, data_parallel_shard_size=2, expert_parallel_size=4), r"must divide data_parallel_shard_size=2 .* one of \[1, 2\]"),
         (dict(expert_parallel_size=0), r"expert_parallel_size"),
     ],
@@ -25,6 +26,13 @@ from lightning_ciuic.parallel.parallelize import parallelize
 def test_a_degree_that_does_not_divide_the_data_parallel_axis_says_what_would(layout, message):
     with pytest.raises(ValueError, match=message):
         ParallelDims.resolve(4, **layout)
+
+
+def test_ep_takes_the_tensor_parallel_peers_only_when_the_data_parallel_axis_alone_is_too_small():
+    alone = ParallelDims.resolve(8, data_parallel_size=4, tensor_parallel_size=2, expert_parallel_size=4)
+    assert not alone.ep_over_tp and alone.ep_data_ranks == 4 and alone.edp == 1
+    over = ParallelDims.resolve(4, data_parallel_size=2, data_parallel_shard_size=2, tensor_parallel_size=2, expert_parallel_size=4)
+    assert over.ep_over_tp and over.ep_data_ranks == 2 and over.edp == 1
 
 
 @pytest.mark.parametrize(
