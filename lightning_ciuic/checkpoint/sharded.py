@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.tensor import DTensor
 
-from lightning_ciuic.parallel.pipeline import OnAnotherStage
+from lightning_ciuic.parallel.pipeline import OnAnotherStage, persistent_buffer_names
 
 META_KEY = "meta"
 
@@ -209,19 +209,21 @@ def optimizer_state_by_name(
 
     The index is a position in the optimizer that saved it: this ``optimizer``'s own order where it holds as many
     parameters, else (a pipeline stage, which holds part of them) the order of the checkpoint's tensors
-    ``saved_names`` where they are as many as the saved positions (a module without persistent buffers)."""
+    ``saved_names`` less the model's persistent buffers (other stages' blocks included), where they are as many as the
+    saved positions."""
     groups = saved.get("param_groups", [])
     if not groups or not groups[0]["params"] or isinstance(groups[0]["params"][0], str):
         return saved
     order = _names_in_order(model, optimizer)
     positions = sum(len(group["params"]) for group in groups)
     if len(order) != positions:
-        held, order = len(order), list(saved_names or ())
+        buffers = persistent_buffer_names(model)
+        held, order = len(order), [name for name in saved_names or () if name not in buffers]
         if len(order) != positions:
             raise ValueError(
                 f"the checkpoint's optimizer state is keyed by position ({positions} parameters) and this rank's"
-                f" optimizer holds {held} of them (a pipeline stage's share), and its {len(order)} saved tensors"
-                " do not say which positions are which (buffers among them). Resume with pipeline_parallel_size=1,"
+                f" optimizer holds {held} of them (a pipeline stage's share), and its {len(order)} saved tensors that"
+                " are not this model's buffers do not say which positions are which. Resume with pipeline_parallel_size=1,"
                 " or from a checkpoint this strategy wrote sharded (a directory: keyed by name), or set"
                 " `self.strict_loading = False` to load the weights and start the optimizers afresh."
             )

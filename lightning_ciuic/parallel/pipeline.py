@@ -173,11 +173,13 @@ def split_at(block_names: Sequence[str], split_points: Sequence[str], num_stages
 
 
 class OnAnotherStage(nn.Module):
-    """Stands in for a block that lives on another pipeline stage; calling it is an error that says so."""
+    """Stands in for a block that lives on another pipeline stage; calling it is an error that says so. It keeps the
+    names of the block's persistent buffers (``buffer_names``, relative to it), which a single-file checkpoint lists
+    among the tensors: :func:`persistent_buffer_names` tells them from the parameters."""
 
-    def __init__(self, name: str, stage: int) -> None:
+    def __init__(self, name: str, stage: int, buffer_names: Sequence[str] = ()) -> None:
         super().__init__()
-        self.block_name, self.stage = name, stage
+        self.block_name, self.stage, self.buffer_names = name, stage, tuple(buffer_names)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
@@ -188,6 +190,16 @@ class OnAnotherStage(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.block_name!r} on stage {self.stage}"
+
+
+def persistent_buffer_names(module: nn.Module) -> set[str]:
+    """The names under which ``module.state_dict()`` holds buffers, those of blocks on other stages included."""
+    params = {name for name, _ in module.named_parameters()}
+    names = {name for name in module.state_dict(keep_vars=True) if name not in params}
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, OnAnotherStage):
+            names.update(f"{prefix}.{name}" for name in sub.buffer_names)
+    return names
 
 
 BlockCall = Callable[[nn.Module, Any], Any]
@@ -281,7 +293,7 @@ def partition(
     stage_of = [s for s in range(len(stage_starts)) for _ in range(bounds[s], bounds[s + 1])]
     for name, stage in zip(block_names, stage_of):
         if stage not in my_stages:
-            _set_submodule(root, name, OnAnotherStage(name, stage))
+            _set_submodule(root, name, OnAnotherStage(name, stage, persistent_buffer_names(blocks[block_names.index(name)])))
     return [
         StageModule(
             [b for b, s in zip(blocks, stage_of) if s == stage],

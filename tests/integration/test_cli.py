@@ -108,6 +108,20 @@ def test_shipped_sharded_config_parses():
     """The sharded main job: FSDP2 over dp_shard=2 x tp=2 from YAML."""
     strategy = _cli(["--config", str(ROOT / "examples" / "configs" / "sharded.yaml")]).trainer.strategy
     assert strategy.parallelism.degrees == dict(
-        pipeline_parallel_size=1, data_parallel_size=2, tensor_parallel_size=2, data_parallel_shard_size=2
+        pipeline_parallel_size=1, data_parallel_size=2, tensor_parallel_size=2, data_parallel_shard_size=2,
+        expert_parallel_size=1,
     )
     assert strategy.parallelism.sharding.reshard_after_forward is True
+
+
+def test_shipped_experts_config_parses():
+    """The main job with its experts sharded: FSDP2 over 4 ranks, experts over the same 4, the balancer on."""
+    from lightning_ciuic import ExpertLoadBalancer
+
+    cli = _cli(["--config", str(ROOT / "examples" / "configs" / "experts.yaml")])
+    assert cli.trainer.strategy.parallelism.degrees == dict(
+        pipeline_parallel_size=1, data_parallel_size=4, tensor_parallel_size=1, data_parallel_shard_size=4,
+        expert_parallel_size=4,
+    )
+    assert any(isinstance(c, ExpertLoadBalancer) for c in cli.trainer.callbacks)
+    assert cli.model.hparams.n_routed_experts == 8

@@ -30,16 +30,26 @@ def _tiny() -> DeepSeekMini:
     ],
 )
 def test_expert_parallel_layout_matches_single_process(dp, shard, pp, tp, ep, clip):
+    _fit_and_compare(dp, shard, pp, tp, ep, clip)
+
+
+def test_accumulation_and_activation_checkpointing_with_experts_sharded():
+    """Two micro-batches per step, every block recomputed in backward."""
+    _fit_and_compare(2, 2, 1, 1, 2, 0.05, accumulate=2, gradient_checkpointing=True)
+
+
+def _fit_and_compare(dp, shard, pp, tp, ep, clip, accumulate=1, gradient_checkpointing=False):
     strategy = HybridParallelStrategy(
         data_parallel_size=dp, data_parallel_shard_size=shard, pipeline_parallel_size=pp, tensor_parallel_size=tp,
-        expert_parallel_size=ep, num_microbatches=2, start_method="forkserver",
+        expert_parallel_size=ep, num_microbatches=2, start_method="forkserver", gradient_checkpointing=gradient_checkpointing,
     )
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=dp * pp * tp, max_steps=STEPS, logger=False, gradient_clip_val=clip,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
+        accumulate_grad_batches=accumulate,
     )
     module = _tiny()
-    global_batch = PER_RANK_BATCH * dp
+    global_batch = PER_RANK_BATCH * dp * accumulate
     trainer.fit(module, loader(STEPS * global_batch, PER_RANK_BATCH))
     actual = {k: v.detach() for k, v in module.state_dict().items()}
     assert_state_close(actual, reference_training(_tiny, STEPS, global_batch, clip=clip), STEPS)

@@ -77,3 +77,21 @@ def test_fewer_experts_per_rank_than_sharing_ranks_shard_on_the_next_dim():
 def test_experts_that_the_ep_degree_does_not_divide_are_refused_with_the_divisors():
     with pytest.raises(ValueError, match=r"has 6 experts, which expert_parallel_size=4 does not divide: use one of \[1, 2, 3, 6\]"):
         _expert_shapes(0, 4, 6, data_parallel_size=4, expert_parallel_size=4)
+
+
+def test_routed_tokens_are_counted_once_when_blocks_are_recomputed_in_backward():
+    from examples.deepseek import DeepSeekMini
+    from lightning_ciuic.parallel.experts import RoutedTokens
+    from lightning_ciuic.parallel.parallelize import checkpoint_blocks
+
+    torch.manual_seed(0)
+    model = DeepSeekMini(dim=32, n_layers=2, n_heads=2, kv_lora_rank=8, n_routed_experts=4, moe_inter_dim=16).train()
+    checkpoint_blocks(model)  # every block's forward runs again inside backward
+    routed = RoutedTokens(model)
+    tokens = torch.randint(0, 256, (2, 8))
+    model(tokens).sum().backward()
+    (counts,) = routed.take().values()
+    assert int(counts.sum()) == tokens.numel() * 2  # k = 2 experts per token, once
+    model.eval()
+    model(tokens)
+    assert routed.take() == {}  # evaluation is not training's load
