@@ -188,43 +188,50 @@ class _BlockScaled(Codec):
         return f"{type(self).__name__}(block={self.block})"
 
 
-class BlockInt8(_BlockScaled):
-    """Symmetric int8 per block: ``q = round(x / scale)``, ``scale = absmax / 127``."""
+class _AbsmaxScaled(_BlockScaled):
+    """One byte per value: ``code = x / scale`` in ``code_dtype``, ``scale = absmax / largest`` (the code's largest
+    magnitude), so no value needs clamping; an all-zero block has scale 0 and decodes to zeros."""
 
-    name = "int8"
+    code_dtype: torch.dtype
+    largest: float
 
-    def __init__(self, block: int = 256) -> None:
+    def __init__(self, block: int) -> None:
         check_int("block", block)
         self.block = self.code_bytes = block
 
     def _quantize(self, blocks: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        scale = torch.amax(blocks.abs(), dim=1).div_(127.0)
-        inverse = scale.reciprocal().nan_to_num_(posinf=0.0)  # an all-zero block: scale 0, values 0
-        codes.view(torch.int8).copy_(blocks.mul(inverse[:, None]).round_())  # |x| * 127 / absmax <= 127: no clamp
+        scale = torch.amax(blocks.abs(), dim=1).div_(self.largest)
+        inverse = scale.reciprocal().nan_to_num_(posinf=0.0)
+        codes.view(self.code_dtype).copy_(self._to_code(blocks.mul(inverse[:, None])))
         return scale
 
+    def _to_code(self, scaled: torch.Tensor) -> torch.Tensor:
+        return scaled
+
     def _dequantize(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return codes.view(torch.int8).float().mul_(scales[:, None])
+        return codes.view(self.code_dtype).float().mul_(scales[:, None])
 
 
-class BlockFP8(_BlockScaled):
+class BlockInt8(_AbsmaxScaled):
+    """Symmetric int8 per block: ``q = round(x / scale)``, ``scale = absmax / 127``."""
+
+    name, code_dtype, largest = "int8", torch.int8, 127.0
+
+    def __init__(self, block: int = 256) -> None:
+        super().__init__(block)
+
+    def _to_code(self, scaled: torch.Tensor) -> torch.Tensor:
+        return scaled.round_()
+
+
+class BlockFP8(_AbsmaxScaled):
     """FP8 (e4m3) per block: ``q = fp8(x / scale)``, ``scale = absmax / 448`` (e4m3's largest value): relative error
     <= 2**-4 of each value above the block's smallest normal, as DeepSeek-V3 quantizes activations in 1x128 tiles."""
 
-    name = "fp8"
+    name, code_dtype, largest = "fp8", torch.float8_e4m3fn, 448.0
 
     def __init__(self, block: int = 128) -> None:
-        check_int("block", block)
-        self.block = self.code_bytes = block
-
-    def _quantize(self, blocks: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        scale = torch.amax(blocks.abs(), dim=1).div_(448.0)
-        inverse = scale.reciprocal().nan_to_num_(posinf=0.0)
-        codes.view(torch.float8_e4m3fn).copy_(blocks.mul(inverse[:, None]))
-        return scale
-
-    def _dequantize(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return codes.view(torch.float8_e4m3fn).float().mul_(scales[:, None])
+        super().__init__(block)
 
 
 class NF4(_BlockScaled):

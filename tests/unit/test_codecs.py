@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from lightning_ciuic.comm.codecs import NF4, NF4_LEVELS, BlockInt8, ErrorFeedback, HalfPrecision, TopK, dense_codec
+from lightning_ciuic.comm.codecs import NF4, NF4_LEVELS, BlockFP8, BlockInt8, ErrorFeedback, HalfPrecision, TopK, dense_codec
 from lightning_ciuic.comm.powersgd import PowerSGD
 
 
@@ -20,6 +20,18 @@ def test_int8_error_bound_and_size(n):
     blocks = torch.nn.functional.pad(x, (0, (-n) % 256)).view(-1, 256).abs().amax(1)
     bound = blocks.repeat_interleave(256)[:n] / 254 + 1e-7
     assert (err <= bound).all()
+
+
+@pytest.mark.parametrize("n", [1, 127, 128, 1000, 5000])
+def test_fp8_relative_error_in_e4m3s_normal_range_and_size(n):
+    codec, x = BlockFP8(), _x(n)
+    data = codec.encode(x)
+    assert data.dtype == torch.uint8 and data.numel() == codec.nbytes(n) == math.ceil(n / 128) * (4 + 128)
+    decoded = codec.decode(data, n)
+    scales = torch.nn.functional.pad(x, (0, (-n) % 128)).view(-1, 128).abs().amax(1).repeat_interleave(128)[:n] / 448
+    normal = x.abs() >= scales * 2**-6  # e4m3's smallest normal, times the block's scale
+    assert ((decoded - x).abs()[normal] <= x.abs()[normal] * 2**-4 * (1 + 1e-6)).all()
+    assert ((decoded - x).abs()[~normal] <= scales[~normal] * 2**-10 * (1 + 1e-6)).all()  # subnormals: half their 2**-9 step
 
 
 @pytest.mark.parametrize("n", [2, 63, 64, 1000, 5000])
@@ -63,7 +75,7 @@ def test_half_precision_relative_error(dtype, bound):
 
 
 def test_zero_blocks_stay_zero():
-    for codec in (BlockInt8(), NF4()):
+    for codec in (BlockInt8(), BlockFP8(), NF4()):
         assert torch.equal(codec.roundtrip(torch.zeros(300)), torch.zeros(300))
 
 
