@@ -19,6 +19,7 @@ RANK_FIELDS = (
     "dp_gather", "dp_scatter",  # sharded data parallelism: parameter all-gathers, gradient reduce-scatters (in dp_comm)
     "pp_bubble",  # pipeline parallel: the schedule's idle time (in compute)
     "checkpoint_stall", "snapshot_stall", "outer_sync",  # training stopped for a checkpoint's staging, a snapshot, a DiLoCo sync
+    "ep_bytes", "ep_tokens",  # expert parallelism: bytes this rank sent in the token all-to-alls, tokens its experts ran
 )
 
 RATE_UNIT = "GB/s"  # 10^9 bytes per second: every rate the report and the console print
@@ -57,6 +58,8 @@ class RunProfile:
     dp_shard: int = 1
     model_state_mb: Optional[float] = None  # parameters + gradients + optimizer state one rank holds (rank 0's)
     memory_capacity_mb: Optional[float] = None  # per rank: the GPU's memory, or the host's RAM / local processes
+    ep: int = 1
+    expert_load: dict[str, float] = field(default_factory=dict)  # MoE layer -> max / mean tokens per expert (all ranks)
 
     def mean(self, key: str) -> float:
         return statistics.fmean(r[key] for r in self.ranks) if self.ranks else 0.0

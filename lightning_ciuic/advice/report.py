@@ -83,6 +83,15 @@ def summary_table(profile: RunProfile) -> str:
             f"sharded over dp_shard={profile.dp_shard}: parameter all-gathers {profile.mean('dp_gather') * 1e3:.1f} ms,"
             f" gradient reduce-scatters {profile.mean('dp_scatter') * 1e3:.1f} ms per step (rank mean; in dp comm)"
         )
+    if profile.ep > 1 or profile.expert_load:
+        tokens = [r["ep_tokens"] for r in profile.ranks]
+        spread = f"{min(tokens):.0f}-{max(tokens):.0f}" if tokens else "0"
+        load = ", ".join(f"{layer} {ratio:.2f}" for layer, ratio in profile.expert_load.items())
+        lines.append(
+            f"experts (ep={profile.ep}): tokens per expert max/mean over the run: {load or 'none routed'};"
+            f" tokens each rank's experts ran per step {spread}; all-to-all {profile.mean('ep_bytes') / 1e6:.2f} MB sent"
+            " per step (rank mean)"
+        )
     effective, per_link = throughput(profile)
     lines.append(
         f"layout pp={profile.pp} x dp={profile.dp} x tp={profile.tp}, compression {profile.compression!r};"

@@ -26,6 +26,11 @@ least ``min_speedup`` (10%): a healthy run gets no advice. Rules, each on per-ra
   parameters, gradients and optimizer state it holds, less a 1/dp share of them) and the all-gather traffic it
   adds. It is a memory advice (``predicted_memory_mb``), listed whatever its speed.
 
+* **expert balance** (mixture-of-experts layers): max / mean tokens per expert of the worst layer over the run, and
+  under expert parallelism the tokens each rank's experts ran (max / mean over ranks: the busiest rank sets the
+  pace). Advises ``ExpertLoadBalancer`` when a layer is at 1.5 or more; no speed-up is predicted (what share of a
+  step the experts take is not measured), so it is listed as a finding whatever the threshold.
+
 The compression rule models an all-reduce: it is skipped for sharded runs (reduce-scatters and all-gathers).
 
 :func:`check` returns every rule's :class:`Finding`: what it measured against its threshold, in one line, and its
@@ -79,11 +84,25 @@ def check(profile: RunProfile, min_speedup: float = 1.10, straggler_threshold: f
         _bubble(profile),
         _sharding(profile),
         _diloco(profile),
+        _expert_balance(profile),
     ]
     return [
         f if f.advice is None or f.advice.predicted_speedup >= min_speedup or f.advice.predicted_memory_mb else Finding(f.rule, f.checked)
         for f in findings
     ]
+
+
+def _expert_balance(profile: RunProfile, advised: float = 1.5) -> Finding:
+    rule = "expert balance"
+    if not profile.expert_load:
+        return Finding(rule, "not checked: no mixture-of-experts layer (packed experts)")
+    layer, worst = max(profile.expert_load.items(), key=lambda item: item[1])
+    tokens = [r["ep_tokens"] for r in profile.ranks]
+    ranks = f"; ranks' experts ran max/mean {max(tokens) / statistics.fmean(tokens):.2f}x the tokens" if profile.ep > 1 and statistics.fmean(tokens) > 0 else ""
+    checked = f"tokens per expert max/mean {worst:.2f} in {layer} (advised at {advised} or more){ranks}"
+    if worst < advised:
+        return Finding(rule, checked)
+    return Finding(rule, checked + "; add ExpertLoadBalancer (auxiliary-loss-free routing bias, docs/expert_parallel.md)")
 
 
 def advise(profile: RunProfile, min_speedup: float = 1.10, straggler_threshold: float = 0.15) -> list[Advice]:

@@ -8,7 +8,11 @@ Contract:
   bucket reduced; under ``DDPStrategy`` only the exposed part is visible), ``dp_bytes`` (sent by this rank),
   ``dp_payload`` (gradient bytes reduced), ``tp_comm`` (tensor-parallel collectives, timed on every
   ``profile_every``-th step by intercepting the functional collectives DTensor issues; that step's other
-  timings are left out of the means), ``memory_mb`` (peak: CUDA allocator, or the process's RSS on CPU).
+  timings are left out of the means), ``memory_mb`` (peak: CUDA allocator, or the process's RSS on CPU); under
+  expert parallelism ``ep_bytes`` (sent in the token all-to-alls) and ``ep_tokens`` (rows this rank's experts ran).
+* Mixture-of-experts layers (packed experts, with or without expert parallelism): the tokens routed to each expert
+  over the run, summed over the data-parallel ranks, as ``expert_load`` (layer -> max / mean) in ``monitor.json``,
+  the summary and the report's findings.
 * Derived: straggler wait (the slowest rank's compute minus this rank's), the dp sync's effective throughput
   (``payload / dp_comm``, and ``x 2 (n-1) / n`` per link: bytes per second of the sync window, which includes the
   backward it overlaps, so not nccl-tests' algbw / busbw, which divide by the collectives' own time; rates in
@@ -53,6 +57,7 @@ from lightning_ciuic.advice import RANK_FIELDS, RunProfile, check
 from lightning_ciuic.advice.trace import TraceEvent
 from lightning_ciuic.compat import TorchDispatchMode
 from lightning_ciuic.comm.auto import measure_link, measure_sync_seconds, synchronize
+from lightning_ciuic.parallel.experts import ExpertLayout, RoutedTokens, packed_experts
 from lightning_ciuic.advice.report import summary_table, write_report
 from lightning_ciuic.strategies.context import parallel_context
 from lightning_ciuic.telemetry import StepRecord, Telemetry, gather_per_rank
@@ -146,6 +151,9 @@ class CommunicationMonitor(Callback):
         self._last_gather = 0
         self._meta: dict[str, Any] = {}
         self._bubbles: list[float] = []  # this rank's measured pipeline bubble per step, after warm-up
+        self._experts: Optional[ExpertLayout] = None  # expert parallelism's layout, whose stats count the all-to-alls
+        self._expert_seen: tuple[float, float] = (0.0, 0.0)
+        self._routed: Optional[RoutedTokens] = None  # tokens per expert, for expert_load
 
     # -- set-up --------------------------------------------------------------------------------------
     @override
@@ -188,6 +196,17 @@ class CommunicationMonitor(Callback):
             )
         self._sync_seen = self._sync_counters()
         self._dp_rank = context.dp_rank
+        parallelized = getattr(trainer.strategy, "parallelized", None)
+        self._experts = parallelized.experts if parallelized is not None else None
+        self._expert_seen = self._expert_counters()
+        self._routed = RoutedTokens(pl_module) if packed_experts(pl_module) else None
+        self._meta.update(ep=dims.ep)
+
+    def _expert_counters(self) -> tuple[float, float]:
+        if self._experts is None:
+            return 0.0, 0.0
+        stats = self._experts.stats
+        return float(stats.dispatch_bytes + stats.combine_bytes), float(stats.received_tokens)
 
     def _sync_counters(self) -> tuple[float, ...]:
         engine = self._context.data_parallel
@@ -226,6 +245,8 @@ class CommunicationMonitor(Callback):
         records, self._cursor = telemetry.records_since(self._cursor)
         counters, last = self._sync_counters(), self._sync_seen
         self._sync_seen = counters
+        experts, experts_last = self._expert_counters(), self._expert_seen
+        self._expert_seen = experts
         if not records:
             return
         record = records[-1]
@@ -251,6 +272,8 @@ class CommunicationMonitor(Callback):
             "checkpoint_stall": record.stalls.get("checkpoint", 0.0),
             "snapshot_stall": record.stalls.get("snapshot", 0.0),
             "outer_sync": record.stalls.get("outer_sync", 0.0),
+            "ep_bytes": experts[0] - experts_last[0],
+            "ep_tokens": experts[1] - experts_last[1],
         }
         if self.trace:
             self._trace_steps.append(step_events(record, comm))
@@ -300,6 +323,7 @@ class CommunicationMonitor(Callback):
             local = statistics.fmean(self._bubbles) if self._bubbles else 0.0
             self._meta["bubble"] = float(gather_per_rank(trainer, [local]).mean())
         self._meta["model_state_mb"] = _held_state_mb(pl_module, trainer.optimizers)
+        self._meta["expert_load"] = self._expert_load()  # collective
         self.profile = RunProfile(**self._meta, ranks=[dict(zip(RANK_FIELDS, row.tolist())) for row in totals])
         out = Path(self.dirpath or os.path.join(trainer.log_dir or trainer.default_root_dir, "monitor"))  # collective
         trace = _gather_objects(self._trace_events()) if self.trace else None  # collective
@@ -315,6 +339,20 @@ class CommunicationMonitor(Callback):
         lines = [summary_table(self.profile), "", "Advice:" if advice else f"Advice: none ({len(findings)} rules checked, nothing predicted to gain >= 10%)."]
         lines += [f"  - {item}" for item in advice]
         rank_zero_info("\n".join(lines) + "\n" + ", ".join(f"{kind}: {path}" for kind, path in written.items()))
+
+    def _expert_load(self) -> dict[str, float]:
+        """Max / mean tokens per expert of each layer over the run, all data-parallel ranks' tokens (collective)."""
+        local: dict[str, float] = {}
+        if self._routed is not None:
+            for layer, counts in sorted(self._routed.take().items()):
+                counts = counts.double()
+                if self._context.dp_group is not None:
+                    torch.distributed.all_reduce(counts, group=self._context.dp_group)
+                local[layer] = float(counts.max() / counts.mean()) if counts.sum() > 0 else 0.0
+        merged: dict[str, float] = {}
+        for part in _gather_objects(local):  # pipeline stages hold different layers
+            merged.update(part)
+        return merged
 
     def record_path(self, trainer: Trainer) -> Optional[Path]:
         """This run's ``monitor.json``: the file this process wrote, or, in a launching process whose ranks ran
@@ -365,6 +403,9 @@ class CommunicationMonitor(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._routed is not None:
+            self._routed.remove()
+            self._routed = None
         self._stop_timer()
         Telemetry.release(trainer)
 

@@ -7,7 +7,7 @@ from lightning.pytorch import Trainer, seed_everything
 
 from examples.deepseek import DeepSeekMini
 from lightning_ciuic import HybridParallelStrategy
-from tests.helpers import PRECISION, TINY_MODEL, assert_state_close, loader, reference_training
+from tests.helpers import PRECISION, SEQ_LEN, TINY_MODEL, assert_state_close, loader, reference_training
 
 STEPS, PER_RANK_BATCH = 4, 2
 MOE_MODEL = {**TINY_MODEL, "n_routed_experts": 4}
@@ -120,3 +120,27 @@ def test_a_checkpoint_of_an_expert_parallel_run_resumes_in_another_layout(tmp_pa
     resumed = _fit_for(6, tmp_path / "resumed", ckpt_path=str(step3), **resume_layout)
     expected = reference_training(_tiny, 6, 2 * PER_RANK_BATCH, num_samples=3 * 2 * PER_RANK_BATCH)
     assert_state_close(resumed, expected, 6)
+
+
+def test_the_monitor_counts_the_token_exchange_and_the_balance(tmp_path, capfd):
+    import json
+
+    from lightning_ciuic import CommunicationMonitor
+
+    steps = 6
+    trainer = Trainer(
+        strategy=HybridParallelStrategy(data_parallel_size=2, expert_parallel_size=2, start_method="forkserver"),
+        accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        callbacks=[CommunicationMonitor(measure_link=False, gather_every=3)],
+    )
+    trainer.fit(DeepSeekMini(**MOE_MODEL), loader(steps * PER_RANK_BATCH * 2, PER_RANK_BATCH))
+    profile = json.loads((tmp_path / "monitor" / "monitor.json").read_text())["profile"]
+    assert profile["ep"] == 2
+    # every (token, expert) pair of the global batch runs on exactly one rank, every step
+    pairs = 2 * PER_RANK_BATCH * SEQ_LEN * MOE_MODEL["n_activated_experts"]
+    assert sum(rank["ep_tokens"] for rank in profile["ranks"]) == pytest.approx(pairs)
+    assert all(rank["ep_bytes"] > 0 for rank in profile["ranks"])
+    assert list(profile["expert_load"]) == ["model.layers.1.ffn.experts"] and profile["expert_load"]["model.layers.1.ffn.experts"] >= 1
+    out = capfd.readouterr()
+    assert "experts (ep=2): tokens per expert max/mean over the run: model.layers.1.ffn.experts" in out.out + out.err

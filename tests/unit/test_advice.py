@@ -147,3 +147,17 @@ def test_monitor_json_of_earlier_versions_still_reads():
         del old[key]
     profile = RunProfile.from_json(old)
     assert profile.dp_shard == 1 and profile.mean("dp_gather") == 0.0 and advise(profile) == []
+
+
+def test_expert_balance_is_a_finding_with_the_worst_layer_and_the_busiest_rank():
+    from lightning_ciuic.advice import RunProfile, check
+    from lightning_ciuic.advice.profile import RANK_FIELDS
+
+    ranks = [dict.fromkeys(RANK_FIELDS, 0.0) | {"step": 0.1, "compute": 0.1, "ep_tokens": t} for t in (300.0, 100.0)]
+    profile = RunProfile(world_size=2, dp=2, ep=2, ranks=ranks, expert_load={"layers.1.experts": 1.2, "layers.2.experts": 2.5})
+    (finding,) = [f for f in check(profile) if f.rule == "expert balance"]
+    assert "max/mean 2.50 in layers.2.experts" in finding.checked and "ran max/mean 1.50x the tokens" in finding.checked
+    assert "add ExpertLoadBalancer" in finding.checked and finding.advice is None  # no speed-up is predicted
+    balanced = RunProfile(world_size=2, dp=2, ep=2, ranks=ranks, expert_load={"layers.1.experts": 1.2})
+    (finding,) = [f for f in check(balanced) if f.rule == "expert balance"]
+    assert "ExpertLoadBalancer" not in finding.checked

@@ -85,7 +85,8 @@ def test_the_report_draws_every_part_with_axes_legend_scale_and_real_tables():
     assert "ms compute per step" in text  # the heatmap's scale
     assert "per link = effective" in text and "measured at start: 0.900 GB/s" in text  # throughput explained, the link
     assert page.rows["ranks"] == 1 + 4 and page.rows["parts"] == 1 + len(_PARTS) + 1
-    assert page.rows["checks"] == 1 + 6  # every rule, with what it checked
+    assert page.rows["checks"] == 1 + 7  # every rule, with what it checked
+    assert "not checked: no mixture-of-experts layer" in text
     assert "not checked: no pipeline parallelism" in text and "(advised from 1.15x)" in text
 
 
