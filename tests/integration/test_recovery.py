@@ -29,8 +29,15 @@ def _tiny() -> DeepSeekMini:
     return DeepSeekMini(**TINY_MODEL).double()
 
 
-def _fit(callbacks: list[Callback], strategy: object, devices: int = DP) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    module = _tiny()
+def _tiny_moe() -> DeepSeekMini:  # experts expert_parallel_size=2 divides
+    seed_everything(7)
+    return DeepSeekMini(**{**TINY_MODEL, "n_routed_experts": 4}).double()
+
+
+def _fit(
+    callbacks: list[Callback], strategy: object, devices: int = DP, factory=_tiny
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    module = factory()
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=STEPS, logger=False, callbacks=callbacks,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
@@ -40,25 +47,32 @@ def _fit(callbacks: list[Callback], strategy: object, devices: int = DP) -> tupl
     return {k: v.detach() for k, v in module.state_dict().items()}, metrics
 
 
-def _expected(batches: list[int]) -> dict[str, torch.Tensor]:
+def _expected(batches: list[int], factory=_tiny) -> dict[str, torch.Tensor]:
     assert len(batches) == STEPS
-    return reference_training(_tiny, STEPS, PER_RANK_BATCH * DP, batches=batches, num_samples=NUM_SAMPLES)
+    return reference_training(factory, STEPS, PER_RANK_BATCH * DP, batches=batches, num_samples=NUM_SAMPLES)
 
 
-def _ciuic(tp: int = 1, shard: int = 1) -> HybridParallelStrategy:
-    return HybridParallelStrategy(data_parallel_size=DP, tensor_parallel_size=tp, data_parallel_shard_size=shard, start_method="forkserver")
+def _ciuic(tp: int = 1, shard: int = 1, ep: int = 1) -> HybridParallelStrategy:
+    return HybridParallelStrategy(
+        data_parallel_size=DP, tensor_parallel_size=tp, data_parallel_shard_size=shard, expert_parallel_size=ep,
+        start_method="forkserver",
+    )
 
 
-@pytest.mark.parametrize("layout", ["ciuic-dp2", "ciuic-dp2xtp2", "ciuic-fsdp2", "ddp"])
+@pytest.mark.parametrize("layout", ["ciuic-dp2", "ciuic-dp2xtp2", "ciuic-fsdp2", "ciuic-fsdp2-ep2", "ddp"])
 def test_nan_gradient_rolls_back_and_skips_the_batches_since_the_snapshot(layout):
     recovery = SnapshotRecovery(snapshot_freq=3, store="memory", check_gradients=True)
-    strategy = {"ciuic-dp2": _ciuic(), "ciuic-dp2xtp2": _ciuic(tp=2), "ciuic-fsdp2": _ciuic(shard=2), "ddp": "ddp_spawn"}[layout]
+    strategy = {
+        "ciuic-dp2": _ciuic(), "ciuic-dp2xtp2": _ciuic(tp=2), "ciuic-fsdp2": _ciuic(shard=2),
+        "ciuic-fsdp2-ep2": _ciuic(shard=2, ep=2), "ddp": "ddp_spawn",
+    }[layout]
     devices = 4 if layout == "ciuic-dp2xtp2" else DP
-    actual, metrics = _fit([recovery, FailAt(8, "nan", ranks=(1,))], strategy, devices)
+    factory = _tiny_moe if layout.endswith("ep2") else _tiny
+    actual, metrics = _fit([recovery, FailAt(8, "nan", ranks=(1,))], strategy, devices, factory)
     # Snapshots at steps 3 and 6; step 8 (global batch 7) is poisoned on rank 1 -> back to step 6: the batches of
     # steps 7 and 8 are skipped, and steps 7..10 train on batches 8..11.
     assert metrics["recovery/rollbacks"] == 1
-    assert_state_close(actual, _expected([0, 1, 2, 3, 4, 5, 8, 9, 10, 11]), STEPS)
+    assert_state_close(actual, _expected([0, 1, 2, 3, 4, 5, 8, 9, 10, 11], factory), STEPS)
 
 
 class VoteRounds(Callback):
