@@ -3,7 +3,7 @@ tests/helpers.rounding_atol), on the example model and on Hugging Face mixture-o
 
 import pytest
 import torch
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import Callback, Trainer, seed_everything
 
 from examples.deepseek import DeepSeekMini
 from lightning_ciuic import HybridParallelStrategy
@@ -144,3 +144,43 @@ def test_the_monitor_counts_the_token_exchange_and_the_balance(tmp_path, capfd):
     assert list(profile["expert_load"]) == ["model.layers.1.ffn.experts"] and profile["expert_load"]["model.layers.1.ffn.experts"] >= 1
     out = capfd.readouterr()
     assert "experts (ep=2): tokens per expert max/mean over the run: model.layers.1.ffn.experts" in out.out + out.err
+
+
+class _ExpertReplicas(Callback):
+    """Rank 0 records whether the ranks holding the same experts (edp) hold equal expert shards, and every data-
+    parallel rank equal dense parameters, and how many expert gradient collectives ran."""
+
+    def on_train_end(self, trainer, pl_module):
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        experts = trainer.strategy.parallelized.experts
+        ids = experts.parameter_ids()
+        result = {}
+        for name, tensors, group in (
+            ("experts", [p.to_local() for p in experts.parameters()], experts.data_mesh.get_group()),
+            ("dense", [p for p in pl_module.parameters() if id(p) not in ids and not isinstance(p, DTensor)], None),
+        ):
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            copies = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(copies, flat, group=group)
+            result[name] = all(torch.equal(c, flat) for c in copies)
+        result["expert_collectives"] = trainer.strategy.data_parallel.expert_synchronizer.stats.collectives
+        if trainer.is_global_zero:
+            trainer.callback_metrics.update({k: torch.tensor(float(v)) for k, v in result.items()})
+
+
+def test_compressed_gradients_with_experts_sharded_keep_every_copy_equal():
+    """dp=4, ep=2 (edp=2), int8 gradient compression with error feedback: expert gradients go through the same codec
+    over their own group (their residuals apart from the dense ones'), and every copy of a tensor stays equal."""
+    trainer = Trainer(
+        strategy=HybridParallelStrategy(
+            data_parallel_size=4, expert_parallel_size=2, communication_compression="int8", start_method="forkserver"
+        ),
+        accelerator="cpu", devices=4, max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[_ExpertReplicas()],
+    )
+    trainer.fit(DeepSeekMini(**MOE_MODEL), loader(3 * PER_RANK_BATCH * 4, PER_RANK_BATCH))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert metrics["experts"] == 1.0 and metrics["dense"] == 1.0, metrics
+    assert metrics["expert_collectives"] >= 3, metrics
