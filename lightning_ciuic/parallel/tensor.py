@@ -18,7 +18,10 @@ where ``*`` stands for a layer index, styles as strings) into concrete module na
 ``colwise_gather_output`` a ``ColwiseParallel`` with a replicated output, ``embedding_rowwise`` on
 ``nn.Embedding`` a ``RowwiseParallel`` (vocabulary-parallel embedding). Entries with other styles (packed
 3-D expert weights, expert-parallel wrappers) are returned as *skipped*: those modules stay replicated,
-which is correct, only not sharded.
+which is correct, only not sharded. ``replicated_with_grad_allreduce`` (Qwen3's and Gemma3's per-head ``q_norm`` /
+``k_norm``, which see only a rank's heads, so each rank's gradient is a part that must be summed over tp) is not
+done yet: a plan that names such a module is refused (``ValueError`` naming them), never trained with partial
+gradients.
 
 No Lightning imports.
 """
@@ -111,6 +114,17 @@ def hugging_face_plan(
     translated: dict[str, ParallelStyle] = {}
     skipped: list[str] = []
     modules = [(name, re.sub(r"\d+", "*", name), module) for name, module in model.named_modules() if name]
+    partial = [
+        pattern for pattern, style in plan.items()
+        if style == "replicated_with_grad_allreduce" and any(generic == pattern for _, generic, _ in modules)
+    ]
+    if partial:
+        raise ValueError(
+            f"{type(model).__name__}'s tensor-parallel plan keeps {partial} replicated with their gradients summed over"
+            " the tensor-parallel ranks (each sees only its heads); that sum is not implemented here, and without it"
+            " those weights would train on partial gradients. Use tensor_parallel_size=1 (shard with"
+            " data_parallel_shard_size, and the experts with expert_parallel_size, instead)."
+        )
     for pattern, style_name in plan.items():
         matches = [(name, module) for name, generic, module in modules if generic == pattern]
         styles = [_hugging_face_style(style_name, module) for _, module in matches]

@@ -75,23 +75,41 @@ def _hugging_face(model_type: str):
     return build
 
 
-@pytest.mark.parametrize("model_type", sorted(HF_MOE))
-@pytest.mark.parametrize("shard", [1, 2], ids=["replicated", "fsdp"])
-def test_hugging_face_moe_families_train_with_experts_sharded(model_type, shard):
-    """transformers' own experts modules (packed weights, routed in float32 by the model) under ep=2 over dp=2."""
+@pytest.mark.parametrize(
+    "model_type, shard, tp, ep",
+    [("qwen3_moe", 1, 1, 2), ("qwen3_moe", 2, 1, 2), ("mixtral", 1, 1, 2), ("mixtral", 2, 1, 2), ("mixtral", 2, 2, 4)],
+    ids=["qwen3_moe-replicated", "qwen3_moe-fsdp", "mixtral-replicated", "mixtral-fsdp", "mixtral-fsdp2xtp2-ep4"],
+)
+def test_hugging_face_moe_families_train_with_experts_sharded(model_type, shard, tp, ep):
+    """transformers' own experts modules (packed weights, routed in float32 by the model) over dp=2 (x tp=2: the
+    Hugging Face tensor-parallel plan for attention, experts split by ep over the tp peers too)."""
     pytest.importorskip("transformers")
     factory = _hugging_face(model_type)
     strategy = HybridParallelStrategy(
-        data_parallel_size=2, data_parallel_shard_size=shard, expert_parallel_size=2, start_method="forkserver"
+        data_parallel_size=2, data_parallel_shard_size=shard, tensor_parallel_size=tp, expert_parallel_size=ep,
+        start_method="forkserver",
     )
     trainer = Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        strategy=strategy, accelerator="cpu", devices=2 * tp, max_steps=STEPS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
     )
     module = factory()
     trainer.fit(module, loader(STEPS * PER_RANK_BATCH * 2, PER_RANK_BATCH))
     actual = {k: v.detach() for k, v in module.state_dict().items()}
     assert_state_close(actual, reference_training(factory, STEPS, PER_RANK_BATCH * 2), STEPS, lr=1e-2)
+
+
+def test_a_hugging_face_plan_that_needs_summed_gradients_is_refused_under_tensor_parallelism():
+    """Qwen3-MoE's q_norm / k_norm see a rank's heads only ("replicated_with_grad_allreduce"): refused, not trained on
+    partial gradients (they were, silently, before: 0.036 off single-process training after 4 steps)."""
+    pytest.importorskip("transformers")
+    trainer = Trainer(
+        strategy=HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, start_method="forkserver"),
+        accelerator="cpu", devices=4, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(ValueError, match=r"keeps \['model.layers.\*.self_attn.q_norm', 'model.layers.\*.self_attn.k_norm'\] replicated .* Use tensor_parallel_size=1"):
+        trainer.fit(_hugging_face("qwen3_moe")(), loader(4 * PER_RANK_BATCH, PER_RANK_BATCH))
 
 
 def _fit_for(steps: int, tmp_path, ckpt_path=None, **layout):
