@@ -15,18 +15,9 @@ from lightning_ciuic.config import ParallelismConfig
 from lightning_ciuic.parallel.fsdp import ShardingConfig
 from lightning_ciuic.parallel.parallelize import parallelize
 from tests.helpers import run_workers
+from tests.unit.test_parallelize import Block
 
 FLOAT32 = 4
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
-
 
 class Net(nn.Module):
     """Every dimension even over 2 ranks, so FSDP2 pads nothing and bytes follow from parameter counts alone."""
