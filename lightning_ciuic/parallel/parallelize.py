@@ -27,8 +27,9 @@ and no Trainer. ``mesh`` is the layout's device mesh (built from ``dims`` when n
 6. **Materialisation**: meta tensors (``Trainer.init_module(empty_init=True)``) allocated on the mesh's device and
    initialised, shard by shard where sharded (:func:`~lightning_ciuic.parallel.fsdp.materialize`).
 
-Applying it twice to one module (Lightning sets a model up for each of fit, validate, test) changes nothing the
-first call did not: tensor-parallel and FSDP steps see their own work and skip.
+Call it once per module: its result is the module's layout (Lightning sets a model up for each of fit, validate,
+test; the strategy keeps the first result and reuses it). A second call would take the shards it made for whole
+tensors.
 
 No Lightning imports.
 """

@@ -420,8 +420,15 @@ class HybridParallelStrategy(ParallelStrategy):
 
     def _parallelize(self) -> None:
         """The model becomes this rank's part of the layout: :func:`~lightning_ciuic.parallel.parallelize.parallelize`
-        and nothing else (tensor parallel, activation checkpointing, pipeline cut, FSDP2 units, materialisation)."""
+        and nothing else (tensor parallel, activation checkpointing, pipeline cut, FSDP2 units, materialisation). Once
+        per module: Lightning sets the same model up again for validate or test after fit, in the same process (the
+        ranks ``"popen"`` starts), and parallelizing it again would treat its shards as whole tensors (broadcasting one
+        rank's experts over the others, taking the strategy's own FSDP2 units for a user's)."""
         assert self.parallel_dims is not None and self.model is not None
+        earlier = self.parallelized
+        if earlier is not None and earlier.module is self.model and earlier.dims == self.parallel_dims:
+            self.pipeline = earlier.pipeline
+            return
         if self._layer_sync is not None and self.parallel_dims.dp_enabled:  # Trainer(sync_batchnorm=True)
             # Statistics over the data-parallel replicas' batches: tp and pp peers hold the same or other layers.
             dp_group = self.device_mesh[Axis.DP].get_group()
