@@ -111,9 +111,9 @@ def save_checkpoint(strategy: HybridParallelStrategy, checkpoint: dict[str, Any]
 def _say_how_to_read_once(strategy: HybridParallelStrategy, path: Path) -> None:
     """The first sharded directory a strategy writes comes with one line on reading it: Lightning's
     ``load_from_checkpoint`` opens the path as a file before any hook of ours runs, so it cannot say this itself."""
-    if getattr(strategy, "_told_how_to_read", False):
+    if strategy.told_how_to_read:
         return
-    strategy._told_how_to_read = True
+    strategy.told_how_to_read = True
     rank_zero_info(
         f"HybridParallelStrategy: {path} is a sharded checkpoint directory (torch.distributed.checkpoint): Trainer.fit"
         f"(ckpt_path=...) resumes from it in any layout; LightningModule.load_from_checkpoint and torch.load read one"

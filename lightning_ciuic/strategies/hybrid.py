@@ -247,6 +247,7 @@ class HybridParallelStrategy(ParallelStrategy):
         )
         self.pipeline: Optional[PipelineRunner] = None
         self.parallelized: Optional[Parallelized] = None
+        self.told_how_to_read = False  # a sharded checkpoint directory was written and how to read it said (once)
         self._pipeline_grads: list[Optional[torch.Tensor]] = []
         self.data_parallel: Optional[DataParallel] = None  # the engine, once the processes and the model exist
         self._logged = (0, 0.0)
