@@ -18,6 +18,10 @@ had it, and the command exits 1 (:func:`~lightning_ciuic.parallel.shutdown.agree
 After ``fit``, the console script ends with a short summary of what the pack did (:mod:`lightning_ciuic.summary`):
 the monitor's report, the checkpoints, the snapshots and how to resume.
 
+``lightning-ciuic plan --config RUN.yaml --world-size N`` checks the run's layout for N ranks in this one process
+(:mod:`lightning_ciuic.planner`, docs/plan.md): each class of ranks' memory, whether it fits ``--device-memory``,
+uneven shards; ``--json OUT`` writes it; exit 1 when some rank does not fit, 2 when the layout is refused.
+
 ``lightning-ciuic checkpoint ls URL`` lists AsyncCheckpointer checkpoints (name, step, epoch, sizes);
 ``checkpoint verify URL [NAME]`` re-reads and checks every chunk (exit 1 naming the damaged file);
 ``checkpoint export URL NAME OUT [--format torch|safetensors|hf]`` writes one checkpoint: as a plain ``torch.save``
@@ -29,6 +33,7 @@ loads. ``checkpoint export DIR OUT [--format ...]`` does the same for a sharded 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -170,6 +175,52 @@ def _export(checkpoint: dict, name: str, out: str, export_format: str) -> int:
     return 0
 
 
+PLAN_USAGE = (
+    "usage: lightning-ciuic plan --config RUN.yaml --world-size N [--device-memory 80GiB] [--json OUT.json]"
+    " [--micro-batch-size B --sequence-length S] [any fit override, e.g. --trainer.strategy.init_args.tensor_parallel_size 8]"
+)
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"``, ``"80GB"``, ``"512MiB"``, ``"1.5TiB"`` or a number of bytes, as bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", text, re.I)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write it as 80GiB, 80GB, 512MiB or a number of bytes.")
+    number, prefix, binary = match.groups()
+    base = 1024 if binary or not prefix else 1000
+    return int(float(number) * base ** "_KMGT".index(prefix.upper() or "_"))
+
+
+def plan_command(argv: list[str]) -> int:
+    """``lightning-ciuic plan``: the plan's table, and its JSON with ``--json``; exit 1 when a rank class does not fit."""
+    from lightning_ciuic.planner import plan
+    from lightning_ciuic.planner.step import StepSpec
+
+    parser = argparse.ArgumentParser(prog="lightning-ciuic plan", usage=PLAN_USAGE, add_help=True)
+    parser.add_argument("--config", help="the LightningCLI YAML that fit would read")
+    parser.add_argument("--world-size", type=int, required=True, help="ranks to plan for (any number: no process starts)")
+    parser.add_argument("--device-memory", type=parse_bytes, default=parse_bytes("80GiB"), help="memory per device (default 80GiB)")
+    parser.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch: with --sequence-length, runs the step phase")
+    parser.add_argument("--sequence-length", type=int, help="tokens per sequence")
+    parser.add_argument("--json", help="write the plan as JSON to this file")
+    options, overrides = parser.parse_known_args(argv)
+    if (options.micro_batch_size is None) != (options.sequence_length is None):
+        parser.error("the step phase needs both --micro-batch-size and --sequence-length (or neither: the static phase alone)")
+    step = StepSpec(options.micro_batch_size, options.sequence_length) if options.micro_batch_size else None
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        result = plan(options.config, world_size=options.world_size, cli_args=overrides, device_memory=options.device_memory, step=step)
+    except (ValueError, TypeError) as err:  # the layout's errors, as fit raises them
+        print(f"the layout does not work: {err}", file=sys.stderr)
+        return 2
+    print(result.table())
+    if options.json:
+        Path(options.json).write_text(json.dumps(result.to_json(), indent=1))
+        print(f"plan written to {options.json}")
+    return 0 if result.all_fit else 1
+
+
 def main(args: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if argv[:1] in (["advise"], ["report"]):
@@ -178,6 +229,8 @@ def main(args: Optional[list[str]] = None) -> None:
         raise SystemExit((advise_command if argv[0] == "advise" else report_command)(argv[1]))
     if argv[:1] == ["checkpoint"]:
         raise SystemExit(checkpoint_command(argv[1:]))
+    if argv[:1] == ["plan"]:
+        raise SystemExit(plan_command(argv[1:]))
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     PackCLI(

@@ -28,6 +28,7 @@ Touch points:
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import warnings
 from collections import OrderedDict
@@ -134,6 +135,14 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "_optimizer", optimizer)
 
 
+def optimizers_of(configured: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers of what a ``configure_optimizers()`` returned, in any of Lightning's forms (Lightning's own
+    reading of them)."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
+    return list(_configure_optimizers(configured)[0])
+
+
 def reset_optimizers_and_schedulers(strategy: Any) -> None:
     strategy._reset_optimizers_and_schedulers()
 
@@ -204,3 +213,47 @@ def forward_hooks_suspended(module: Any) -> Iterator[None]:
         yield
     finally:
         module._forward_pre_hooks, module._forward_hooks = saved
+
+
+def mesh_coordinates(mesh: Any) -> dict[int, tuple[int, ...]]:
+    """Every global rank's coordinate on ``mesh``'s axes, for every group of ranks such a mesh has (a sub-mesh
+    ``mesh["tp"]`` holds only this rank's group; its layout gives them all): ``{rank: coordinate}``."""
+    full = mesh._layout.remap_to_tensor(mesh._rank_map).reshape(-1, *mesh.shape)
+    coordinates: dict[int, tuple[int, ...]] = {}
+    for group in full:
+        for index in range(group.numel()):
+            coordinates[int(group.flatten()[index])] = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), tuple(mesh.shape)))
+    return coordinates
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def local_shape(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], placements: Any) -> tuple[int, ...]:
+    """(Cached: a model repeats its layers' shapes.) The shape of the shard a rank at ``coordinate`` of a mesh of ``mesh_shape`` holds of a DTensor of
+    ``global_shape`` placed by ``placements`` (DTensor's own rule: ``torch.chunk`` sizes, uneven shards last)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    return tuple(_compute_local_shape_and_global_offset(global_shape, mesh_shape, list(coordinate), placements, skip_offset=True)[0])
+
+
+def fsdp_gathered_params(unit: Any) -> list[tuple[int, int]]:
+    """``(values gathered, element size)`` of each parameter an FSDP2 unit owns: its padded shard times the sharding
+    ranks (what the unit's all-gather outputs), in the shard's dtype."""
+    group = unit._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return []
+    ranks = group.mesh_info.shard_mesh_size
+    return [(fp.padded_sharded_param_size.numel() * ranks, fp.sharded_param.element_size()) for fp in group.fsdp_params]
+
+
+def forget_dtensor_meshes() -> None:
+    """Forget the meshes DTensor keeps between calls, when their process groups end (a planner starts a fake world per
+    rank it builds): its random-number tracker (made on the first mesh it saw) and its sharding-propagation cache,
+    whose entries hold the meshes of earlier worlds (meshes compare equal across worlds, their groups do not)."""
+    import torch.distributed.tensor._random as dtensor_random
+    from torch.distributed.tensor import DTensor
+
+    dtensor_random._rng_tracker = None
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    if hasattr(propagator._propagate_tensor_meta_cached, "cache_clear"):
+        propagator._propagate_tensor_meta_cached.cache_clear()

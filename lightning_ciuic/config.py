@@ -18,7 +18,9 @@ No Lightning imports.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import torch
 from typing import Any, Literal, Optional, Union
 
 from lightning_ciuic.comm.compression import CompressionConfig
@@ -29,7 +31,8 @@ from lightning_ciuic.parallel.fsdp import ShardingConfig
 from lightning_ciuic.parallel.pipeline_module import PipelineConfig
 
 Degree = Union[int, Literal["auto"]]
-SHARDED_REDUCE_DTYPES = ("fp16", "bf16")  # the reduce-scatter's dtype
+SHARDED_REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # the reduce-scatter's dtype
+MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # Lightning's precision -> compute dtype
 SHARDED_CODECS = ("int8", "nf4")  # the reduce-scatter as a quantized all-to-all
 SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 
@@ -72,6 +75,19 @@ class ParallelismConfig:
             tensor_parallel_size=self.tensor_parallel_size, data_parallel_shard_size=self.data_parallel_shard_size,
             expert_parallel_size=self.expert_parallel_size,
         )
+
+    def with_precision(self, precision: Optional[str]) -> "ParallelismConfig":
+        """This config with FSDP2's dtypes for Lightning's ``precision`` (``"bf16-mixed"``, ``"16-mixed"``: parameters
+        gathered in that dtype, gradients reduced in float32, or in the compression's 16-bit dtype) and the
+        compression's codec for the sharded gradients."""
+        param_dtype = MIXED_PRECISION_DTYPES.get(str(precision))
+        mode = self.compression.mode
+        reduce_dtype = SHARDED_REDUCE_DTYPES.get(mode, torch.float32 if param_dtype is not None else None)
+        sharding = replace(
+            self.sharding, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            gradient_codec=mode if mode in SHARDED_CODECS else None, error_feedback=self.compression.feedback_for(mode),
+        )
+        return replace(self, sharding=sharding)
 
     def resolve(self, world_size: int) -> ParallelDims:
         """The degrees over ``world_size`` ranks, ``"auto"`` filled in; the pipeline schedule checked against ``pp``."""

@@ -86,6 +86,10 @@ class DataParallel(ABC):
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
 
+    def buffer_bytes(self) -> int:
+        """Bytes of the engine's own tensors held between steps (the replicated engine's gradient buckets)."""
+        return 0
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         pass
 
@@ -198,6 +202,9 @@ class Replicated(DataParallel):
         assert self.synchronizer is not None
         buckets = self.synchronizer.buckets
         return sum(bucket.buffer.numel() for bucket in buckets), len(buckets)
+
+    def buffer_bytes(self) -> int:
+        return sum(b.buffer.numel() * b.buffer.element_size() for s in self._synchronizers() for b in s.buckets)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.compression.state_dict() if self.compression is not None else {}

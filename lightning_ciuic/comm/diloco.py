@@ -354,6 +354,11 @@ class DiLoCoEngine(DataParallel):
         self.compression.load_state_dict(state)  # takes its "residual." entries
         self._fresh = False
 
+    def buffer_bytes(self) -> int:
+        """The round's start copy of every parameter and, from the first outer step, the outer momentum of the same size."""
+        start = sum(t.numel() * t.element_size() for t in self.start)
+        return start * (2 if self.config.outer_momentum > 0 else 1)
+
     def close(self) -> None:
         for sent, _, _, _ in self._in_flight.values():
             sent.result()  # never leave the reducer's thread inside a collective

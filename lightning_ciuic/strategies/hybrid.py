@@ -67,7 +67,7 @@ from lightning_ciuic.comm.diloco import DiLoCo, DiLoCoEngine
 from lightning_ciuic.comm.sharded import Sharded
 from lightning_ciuic.comm.grad_sync import GradientSynchronizer, check_bucket_size
 from lightning_ciuic.comm.hooks import GradientQuantizer
-from lightning_ciuic.config import SHARDED_CODECS, ParallelismConfig
+from lightning_ciuic.config import ParallelismConfig
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.experts import DispatchCompression
@@ -467,16 +467,8 @@ class HybridParallelStrategy(ParallelStrategy):
             self.data_parallel.setup(self.model, mesh, parallelized.stages, experts=parallelized.experts)
 
     def _sharding_dtypes(self) -> ShardingConfig:
-        """The sharding config with FSDP2's dtypes: parameters in the precision plugin's compute dtype
-        (``"bf16-mixed"``, ``"16-mixed"``), gradients reduced in float32 then, or in the compression's 16-bit dtype."""
-        compute = getattr(self.precision_plugin, "precision", None)
-        param_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(compute))
-        mode = self.compression_config.mode
-        reduce_dtype = _REDUCE_DTYPES.get(mode, torch.float32 if param_dtype is not None else None)
-        return dataclasses.replace(
-            self.parallelism.sharding, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-            gradient_codec=mode if mode in SHARDED_CODECS else None, error_feedback=self.compression_config.feedback_for(mode),
-        )
+        """The sharding config with FSDP2's dtypes for the precision plugin's precision (ParallelismConfig.with_precision)."""
+        return self.parallelism.with_precision(getattr(self.precision_plugin, "precision", None)).sharding
 
     def _device_type(self) -> str:
         """The kind of device the ranks compute on, known before any process has its own (custom devices: their type)."""
@@ -752,7 +744,6 @@ class HybridParallelStrategy(ParallelStrategy):
             self._device_mesh = None
 
 
-_REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 def _clip_grad_by_global_norm(
     plugin: Precision, strategy: HybridParallelStrategy, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]
 ) -> None:

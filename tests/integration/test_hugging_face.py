@@ -97,13 +97,14 @@ def test_bad_model_arguments():
 
 PP2_TP2 = dict(pipeline_parallel_size=2, tensor_parallel_size=2)
 PP2_FSDP2 = dict(pipeline_parallel_size=2, data_parallel_size=2, data_parallel_shard_size=2)
+DP2_TP2 = dict(data_parallel_size=2, tensor_parallel_size=2)  # replicated: a vocabulary-sharded embedding's gradient comes back replicated
 HSDP_EP2 = dict(data_parallel_size=4, data_parallel_shard_size=2, expert_parallel_size=2)  # experts over 2 ranks
 
 
 @pytest.mark.parametrize(
     "model_type, layout",
-    [("llama", PP2_TP2), ("deepseek_v3", PP2_TP2), ("llama", PP2_FSDP2), ("deepseek_v3", HSDP_EP2)],
-    ids=["llama-pp2xtp2", "deepseek_v3-pp2xtp2", "llama-pp2xfsdp2", "deepseek_v3-hsdp2x2-ep2"],
+    [("llama", PP2_TP2), ("deepseek_v3", PP2_TP2), ("llama", PP2_FSDP2), ("deepseek_v3", HSDP_EP2), ("llama", DP2_TP2)],
+    ids=["llama-pp2xtp2", "deepseek_v3-pp2xtp2", "llama-pp2xfsdp2", "deepseek_v3-hsdp2x2-ep2", "llama-dp2xtp2"],
 )
 def test_pretrained_weights_train_in_parallel_and_export_back_to_hugging_face(tmp_path, model_type, layout, capsys):
     """Hugging Face weights -> 3 steps at pp=2 x tp=2 (or pp=2 x FSDP 2, or HSDP 2x2 with the experts sharded over 2:

@@ -1,0 +1,150 @@
+"""A plan's result: its rank classes, their figures, and the two ways it is shown (``--json`` and the table).
+
+Contract: :class:`Plan` holds what :func:`~lightning_ciuic.planner.plan_layout` found; :meth:`Plan.to_json` is the
+``--json`` document (numbers as integers, ``null`` where the step phase did not run), :meth:`Plan.table` the printed
+one. A :class:`RankClass` fits when its peak (the step phase's, else its model states plus one gathered FSDP2 unit,
+a lower bound) is at most the device memory.
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.planner.layout import RankBytes
+
+GiB = 1024**3
+NOT_MODELLED = (
+    "the CUDA context and kernels' workspaces",
+    "NCCL's buffers",
+    "the caching allocator's fragmentation",
+    "which kernels CUDA picks",
+)
+
+
+@dataclass
+class RankClass:
+    """Ranks of one pipeline stage with equal figures."""
+
+    ranks: list[int]
+    pp_stage: int
+    figures: RankBytes
+    gathered_unit: int = 0  # bytes of the largest FSDP2 unit gathered at once
+    activations: Optional[int] = None  # from the step phase
+    peak: Optional[int] = None  # from the step phase
+
+    @property
+    def model_states(self) -> int:
+        f = self.figures
+        return f.parameter_bytes + f.gradient_bytes + f.optimizer_bytes + f.buffer_bytes
+
+    def needed(self) -> int:
+        """The peak where the step phase ran, else the model states and one gathered unit (a lower bound)."""
+        return self.peak if self.peak is not None else self.model_states + self.gathered_unit
+
+
+@dataclass
+class Plan:
+    """What :func:`plan` found (see the module docstring)."""
+
+    world_size: int
+    dims: ParallelDims
+    total_parameters: int
+    classes: list[RankClass]
+    device_memory: int
+    largest_units: dict[int, tuple[str, int]] = field(default_factory=dict)  # pp stage -> (unit, bytes gathered)
+    warnings: list[str] = field(default_factory=list)
+    communication: Optional[dict[str, int]] = None  # mesh axis -> bytes per step (step phase)
+    not_modelled: tuple[str, ...] = NOT_MODELLED
+
+    def fits(self, rank_class: RankClass) -> bool:
+        return rank_class.needed() <= self.device_memory
+
+    @property
+    def all_fit(self) -> bool:
+        return all(self.fits(c) for c in self.classes)
+
+    def layout(self) -> dict[str, int]:
+        d = self.dims
+        return {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp, "ep": d.ep}
+
+    def to_json(self) -> dict[str, Any]:
+        classes = []
+        for c in self.classes:
+            f = c.figures
+            classes.append({
+                "ranks": c.ranks,
+                "pp_stage": c.pp_stage,
+                "parameters": f.parameters,
+                "bytes": {
+                    "parameters": f.parameter_bytes, "gradients": f.gradient_bytes, "optimizer": f.optimizer_bytes,
+                    "buffers": f.buffer_bytes, "gathered_unit": c.gathered_unit, "activations": c.activations,
+                    "peak": c.peak,
+                },
+                "fits": self.fits(c),
+            })
+        return {
+            "world_size": self.world_size,
+            "layout": self.layout(),
+            "total_parameters": self.total_parameters,
+            "device_memory": self.device_memory,
+            "rank_classes": classes,
+            "communication_bytes_per_step": self.communication,
+            "warnings": self.warnings,
+            "not_modelled": list(self.not_modelled),
+        }
+
+    def table(self) -> str:
+        """The plan as text: the layout, one row per rank class, the warnings, what is not modelled."""
+        largest = max(c.needed() for c in self.classes)
+        unit, scale = next((u, s) for u, s in UNITS if largest >= 10 * s or s == 1)
+
+        def size(value: Optional[int]) -> str:
+            return f"{'-':>9}" if value is None else f"{value / scale:>9.2f}"
+
+        lines = [
+            f"{self.dims}: {_count(self.total_parameters)} parameters, {self.device_memory / GiB:.1f} GiB per device",
+            f"{'ranks':<24} {'stage':>5} {'params':>9} {'weights':>9} {'grads':>9} {'optim':>9} {'buffers':>9}"
+            f" {'gathered':>9} {'activ.':>9} {'peak':>9} {'headroom':>9}  fits ({unit})",
+        ]
+        for c in self.classes:
+            f = c.figures
+            lines.append(
+                f"{_ranges(c.ranks):<24} {c.pp_stage:>5} {_count(f.parameters):>9} {size(f.parameter_bytes)} {size(f.gradient_bytes)}"
+                f" {size(f.optimizer_bytes)} {size(f.buffer_bytes)} {size(c.gathered_unit)} {size(c.activations)}"
+                f" {size(c.peak)} {size(self.device_memory - c.needed())}  {'yes' if self.fits(c) else 'NO'}"
+            )
+        if any(c.peak is None for c in self.classes):
+            lines.append("(no step phase: the peak is not known, and 'fits' compares the model states plus one gathered unit)")
+        if self.communication:
+            lines.append("bytes per step: " + ", ".join(f"{axis} {value / scale:.2f} {unit}" for axis, value in self.communication.items()))
+        lines += [f"warning: {w}" for w in self.warnings]
+        lines.append("not modelled: " + ", ".join(self.not_modelled) + ".")
+        return "\n".join(lines)
+
+
+UNITS = (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024), ("bytes", 1))
+
+
+def _count(n: int) -> str:
+    """``70553706496`` as ``"70.55B"``, ``1234567`` as ``"1.23M"``."""
+    for suffix, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return str(n)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2,5"`` (shortened past 24 characters)."""
+    parts, start = [], ranks[0]
+    for previous, current in zip(ranks, ranks[1:] + [None]):
+        if current != previous + 1 if current is not None else True:
+            parts.append(str(start) if start == previous else f"{start}-{previous}")
+            start = current
+    text = ",".join(parts)
+    return text if len(text) <= 24 else text[:20] + f"..({len(ranks)})"
+
+

