@@ -47,6 +47,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "WarmupCosineSchedule": ("lightning_ciuic.callbacks.lr_schedule", "WarmupCosineSchedule"),
     "apply_tensor_parallel": ("lightning_ciuic.parallel.tensor", "apply_tensor_parallel"),
     "parallel_context": ("lightning_ciuic.strategies.context", "parallel_context"),
+    "plan": ("lightning_ciuic.planner", "plan"),
     "register_compression_hook": ("lightning_ciuic.comm.hooks", "register_compression_hook"),
     "warmup_cosine_lr": ("lightning_ciuic.callbacks.lr_schedule", "warmup_cosine_lr"),
 }
