@@ -248,8 +248,10 @@ def fsdp_gathered_params(unit: Any) -> list[tuple[int, int]]:
 def forget_dtensor_meshes() -> None:
     """Forget the meshes DTensor keeps between calls, when their process groups end (a planner starts a fake world per
     rank it builds): its random-number tracker (made on the first mesh it saw) and its sharding-propagation cache,
-    whose entries hold the meshes of earlier worlds (meshes compare equal across worlds, their groups do not)."""
+    whose entries hold the meshes of earlier worlds (meshes compare equal across worlds, their groups do not), and
+    its redistribution plans (a flattened transform keeps its mesh), and the C++ fast path's sharding cache."""
     import torch.distributed.tensor._random as dtensor_random
+    import torch.distributed.tensor._redistribute as redistribute
     from torch.distributed.tensor import DTensor
 
     dtensor_random._rng_tracker = None
@@ -257,3 +259,7 @@ def forget_dtensor_meshes() -> None:
     propagator.propagate_op_sharding.cache_clear()
     if hasattr(propagator._propagate_tensor_meta_cached, "cache_clear"):
         propagator._propagate_tensor_meta_cached.cache_clear()
+    if hasattr(redistribute._gen_transform_infos, "cache_clear"):
+        redistribute._gen_transform_infos.cache_clear()
+    if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):  # the C++ dispatch fast path's own cache
+        torch._C._clear_DTensor_sharding_propagator_cache()

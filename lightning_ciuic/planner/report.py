@@ -57,7 +57,8 @@ class Plan:
     device_memory: int
     largest_units: dict[int, tuple[str, int]] = field(default_factory=dict)  # pp stage -> (unit, bytes gathered)
     warnings: list[str] = field(default_factory=list)
-    communication: Optional[dict[str, int]] = None  # mesh axis -> bytes per step (step phase)
+    # mesh axis -> collective -> bytes one rank sends per step (the step phase's rank 0 of its stage)
+    communication: Optional[dict[str, dict[str, int]]] = None
     not_modelled: tuple[str, ...] = NOT_MODELLED
 
     def fits(self, rank_class: RankClass) -> bool:
@@ -70,6 +71,12 @@ class Plan:
     def layout(self) -> dict[str, int]:
         d = self.dims
         return {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp, "ep": d.ep}
+
+    def bytes_per_axis(self) -> Optional[dict[str, int]]:
+        """Bytes one rank sends per step on each mesh axis (``None`` without the step phase)."""
+        if self.communication is None:
+            return None
+        return {axis: sum(by.values()) for axis, by in sorted(self.communication.items())}
 
     def to_json(self) -> dict[str, Any]:
         classes = []
@@ -92,7 +99,8 @@ class Plan:
             "total_parameters": self.total_parameters,
             "device_memory": self.device_memory,
             "rank_classes": classes,
-            "communication_bytes_per_step": self.communication,
+            "communication_bytes_per_step": self.bytes_per_axis(),
+            "communication_by_collective": self.communication,
             "warnings": self.warnings,
             "not_modelled": list(self.not_modelled),
         }
@@ -119,14 +127,24 @@ class Plan:
             )
         if any(c.peak is None for c in self.classes):
             lines.append("(no step phase: the peak is not known, and 'fits' compares the model states plus one gathered unit)")
-        if self.communication:
-            lines.append("bytes per step: " + ", ".join(f"{axis} {value / scale:.2f} {unit}" for axis, value in self.communication.items()))
+        if self.communication is not None:
+            sent = ", ".join(
+                f"{axis} {_bytes(sum(by.values()))} ({', '.join(f'{name} {_bytes(v)}' for name, v in sorted(by.items()))})"
+                for axis, by in sorted(self.communication.items())
+            )
+            lines.append(f"sent per step by one rank, per mesh axis: {sent or 'nothing'}")
         lines += [f"warning: {w}" for w in self.warnings]
         lines.append("not modelled: " + ", ".join(self.not_modelled) + ".")
         return "\n".join(lines)
 
 
 UNITS = (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024), ("bytes", 1))
+
+
+def _bytes(n: int) -> str:
+    """``1536`` as ``"1.50 KiB"``."""
+    unit, scale = next((u, s) for u, s in UNITS if n >= s or s == 1)
+    return f"{n / scale:.2f} {unit}" if scale > 1 else f"{n} bytes"
 
 
 def _count(n: int) -> str:

@@ -20,6 +20,7 @@ No Lightning imports.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -36,6 +37,7 @@ from lightning_ciuic.parallel.fsdp import materialize
 from lightning_ciuic.parallel.parallelize import parallelize
 from lightning_ciuic.parallel.pipeline_module import PipelineModule
 from lightning_ciuic.planner.layout import ModuleFactory, OptimizerFactory, data_parallel_engine, fake_world, stage_representatives
+from lightning_ciuic.planner.traffic import CollectiveTraffic
 from lightning_ciuic.strategies.redirection import through_root
 from lightning_ciuic.tensors import local_tensor
 
@@ -60,6 +62,7 @@ class StepMemory:
 
     peak: int
     model_states: int  # parameters, gradients, optimizer state and engine buffers held after the step (held_bytes)
+    traffic: dict[str, dict[str, int]]  # mesh axis -> collective -> bytes this rank sent in the last step
 
     @property
     def activations(self) -> int:
@@ -97,30 +100,36 @@ def token_batch(module: nn.Module, spec: StepSpec, device: torch.device) -> tupl
 
 def train_steps(
     module: nn.Module, engine: Optional[DataParallel], optimizers: Sequence[torch.optim.Optimizer],
-    batch: tuple[torch.Tensor, torch.Tensor], steps: int = 2,
+    batch: tuple[torch.Tensor, torch.Tensor], mesh: Any = None, steps: int = 2,
 ) -> StepMemory:
-    """``steps`` training steps tracked by ``MemTracker``; the last step's peak and the model states after it."""
+    """``steps`` training steps tracked by ``MemTracker``; the last step's peak and collective bytes
+    (:class:`~lightning_ciuic.planner.traffic.CollectiveTraffic`; ``mesh``: the layout's, to name its axes), and the
+    model states after it."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
     tracker.track_external(module, *optimizers)
     device = batch[0].device
     step_module = _Step(module)
+    traffic = CollectiveTraffic(mesh)
     with tracker:
         for step in range(steps):
-            if step == steps - 1:
+            last = step == steps - 1
+            if last:
                 tracker.reset_mod_stats()
-            loss = step_module(batch)
-            loss.backward()
-            if engine is not None:
-                engine.after_backward()
-            for optimizer in optimizers:
-                optimizer.step()
-            if step < steps - 1:
+            with traffic if last else contextlib.nullcontext():
+                loss = step_module(batch)
+                loss.backward()
+                if engine is not None:
+                    engine.after_backward()
+                for optimizer in optimizers:
+                    optimizer.step()
+            if not last:
                 for optimizer in optimizers:
                     optimizer.zero_grad(set_to_none=True)
         peak = _total(tracker.get_tracker_snapshot("peak"), device)
-    return StepMemory(peak, sum(v for k, v in held_bytes(module, engine, optimizers).items() if k != "parameters"))
+    held = sum(v for k, v in held_bytes(module, engine, optimizers).items() if k != "parameters")
+    return StepMemory(peak, held, {axis: dict(by) for axis, by in traffic.bytes.items()})
 
 
 class _Step(nn.Module):
@@ -174,9 +183,10 @@ def run_step_phase(plan: Any, build: ModuleFactory, config: ParallelismConfig, o
             with FakeTensorMode(allow_non_fake_inputs=True):
                 materialize(module, torch.device("cpu"))
                 engine = data_parallel_engine(parallelized, config)
-                memory = train_steps(module, engine, optimizers(module), token_batch(module, spec, torch.device("cpu")))
+                memory = train_steps(module, engine, optimizers(module), token_batch(module, spec, torch.device("cpu")), mesh)
                 if engine is not None:
                     engine.close()
         for rank_class in plan.classes:  # one stage (check_steppable)
             rank_class.activations = memory.activations
             rank_class.peak = rank_class.model_states + memory.activations
+        plan.communication = memory.traffic
