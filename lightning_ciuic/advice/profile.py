@@ -20,6 +20,7 @@ RANK_FIELDS = (
     "pp_bubble",  # pipeline parallel: the schedule's idle time (in compute)
     "checkpoint_stall", "snapshot_stall", "outer_sync",  # training stopped for a checkpoint's staging, a snapshot, a DiLoCo sync
     "ep_bytes", "ep_tokens",  # expert parallelism: bytes this rank sent in the token all-to-alls, tokens its experts ran
+    "ep_comm",  # and the seconds those all-to-alls took (waiting for busier ranks included)
 )
 
 RATE_UNIT = "GB/s"  # 10^9 bytes per second: every rate the report and the console print

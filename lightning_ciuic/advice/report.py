@@ -90,7 +90,7 @@ def summary_table(profile: RunProfile) -> str:
         lines.append(
             f"experts (ep={profile.ep}): tokens per expert max/mean over the run: {load or 'none routed'};"
             f" tokens each rank's experts ran per step {spread}; all-to-all {profile.mean('ep_bytes') / 1e6:.2f} MB sent"
-            " per step (rank mean)"
+            f" and {profile.mean('ep_comm') * 1e3:.1f} ms per step (rank mean)"
         )
     effective, per_link = throughput(profile)
     lines.append(

@@ -28,8 +28,10 @@ least ``min_speedup`` (10%): a healthy run gets no advice. Rules, each on per-ra
 
 * **expert balance** (mixture-of-experts layers): max / mean tokens per expert of the worst layer over the run, and
   under expert parallelism the tokens each rank's experts ran (max / mean over ranks: the busiest rank sets the
-  pace). Advises ``ExpertLoadBalancer`` when a layer is at 1.5 or more; no speed-up is predicted (what share of a
-  step the experts take is not measured), so it is listed as a finding whatever the threshold.
+  pace), and each rank's time in the token all-to-alls (``ep_comm``: a rank with fewer tokens waits there for the
+  busiest). Advises ``ExpertLoadBalancer`` when a layer is at 1.5 or more; when the ranks' all-to-all times differ by
+  5% of the step or more, it is advice predicting ``step / (step - (max - min))``: the least busy rank's wait
+  removed, an upper bound; else a finding without a prediction.
 
 The compression rule models an all-reduce: it is skipped for sharded runs (reduce-scatters and all-gathers).
 
@@ -100,9 +102,31 @@ def _expert_balance(profile: RunProfile, advised: float = 1.5) -> Finding:
     tokens = [r["ep_tokens"] for r in profile.ranks]
     ranks = f"; ranks' experts ran max/mean {max(tokens) / statistics.fmean(tokens):.2f}x the tokens" if profile.ep > 1 and statistics.fmean(tokens) > 0 else ""
     checked = f"tokens per expert max/mean {worst:.2f} in {layer} (advised at {advised} or more){ranks}"
+    waited = _imbalance_wait(profile)
+    if waited is not None:
+        checked += (
+            f"; all-to-alls {min(waited) * 1e3:.1f}-{max(waited) * 1e3:.1f} ms per step over the ranks (the busiest"
+            " waits least)"
+        )
     if worst < advised:
         return Finding(rule, checked)
-    return Finding(rule, checked + "; add ExpertLoadBalancer (auxiliary-loss-free routing bias, docs/expert_parallel.md)")
+    checked += "; add ExpertLoadBalancer (auxiliary-loss-free routing bias, docs/expert_parallel.md)"
+    step = profile.mean("step")
+    if waited is None or step <= 0 or max(waited) - min(waited) < 0.05 * step:
+        return Finding(rule, checked)  # the imbalance costs no measurable time: a finding, no speed-up predicted
+    saved = max(waited) - min(waited)  # what the least busy rank waited for the busiest, at most
+    return Finding(rule, checked, Advice(
+        f"experts are unbalanced: ranks wait up to {saved * 1e3:.1f} ms per step in the token all-to-alls for the"
+        " busiest rank's experts",
+        "callbacks: [ExpertLoadBalancer()]  (lightning_ciuic.ExpertLoadBalancer)",
+        step / (step - saved), rule,
+    ))
+
+
+def _imbalance_wait(profile: RunProfile) -> Optional[list[float]]:
+    """Each rank's seconds per step in the token all-to-alls, where expert parallelism measured them."""
+    waited = [r["ep_comm"] for r in profile.ranks]
+    return waited if profile.ep > 1 and waited and max(waited) > 0 else None
 
 
 def advise(profile: RunProfile, min_speedup: float = 1.10, straggler_threshold: float = 0.15) -> list[Advice]:

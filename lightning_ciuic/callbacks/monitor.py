@@ -9,7 +9,9 @@ Contract:
   ``dp_payload`` (gradient bytes reduced), ``tp_comm`` (tensor-parallel collectives, timed on every
   ``profile_every``-th step by intercepting the functional collectives DTensor issues; that step's other
   timings are left out of the means), ``memory_mb`` (peak: CUDA allocator, or the process's RSS on CPU); under
-  expert parallelism ``ep_bytes`` (sent in the token all-to-alls) and ``ep_tokens`` (rows this rank's experts ran).
+  expert parallelism ``ep_bytes`` (sent in the token all-to-alls), ``ep_comm`` (their time, forward and backward,
+  waiting for busier ranks included) and ``ep_tokens`` (rows this rank's experts ran); the all-to-alls are spans of
+  the trace's ``ep collectives`` track (on the CPU).
 * Mixture-of-experts layers (packed experts, with or without expert parallelism): the tokens routed to each expert
   over the run, summed over the data-parallel ranks, as ``expert_load`` (layer -> max / mean) in ``monitor.json``,
   the summary and the report's findings.
@@ -68,7 +70,7 @@ from lightning_ciuic.validation import check_int
 _WARMUP_STEPS = 2  # first steps (allocation, first collectives) left out of the means
 _TIMED = (
     "step", "compute", "data_wait", "dp_exposed", "dp_comm", "tp_comm", "dp_gather", "dp_scatter", "pp_bubble",
-    "checkpoint_stall", "snapshot_stall", "outer_sync",
+    "checkpoint_stall", "snapshot_stall", "outer_sync", "ep_comm",
 )
 
 
@@ -152,7 +154,7 @@ class CommunicationMonitor(Callback):
         self._meta: dict[str, Any] = {}
         self._bubbles: list[float] = []  # this rank's measured pipeline bubble per step, after warm-up
         self._experts: Optional[ExpertLayout] = None  # expert parallelism's layout, whose stats count the all-to-alls
-        self._expert_seen: tuple[float, float] = (0.0, 0.0)
+        self._expert_seen: tuple[float, float, float] = (0.0, 0.0, 0.0)
         self._routed: Optional[RoutedTokens] = None  # tokens per expert, for expert_load
 
     # -- set-up --------------------------------------------------------------------------------------
@@ -202,11 +204,13 @@ class CommunicationMonitor(Callback):
         self._routed = RoutedTokens(pl_module) if packed_experts(pl_module) else None
         self._meta.update(ep=dims.ep)
 
-    def _expert_counters(self) -> tuple[float, float]:
+    def _expert_counters(self) -> tuple[float, float, float]:
+        """Bytes sent in the token all-to-alls, rows this rank's experts ran, seconds in the all-to-alls (totals)."""
         if self._experts is None:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
         stats = self._experts.stats
-        return float(stats.dispatch_bytes + stats.combine_bytes), float(stats.received_tokens)
+        self._experts.clock.collect()
+        return float(stats.dispatch_bytes + stats.combine_bytes), float(stats.received_tokens), stats.seconds
 
     def _sync_counters(self) -> tuple[float, ...]:
         engine = self._context.data_parallel
@@ -274,6 +278,7 @@ class CommunicationMonitor(Callback):
             "outer_sync": record.stalls.get("outer_sync", 0.0),
             "ep_bytes": experts[0] - experts_last[0],
             "ep_tokens": experts[1] - experts_last[1],
+            "ep_comm": experts[2] - experts_last[2],
         }
         if self.trace:
             self._trace_steps.append(step_events(record, comm))

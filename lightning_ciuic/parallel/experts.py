@@ -29,7 +29,10 @@ Contract:
 * **Compressed dispatch** (``dispatch="bf16" | "fp8" | "int8"``): the rows going to the experts cross the
   all-to-all encoded (``fp8``: e4m3 codes, ``int8``: int8 codes, each with a float32 scale per 128 values; ``bf16``
   a cast), as DeepSeek-V3 dispatches in FP8; the results coming back and every gradient cross in the working
-  precision. :class:`DispatchStats` counts the bytes each way and the rows this rank's experts computed.
+  precision. :class:`DispatchStats` counts the bytes each way, the rows this rank's experts computed and the seconds
+  spent in the all-to-alls (counts, rows, results, gradients; a :class:`~lightning_ciuic.comm.timing.DeviceClock`:
+  on a GPU, events on the stream). On the CPU each all-to-all is also a span on the process timeline's
+  ``ep collectives`` track (the monitor's trace); a rank with fewer tokens waits there for busier ones.
 * :class:`RoutedTokens(module)`: the tokens routed to each expert of each packed-experts module, counted as they enter
   it in training mode (with or without expert parallelism; not again when activation checkpointing recomputes a block
   in backward):
@@ -54,10 +57,12 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_ciuic import compat
 from lightning_ciuic.comm.codecs import BlockFP8, BlockInt8, Codec, HalfPrecision
+from lightning_ciuic.comm.timing import DeviceClock
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.tensor import sum_grad_over
 from lightning_ciuic.tensors import local_tensor
+from lightning_ciuic.timeline import timeline
 
 DispatchCompression = Literal["none", "bf16", "fp8", "int8"]
 DISPATCH_COMPRESSIONS = ("none", "bf16", "fp8", "int8")
@@ -96,6 +101,10 @@ class DispatchStats:
     combine_bytes: int = 0  # results this rank sent back to the ranks that routed them
     combine_rows: int = 0
     received_tokens: int = 0  # rows this rank's experts computed
+    seconds: float = 0.0  # in the token all-to-alls, forward and backward (waiting for the other ranks included)
+
+    def add_seconds(self, seconds: float) -> None:
+        self.seconds += seconds
 
 
 class RoutedTokens:
@@ -141,9 +150,11 @@ class ExpertLayout:
     codec: Optional[Codec] = field(init=False)
     grad_scale: float = field(init=False)
     tp_mesh: Optional[DeviceMesh] = field(init=False)
+    clock: DeviceClock = field(init=False)
 
     def __post_init__(self) -> None:
         self.ep_mesh = self.dims.expert_parallel_mesh(self.mesh)
+        self.clock = DeviceClock(torch.device(self.mesh.device_type))
         self.codec = dispatch_codec(self.dispatch)
         self.grad_scale = 1.0 / self.dims.ep_data_ranks  # see "Gradient scale" in the module docstring
         self.tp_mesh = self.mesh[Axis.TP] if self.dims.ep_over_tp else None  # peers that split their tokens
@@ -232,11 +243,22 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _all_to_all_bytes(send: torch.Tensor, send_bytes: list[int], recv_bytes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """Flat bytes exchanged with uneven splits; every rank calls it, with or without anything to send."""
-    received = send.new_empty(sum(recv_bytes))
-    dist.all_to_all_single(received, send, recv_bytes, send_bytes, group=group)
+def all_to_all_timed(received: torch.Tensor, send: torch.Tensor, recv_splits: list[int], send_splits: list[int], layout: "ExpertLayout", name: str) -> torch.Tensor:
+    """``all_to_all_single`` over the layout's ep group, timed into its stats (see the module docstring); every rank
+    calls it, with or without anything to send."""
+    clock = layout.clock
+    start = clock.mark()
+    dist.all_to_all_single(received, send, recv_splits, send_splits, group=layout.ep_mesh.get_group())
+    end = clock.mark()
+    clock.add(start, end, layout.stats.add_seconds)
+    if not clock.cuda:  # host times are the collective's own on the CPU; on a GPU they would be its queueing
+        timeline.record(f"ep {name}", Axis.EP, start, end, track="ep collectives")
     return received
+
+
+def _all_to_all_bytes(send: torch.Tensor, send_bytes: list[int], recv_bytes: list[int], layout: "ExpertLayout", name: str) -> torch.Tensor:
+    """Flat bytes exchanged with uneven splits."""
+    return all_to_all_timed(send.new_empty(sum(recv_bytes)), send, recv_bytes, send_bytes, layout, name)
 
 
 def _flat_bytes(rows: torch.Tensor) -> torch.Tensor:
@@ -244,13 +266,13 @@ def _flat_bytes(rows: torch.Tensor) -> torch.Tensor:
 
 
 class _Exchange(torch.autograd.Function):
-    """Rows to their ranks through an all-to-all (``send_rows[j]`` rows to rank ``j`` of ``group``): forward
+    """Rows to their ranks through an all-to-all (``send_rows[j]`` rows to rank ``j`` of the ep group): forward
     ``codec``-encoded, each destination's rows as one block-scaled piece (``None``: the rows' own bytes, exactly);
     backward the gradients' own bytes. Counts what left this rank in ``stats.<direction>_bytes`` / ``_rows``."""
 
     @staticmethod
-    def forward(ctx, rows, send_rows, recv_rows, group, codec, stats, direction):  # type: ignore[override]
-        ctx.send_rows, ctx.recv_rows, ctx.group = send_rows, recv_rows, group
+    def forward(ctx, rows, send_rows, recv_rows, layout, codec, direction):  # type: ignore[override]
+        ctx.send_rows, ctx.recv_rows, ctx.layout, ctx.direction = send_rows, recv_rows, layout, direction
         width, dtype = rows.shape[1], rows.dtype
         if codec is None:
             row_bytes = width * rows.element_size()
@@ -259,8 +281,8 @@ class _Exchange(torch.autograd.Function):
         else:
             send_bytes, recv_bytes = [codec.nbytes(n * width) for n in send_rows], [codec.nbytes(n * width) for n in recv_rows]
             payload = torch.cat([codec.encode(piece.reshape(-1).float()) for piece in rows.split(send_rows)])
-        received = _all_to_all_bytes(payload, send_bytes, recv_bytes, group)
-        me = dist.get_rank(group)
+        received = _all_to_all_bytes(payload, send_bytes, recv_bytes, layout, direction)
+        stats, me = layout.stats, layout.ep_mesh.get_local_rank()
         setattr(stats, f"{direction}_bytes", getattr(stats, f"{direction}_bytes") + sum(send_bytes) - send_bytes[me])
         setattr(stats, f"{direction}_rows", getattr(stats, f"{direction}_rows") + sum(send_rows) - send_rows[me])
         if codec is None:
@@ -274,8 +296,8 @@ class _Exchange(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         width, row_bytes = grad.shape[1], grad.shape[1] * grad.element_size()
         send_bytes, recv_bytes = [n * row_bytes for n in ctx.recv_rows], [n * row_bytes for n in ctx.send_rows]
-        back = _all_to_all_bytes(_flat_bytes(grad), send_bytes, recv_bytes, ctx.group)
-        return back.view(grad.dtype).view(-1, width), None, None, None, None, None, None
+        back = _all_to_all_bytes(_flat_bytes(grad), send_bytes, recv_bytes, ctx.layout, f"{ctx.direction} gradient")
+        return back.view(grad.dtype).view(-1, width), None, None, None, None, None
 
 
 def run_local_experts(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor, grad_scale: float) -> torch.Tensor:
@@ -345,7 +367,7 @@ class _GatherShares(torch.autograd.Function):
 
 def _dispatch_and_combine(self, layout, hidden, top_k_index, top_k_weights) -> torch.Tensor:
     """Route, send, compute, send back, combine (see the module docstring)."""
-    group, ep = layout.ep_mesh.get_group(), layout.ep_mesh.size()
+    ep = layout.ep_mesh.size()
     n_experts = self.gate_up_proj.shape[0]
     local = n_experts // ep
     tokens, k = top_k_index.shape
@@ -354,12 +376,12 @@ def _dispatch_and_combine(self, layout, hidden, top_k_index, top_k_weights) -> t
     source_token = order // k
     counts = torch.bincount(flat, minlength=n_experts)
     arriving = torch.empty_like(counts)
-    dist.all_to_all_single(arriving, counts, group=group)  # [source rank, local expert] tokens coming here
+    all_to_all_timed(arriving, counts, [local] * ep, [local] * ep, layout, "counts")  # [source rank, local expert] tokens coming here
     arriving = arriving.view(ep, local)
     send_rows = counts.view(ep, local).sum(1).tolist()
     recv_rows = arriving.sum(1).tolist()
     received = _Exchange.apply(
-        hidden.index_select(0, source_token), send_rows, recv_rows, group, layout.codec, layout.stats, "dispatch"
+        hidden.index_select(0, source_token), send_rows, recv_rows, layout, layout.codec, "dispatch"
     )
     # what arrived is grouped by source rank, then expert; the experts want it grouped by expert
     expert_of_row = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(arriving.reshape(-1))
@@ -367,7 +389,7 @@ def _dispatch_and_combine(self, layout, hidden, top_k_index, top_k_weights) -> t
     computed = run_local_experts(self, received.index_select(0, by_expert), arriving.sum(0), layout.grad_scale)
     layout.stats.received_tokens += computed.shape[0]
     unsorted = torch.empty_like(computed).index_copy(0, by_expert, computed)
-    returned = _Exchange.apply(unsorted, recv_rows, send_rows, group, None, layout.stats, "combine")
+    returned = _Exchange.apply(unsorted, recv_rows, send_rows, layout, None, "combine")
     weights = top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(returned.dtype)
     combined = hidden.new_zeros((tokens, returned.shape[1]), dtype=returned.dtype)
     return combined.index_add(0, source_token, returned * weights).to(hidden.dtype)

@@ -150,15 +150,21 @@ def test_the_monitor_counts_the_token_exchange_and_the_balance(tmp_path, capfd):
         strategy=HybridParallelStrategy(data_parallel_size=2, expert_parallel_size=2, start_method="forkserver"),
         accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-        callbacks=[CommunicationMonitor(measure_link=False, gather_every=3)],
+        callbacks=[CommunicationMonitor(measure_link=False, gather_every=3, trace=True)],
     )
     trainer.fit(DeepSeekMini(**MOE_MODEL), loader(steps * PER_RANK_BATCH * 2, PER_RANK_BATCH))
-    profile = json.loads((tmp_path / "monitor" / "monitor.json").read_text())["profile"]
+    record = json.loads((tmp_path / "monitor" / "monitor.json").read_text())
+    profile = record["profile"]
     assert profile["ep"] == 2
     # every (token, expert) pair of the global batch runs on exactly one rank, every step
     pairs = 2 * PER_RANK_BATCH * SEQ_LEN * MOE_MODEL["n_activated_experts"]
     assert sum(rank["ep_tokens"] for rank in profile["ranks"]) == pytest.approx(pairs)
-    assert all(rank["ep_bytes"] > 0 for rank in profile["ranks"])
+    assert all(rank["ep_bytes"] > 0 and rank["ep_comm"] > 0 for rank in profile["ranks"])
+    # each MoE layer's step: counts, dispatch, combine forward; combine and dispatch gradients backward
+    spans = [event for rank in record["trace"] for event in rank if event[0] == "ep collectives"]
+    assert {event[1] for event in spans} == {"ep counts", "ep dispatch", "ep combine", "ep combine gradient", "ep dispatch gradient"}
+    per_rank_ms = [sum(e[4] - e[3] for e in rank if e[0] == "ep collectives") / 1e6 for rank in record["trace"]]
+    assert all(ms > 0 for ms in per_rank_ms)
     assert list(profile["expert_load"]) == ["model.layers.1.ffn.experts"] and profile["expert_load"]["model.layers.1.ffn.experts"] >= 1
     out = capfd.readouterr()
     assert "experts (ep=2): tokens per expert max/mean over the run: model.layers.1.ffn.experts" in out.out + out.err

@@ -161,3 +161,23 @@ def test_expert_balance_is_a_finding_with_the_worst_layer_and_the_busiest_rank()
     balanced = RunProfile(world_size=2, dp=2, ep=2, ranks=ranks, expert_load={"layers.1.experts": 1.2})
     (finding,) = [f for f in check(balanced) if f.rule == "expert balance"]
     assert "ExpertLoadBalancer" not in finding.checked
+
+
+def test_expert_imbalance_that_costs_all_to_all_waiting_is_advice_with_the_wait_removed():
+    from lightning_ciuic.advice import RunProfile, check
+    from lightning_ciuic.advice.profile import RANK_FIELDS
+
+    def profile(waits, load=2.5):
+        ranks = [
+            dict.fromkeys(RANK_FIELDS, 0.0) | {"step": 0.1, "compute": 0.1, "ep_tokens": t, "ep_comm": w}
+            for t, w in zip((300.0, 100.0), waits)
+        ]
+        (finding,) = [f for f in check(RunProfile(world_size=2, dp=2, ep=2, ranks=ranks, expert_load={"l": load})) if f.rule == "expert balance"]
+        return finding
+
+    waited = profile((0.002, 0.022))  # the rank with fewer tokens waits 20 ms of a 100 ms step for the busier one
+    assert "all-to-alls 2.0-22.0 ms per step" in waited.checked
+    assert waited.advice is not None and waited.advice.predicted_speedup == pytest.approx(0.1 / 0.08)
+    assert "ExpertLoadBalancer" in waited.advice.argument
+    assert profile((0.010, 0.012)).advice is None  # 2 ms of 100: below 5% of the step, no prediction
+    assert profile((0.002, 0.022), load=1.2).advice is None  # balanced experts: nothing to advise
