@@ -160,11 +160,13 @@ class PackedExperts(nn.Module):
             token, slot = torch.where(top_k_index == index)
             gate, up = F.linear(x[token], self.gate_up_proj[index]).chunk(2, dim=-1)
             expert = F.linear(self.act_fn(gate) * up, self.down_proj[index])
-            out = out.index_add(0, token, expert * top_k_weights[token, slot, None])
+            out = out.index_add(0, token, (expert * top_k_weights[token, slot, None]).to(out.dtype))  # autocast: bf16
         return out
 
 
 class MixtureOfExperts(nn.Module):
+    router_score_function = "softmax"  # how ``gate``'s logits become scores (for the sequence-wise balance loss)
+
     def __init__(self, cfg: DeepSeekConfig) -> None:
         super().__init__()
         self.top_k = cfg.n_activated_experts

@@ -14,6 +14,12 @@ Contract:
   applies the same update to the same sums: replicas stay equal. The bias is a buffer: checkpoints keep it.
 * Logged at each update: ``moe/max_over_mean``, the largest over this rank's layers of max / mean tokens per expert
   (1.0: every expert got the same number).
+* ``bias_update_rate=0`` leaves the biases alone (and routers without one are accepted).
+* ``sequence_balance_weight > 0`` adds DeepSeek-V3's sequence-wise balance loss times it (their alpha: 1e-4) to the
+  gradients (:mod:`~lightning_ciuic.parallel.balance_loss`), weighted like the training loss: one over the forwards
+  of an optimizer step (``accumulate_grad_batches`` x pipeline micro-batches). The loss the training step returns is
+  unchanged; the balance loss is logged as ``moe/sequence_balance_loss`` (this rank's, summed over its layers, per
+  step). A GradScaler (``precision="16-mixed"``) would not scale the added gradient: it is refused.
 
 Works with any strategy (the data-parallel group of ``HybridParallelStrategy``, or the world of another).
 """
@@ -27,6 +33,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
+from lightning_ciuic.parallel.balance_loss import SequenceBalanceLoss
 from lightning_ciuic.parallel.experts import RoutedTokens, packed_experts
 from lightning_ciuic.strategies.context import parallel_context
 from lightning_ciuic.tensors import local_tensor
@@ -46,13 +53,30 @@ class ExpertLoadBalancer(Callback):
     """Auxiliary-loss-free expert balancing (see the module docstring).
 
     Args:
-        bias_update_rate: how far each step moves an expert's bias (DeepSeek-V3's gamma; 1e-3 in its report).
+        bias_update_rate: how far each step moves an expert's bias (DeepSeek-V3's gamma; 1e-3 in its report); 0 moves
+            none.
+        sequence_balance_weight: the weight of the sequence-wise balance loss (DeepSeek-V3's alpha; 1e-4 in its
+            report); 0, the default, adds none.
     """
 
-    def __init__(self, bias_update_rate: float = 1e-3) -> None:
-        if not bias_update_rate > 0:
-            raise ValueError(f"bias_update_rate must be > 0, got {bias_update_rate!r} (DeepSeek-V3 used 1e-3).")
+    def __init__(self, bias_update_rate: float = 1e-3, sequence_balance_weight: float = 0.0) -> None:
+        if not bias_update_rate >= 0:
+            raise ValueError(
+                f"bias_update_rate must be >= 0, got {bias_update_rate!r} (DeepSeek-V3 used 1e-3; 0 moves no bias)."
+            )
+        if not sequence_balance_weight >= 0:
+            raise ValueError(
+                f"sequence_balance_weight must be >= 0, got {sequence_balance_weight!r} (DeepSeek-V3 used 1e-4; 0 adds"
+                " no balance loss)."
+            )
+        if bias_update_rate == 0 and sequence_balance_weight == 0:
+            raise ValueError(
+                "ExpertLoadBalancer(bias_update_rate=0, sequence_balance_weight=0) balances nothing: set either above 0"
+                " (DeepSeek-V3: 1e-3 and 1e-4), or remove the callback."
+            )
         self.bias_update_rate = float(bias_update_rate)
+        self.sequence_balance_weight = float(sequence_balance_weight)
+        self.balance_loss: Optional[SequenceBalanceLoss] = None
         self.routed: Optional[RoutedTokens] = None
         self.biases: dict[str, torch.Tensor] = {}
         self.group: Optional[dist.ProcessGroup] = None
@@ -64,15 +88,28 @@ class ExpertLoadBalancer(Callback):
                 f"ExpertLoadBalancer balances mixture-of-experts routers, and {type(pl_module).__name__} has no packed"
                 " experts (gate_up_proj/down_proj parameters): remove the callback."
             )
-        missing = [name for name in layers if router_bias(pl_module, name) is None]
+        missing = [name for name in layers if router_bias(pl_module, name) is None] if self.bias_update_rate else []
         if missing:
             raise ValueError(
                 f"ExpertLoadBalancer moves each router's {BIAS_NAME} (one value per expert, used to choose experts and"
                 f" not to weigh them, as DeepSeek-V3's router does), and the layers {missing} have none"
                 f" ({type(pl_module.get_submodule(missing[0].rpartition('.')[0])).__name__}): use a router with such a"
-                " bias (transformers' DeepSeek-V3, the example model), or remove the callback."
+                " bias (transformers' DeepSeek-V3, the example model), bias_update_rate=0 with a"
+                " sequence_balance_weight, or remove the callback."
             )
-        self.biases = {name: router_bias(pl_module, name) for name in layers}
+        if self.bias_update_rate:
+            self.biases = {name: router_bias(pl_module, name) for name in layers}
+        if self.sequence_balance_weight:
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            if scaler is not None:
+                raise ValueError(
+                    f"ExpertLoadBalancer(sequence_balance_weight={self.sequence_balance_weight}) adds the balance loss's"
+                    f" gradient in backward, which {type(scaler).__name__}'s loss scale would not reach (precision="
+                    f"{trainer.precision!r}): use precision='bf16-mixed' or '32-true', or sequence_balance_weight=0."
+                )
+            pipeline = parallel_context(trainer).pipeline
+            forwards = trainer.accumulate_grad_batches * (pipeline.num_microbatches if pipeline is not None else 1)
+            self.balance_loss = SequenceBalanceLoss(pl_module, self.sequence_balance_weight, scale=1.0 / forwards)
         self.group = parallel_context(trainer).dp_group
         self.routed = RoutedTokens(pl_module)
 
@@ -93,8 +130,14 @@ class ExpertLoadBalancer(Callback):
             worst = max(worst, float(load.max() / mean) if mean > 0 else 0.0)
         if self.biases:
             pl_module.log("moe/max_over_mean", worst, on_step=True, on_epoch=False)
+        balance_loss = self.balance_loss.take() if self.balance_loss is not None else None
+        if balance_loss is not None:
+            # the mean over the step's forwards, as the training loss is
+            pl_module.log("moe/sequence_balance_loss", balance_loss * self.balance_loss.scale, on_step=True, on_epoch=False)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.routed is not None:
             self.routed.remove()
-        self.routed = None
+        if self.balance_loss is not None:
+            self.balance_loss.remove()
+        self.routed = self.balance_loss = None

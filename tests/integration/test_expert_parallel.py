@@ -245,3 +245,12 @@ def test_validating_after_fit_in_the_same_processes_keeps_each_ranks_experts(tmp
     expected = losses["ep1"][0]  # no expert shards to mistake
     for name, values in losses.items():
         assert values == pytest.approx([expected, expected], rel=1e-9), (name, losses)
+
+
+def test_the_example_experts_train_under_bf16_autocast():
+    """Autocast runs the experts' projections in bfloat16 while their float32 output buffer stays: they add up cast."""
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, precision="bf16-mixed")
+    module = _tiny().float()
+    trainer.fit(module, loader(4, 2))
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
