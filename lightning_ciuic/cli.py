@@ -39,7 +39,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -177,7 +177,8 @@ def _export(checkpoint: dict, name: str, out: str, export_format: str) -> int:
 
 PLAN_USAGE = (
     "usage: lightning-ciuic plan --config RUN.yaml --world-size N [--device-memory 80GiB] [--json OUT.json]"
-    " [--micro-batch-size B --sequence-length S] [any fit override, e.g. --trainer.strategy.init_args.tensor_parallel_size 8]"
+    " [--micro-batch-size B --sequence-length S [--flops 989T --link intra=900GB/s,inter=50GB/s"
+    " --devices-per-node 8]] [any fit override, e.g. --trainer.strategy.init_args.tensor_parallel_size 8]"
 )
 
 
@@ -191,9 +192,22 @@ def parse_bytes(text: str) -> int:
     return int(float(number) * base ** "_KMGT".index(prefix.upper() or "_"))
 
 
+def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` as an argparse type: its ``ValueError`` becomes argparse's usage error, with its message."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from err
+
+    return convert
+
+
 def plan_command(argv: list[str]) -> int:
     """``lightning-ciuic plan``: the plan's table, and its JSON with ``--json``; exit 1 when a rank class does not fit."""
     from lightning_ciuic.planner import plan
+    from lightning_ciuic.planner.estimate import Hardware, parse_flops, parse_links
     from lightning_ciuic.planner.step import StepSpec
 
     parser = argparse.ArgumentParser(prog="lightning-ciuic plan", usage=PLAN_USAGE, add_help=True)
@@ -202,15 +216,31 @@ def plan_command(argv: list[str]) -> int:
     parser.add_argument("--device-memory", type=parse_bytes, default=parse_bytes("80GiB"), help="memory per device (default 80GiB)")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch: with --sequence-length, runs the step phase")
     parser.add_argument("--sequence-length", type=int, help="tokens per sequence")
+    parser.add_argument("--flops", type=_argument(parse_flops), help="peak FLOP/s of one device (989T): with --link, a step-time estimate")
+    parser.add_argument("--link", type=_argument(parse_links), help="link speeds per device, each way: intra=900GB/s,inter=50GB/s")
+    parser.add_argument("--devices-per-node", type=int, default=8, help="devices per node (default 8): which axes cross nodes")
     parser.add_argument("--json", help="write the plan as JSON to this file")
     options, overrides = parser.parse_known_args(argv)
     if (options.micro_batch_size is None) != (options.sequence_length is None):
         parser.error("the step phase needs both --micro-batch-size and --sequence-length (or neither: the static phase alone)")
+    if (options.flops is None) != (options.link is None):
+        parser.error("a step-time estimate needs both --flops and --link (or neither)")
+    if options.flops is not None and options.micro_batch_size is None:
+        parser.error("a step-time estimate needs the step phase's FLOPs and bytes: add --micro-batch-size and --sequence-length")
     step = StepSpec(options.micro_batch_size, options.sequence_length) if options.micro_batch_size else None
+    hardware = None
+    if options.flops is not None:
+        try:
+            hardware = Hardware(options.flops, *options.link, devices_per_node=options.devices_per_node)
+        except ValueError as err:
+            parser.error(str(err))
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        result = plan(options.config, world_size=options.world_size, cli_args=overrides, device_memory=options.device_memory, step=step)
+        result = plan(
+            options.config, world_size=options.world_size, cli_args=overrides, device_memory=options.device_memory,
+            step=step, hardware=hardware,
+        )
     except (ValueError, TypeError) as err:  # the layout's errors, as fit raises them
         print(f"the layout does not work: {err}", file=sys.stderr)
         return 2

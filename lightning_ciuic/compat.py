@@ -263,3 +263,33 @@ def forget_dtensor_meshes() -> None:
         redistribute._gen_transform_infos.cache_clear()
     if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):  # the C++ dispatch fast path's own cache
         torch._C._clear_DTensor_sharding_propagator_cache()
+
+
+class _CountingLock:
+    """A reusable context: counts its depth in ``depth[0]`` around the ``lock`` it wraps."""
+
+    def __init__(self, lock: Any, depth: list[int]) -> None:
+        self.lock, self.depth = lock, depth
+
+    def __enter__(self) -> None:
+        self.lock.__enter__()
+        self.depth[0] += 1
+
+    def __exit__(self, *exc: Any) -> Any:
+        self.depth[0] -= 1
+        return self.lock.__exit__(*exc)
+
+
+@contextmanager
+def dtensor_shape_propagation_marked(depth: list[int]) -> Iterator[None]:
+    """Inside, ``depth[0] > 0`` while DTensor's sharding propagation runs an op on fake tensors of its global shapes
+    (to learn the output's shape; no kernel computes it). Wraps ``ShardingPropagator._fake_mode_lock``, the context
+    torch enters around that run (a class attribute meant to be replaced: multi-threaded tests set a lock there)."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    lock = ShardingPropagator._fake_mode_lock
+    ShardingPropagator._fake_mode_lock = _CountingLock(lock, depth)
+    try:
+        yield
+    finally:
+        ShardingPropagator._fake_mode_lock = lock

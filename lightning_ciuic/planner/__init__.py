@@ -10,7 +10,9 @@ optimizers, and returns a :class:`~lightning_ciuic.planner.report.Plan`:
   ep position...) the local parameters and the bytes of parameters, gradients, optimizer state and the data-parallel
   engine's buffers, exact (:mod:`~lightning_ciuic.planner.layout`), the largest FSDP2 unit gathered, whether that fits
   ``device_memory``, and a warning when shards leave the ranks of a stage uneven by more than 10%;
-* with a :class:`~lightning_ciuic.planner.step.StepSpec`, the step phase (:mod:`~lightning_ciuic.planner.step`).
+* with a :class:`~lightning_ciuic.planner.step.StepSpec`, the step phase (:mod:`~lightning_ciuic.planner.step`),
+  and with a :class:`~lightning_ciuic.planner.estimate.Hardware` too, the step-time estimate and MFU
+  (:mod:`~lightning_ciuic.planner.estimate`).
 
 :func:`plan` is the same from a LightningCLI config (what ``lightning-ciuic plan`` runs), or from a module and a
 ``HybridParallelStrategy`` given in Python. No Lightning imports at import time (the config loader has them).
@@ -23,21 +25,22 @@ from typing import Any, Optional, Sequence
 
 from lightning_ciuic.config import ParallelismConfig
 from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.planner.estimate import Hardware
 from lightning_ciuic.planner.layout import (
     ModuleFactory, OptimizerFactory, StageLayout, build_stage, fake_world, imbalance, stage_representatives,
 )
 from lightning_ciuic.planner.report import GiB, Plan, RankClass
 
-__all__ = ["GiB", "Plan", "RankClass", "plan", "plan_layout"]
+__all__ = ["GiB", "Hardware", "Plan", "RankClass", "plan", "plan_layout"]
 
 
 def plan_layout(
     build: ModuleFactory, parallelism: ParallelismConfig, world_size: int, *, optimizers: OptimizerFactory,
-    device_memory: int = 80 * GiB, step: Optional[Any] = None,
+    device_memory: int = 80 * GiB, step: Optional[Any] = None, hardware: Optional[Hardware] = None,
 ) -> Plan:
     """Plan ``parallelism`` over ``world_size`` ranks for the module ``build(mesh)`` makes on the meta device;
     ``optimizers(module)`` gives the optimizers the module trains with (see the module docstring). ``step``: a
-    :class:`~lightning_ciuic.planner.step.StepSpec` to run the step phase too."""
+    :class:`~lightning_ciuic.planner.step.StepSpec` to run the step phase too; ``hardware``: to estimate its time."""
     dims = parallelism.resolve(world_size)  # the layout's errors, as fit raises them
     layouts: list[StageLayout] = []
     for rank in stage_representatives(dims):
@@ -56,7 +59,7 @@ def plan_layout(
             classes.append(RankClass(ranks, layout.stage, layout.figures(ranks[0]), gathered_unit=layout.largest_unit[1]))
     result = Plan(
         world_size, dims, sum(seen.values()), classes, device_memory,
-        largest_units={l.stage: l.largest_unit for l in layouts if l.largest_unit[1]},
+        largest_units={l.stage: l.largest_unit for l in layouts if l.largest_unit[1]}, hardware=hardware,
     )
     warning = imbalance(layouts)
     if warning:
@@ -71,7 +74,7 @@ def plan_layout(
 
 def plan(
     config: Optional[str] = None, *, world_size: int, cli_args: Sequence[str] = (), device_memory: int = 80 * GiB,
-    step: Optional[Any] = None,
+    step: Optional[Any] = None, hardware: Optional[Hardware] = None,
 ) -> Plan:
     """Plan the run a LightningCLI config describes (``config``: a YAML path; ``cli_args``: overrides as
     ``lightning-ciuic fit`` takes them) over ``world_size`` ranks: :func:`plan_layout` on its module, its strategy's
@@ -79,4 +82,7 @@ def plan(
     from lightning_ciuic.planner.config import from_config, module_factory, optimizers_of
 
     run = from_config(config, cli_args)
-    return plan_layout(module_factory(run), run.parallelism, world_size, optimizers=optimizers_of, device_memory=device_memory, step=step)
+    return plan_layout(
+        module_factory(run), run.parallelism, world_size, optimizers=optimizers_of, device_memory=device_memory,
+        step=step, hardware=hardware,
+    )

@@ -3,7 +3,8 @@
 Contract: :class:`Plan` holds what :func:`~lightning_ciuic.planner.plan_layout` found; :meth:`Plan.to_json` is the
 ``--json`` document (numbers as integers, ``null`` where the step phase did not run), :meth:`Plan.table` the printed
 one. A :class:`RankClass` fits when its peak (the step phase's, else its model states plus one gathered FSDP2 unit,
-a lower bound) is at most the device memory.
+a lower bound) is at most the device memory. With the step phase and a :class:`~lightning_ciuic.planner.estimate.
+Hardware`, :attr:`Plan.estimate` is the step's time and MFU (:mod:`~lightning_ciuic.planner.estimate`).
 
 No Lightning imports.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.planner.estimate import Hardware, StepEstimate, estimate_step
 from lightning_ciuic.planner.layout import RankBytes
 
 GiB = 1024**3
@@ -22,6 +24,7 @@ NOT_MODELLED = (
     "NCCL's buffers",
     "the caching allocator's fragmentation",
     "which kernels CUDA picks",
+    "in a step-time estimate: kernels below the peak FLOP/s, collectives' latency, links shared within a node",
 )
 
 
@@ -59,7 +62,18 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     # mesh axis -> collective -> bytes one rank sends per step (the step phase's rank 0 of its stage)
     communication: Optional[dict[str, dict[str, int]]] = None
+    communication_ranks: dict[str, list[int]] = field(default_factory=dict)  # axis -> the global ranks of its group
+    flops: Optional[int] = None  # of one rank's step (the step phase's), recompute included
+    forward_flops: Optional[int] = None
+    hardware: Optional[Hardware] = None
     not_modelled: tuple[str, ...] = NOT_MODELLED
+
+    @property
+    def estimate(self) -> Optional[StepEstimate]:
+        """The step's time and MFU, where the step phase ran and the hardware is given."""
+        if self.hardware is None or self.flops is None or self.communication is None:
+            return None
+        return estimate_step(self.flops, self.forward_flops, self.bytes_per_axis(), self.communication_ranks, self.hardware)
 
     def fits(self, rank_class: RankClass) -> bool:
         return rank_class.needed() <= self.device_memory
@@ -101,6 +115,8 @@ class Plan:
             "rank_classes": classes,
             "communication_bytes_per_step": self.bytes_per_axis(),
             "communication_by_collective": self.communication,
+            "flops_per_step": self.flops,
+            "step_estimate": self.estimate.to_json() if self.estimate is not None else None,
             "warnings": self.warnings,
             "not_modelled": list(self.not_modelled),
         }
@@ -133,6 +149,21 @@ class Plan:
                 for axis, by in sorted(self.communication.items())
             )
             lines.append(f"sent per step by one rank, per mesh axis: {sent or 'nothing'}")
+        estimate = self.estimate
+        if estimate is not None:
+            by_axis = ", ".join(
+                f"{axis} {seconds * 1e3:.2f} ms ({estimate.axis_links[axis]}-node)"
+                for axis, seconds in sorted(estimate.axis_seconds.items())
+            )
+            lines.append(
+                f"step time: {estimate.overlapped_seconds * 1e3:.2f} ms (communication hidden) to"
+                f" {estimate.serial_seconds * 1e3:.2f} ms (none hidden); MFU {estimate.mfu(estimate.overlapped_seconds):.1%}"
+                f" to {estimate.mfu(estimate.serial_seconds):.1%}; compute {estimate.compute_seconds * 1e3:.2f} ms"
+                f" ({estimate.flops / 1e12:.3g} TFLOP at {estimate.peak_flops / 1e12:.4g} TFLOP/s), communication"
+                f" {by_axis or 'none'}"
+            )
+        elif self.flops is not None:
+            lines.append(f"FLOPs per step of one rank: {self.flops:.4g} (give --flops and --link for a step-time estimate)")
         lines += [f"warning: {w}" for w in self.warnings]
         lines.append("not modelled: " + ", ".join(self.not_modelled) + ".")
         return "\n".join(lines)

@@ -7,7 +7,9 @@ training steps (forward, backward, the engine's gradient synchronization, the op
 ``micro_batch_size x sequence_length`` tokens, tracked by torch's ``MemTracker``. The second step's peak is the
 rank's peak (the first creates the optimizer state); its activations are the peak less the model states
 (:func:`held_bytes`: everything else alive at the peak, the batch and temporaries included). Every class of ranks of
-the stage gets the stage's activations on top of its own model states.
+the stage gets the stage's activations on top of its own model states. The second step's FLOPs (torch's
+FLOP formulas on each op's local tensors, :mod:`~lightning_ciuic.planner.flops`: the step's and its forward's) and collective bytes (:mod:`~lightning_ciuic.planner.traffic`)
+are the plan's, for the step-time estimate (:mod:`~lightning_ciuic.planner.estimate`).
 
 :func:`train_steps` is the one loop, run on fake tensors here and on real ones by the test that holds the planner to
 real runs. It drives a :class:`~lightning_ciuic.parallel.pipeline_module.PipelineModule` (``pipelined_loss`` on
@@ -36,6 +38,7 @@ from lightning_ciuic.parallel.experts import packed_experts
 from lightning_ciuic.parallel.fsdp import materialize
 from lightning_ciuic.parallel.parallelize import parallelize
 from lightning_ciuic.parallel.pipeline_module import PipelineModule
+from lightning_ciuic.planner.flops import LocalFlops
 from lightning_ciuic.planner.layout import ModuleFactory, OptimizerFactory, data_parallel_engine, fake_world, stage_representatives
 from lightning_ciuic.planner.traffic import CollectiveTraffic
 from lightning_ciuic.strategies.redirection import through_root
@@ -63,6 +66,9 @@ class StepMemory:
     peak: int
     model_states: int  # parameters, gradients, optimizer state and engine buffers held after the step (held_bytes)
     traffic: dict[str, dict[str, int]]  # mesh axis -> collective -> bytes this rank sent in the last step
+    axis_ranks: dict[str, list[int]]  # mesh axis -> the global ranks of this rank's group on it
+    flops: int  # counted in the last step (recomputed forwards included)
+    forward_flops: int  # counted in its forward
 
     @property
     def activations(self) -> int:
@@ -112,24 +118,30 @@ def train_steps(
     device = batch[0].device
     step_module = _Step(module)
     traffic = CollectiveTraffic(mesh)
+    forward_flops, rest_flops = LocalFlops(), LocalFlops()
     with tracker:
         for step in range(steps):
             last = step == steps - 1
             if last:
                 tracker.reset_mod_stats()
             with traffic if last else contextlib.nullcontext():
-                loss = step_module(batch)
-                loss.backward()
-                if engine is not None:
-                    engine.after_backward()
-                for optimizer in optimizers:
-                    optimizer.step()
+                with forward_flops if last else contextlib.nullcontext():
+                    loss = step_module(batch)
+                with rest_flops if last else contextlib.nullcontext():
+                    loss.backward()
+                    if engine is not None:
+                        engine.after_backward()
+                    for optimizer in optimizers:
+                        optimizer.step()
             if not last:
                 for optimizer in optimizers:
                     optimizer.zero_grad(set_to_none=True)
         peak = _total(tracker.get_tracker_snapshot("peak"), device)
     held = sum(v for k, v in held_bytes(module, engine, optimizers).items() if k != "parameters")
-    return StepMemory(peak, held, {axis: dict(by) for axis, by in traffic.bytes.items()})
+    return StepMemory(
+        peak, held, {axis: dict(by) for axis, by in traffic.bytes.items()}, dict(traffic.ranks),
+        flops=forward_flops.total + rest_flops.total, forward_flops=forward_flops.total,
+    )
 
 
 class _Step(nn.Module):
@@ -190,3 +202,5 @@ def run_step_phase(plan: Any, build: ModuleFactory, config: ParallelismConfig, o
             rank_class.activations = memory.activations
             rank_class.peak = rank_class.model_states + memory.activations
         plan.communication = memory.traffic
+        plan.communication_ranks = memory.axis_ranks
+        plan.flops, plan.forward_flops = memory.flops, memory.forward_flops

@@ -15,7 +15,7 @@ a ring all-reduce of ``n`` bytes over ``w`` ranks sends ``2 (w-1) n / w``; an al
 reduce-scatter to an ``n``-byte shard ``(w-1) n``; an all-to-all what it sends to the other ranks (its input less
 its own split); a broadcast ``n`` (a chain); a send ``n``; a receive nothing. Collectives it does not know (gather,
 scatter, reduce) are counted under their own name at their input's size, never dropped. Waits and barriers carry no
-payload.
+payload. ``traffic.ranks[axis]`` keeps the global ranks of the first group seen on each axis (which links it crosses).
 
 No Lightning imports.
 """
@@ -135,6 +135,7 @@ class CollectiveTraffic(TorchDispatchMode):
         super().__init__()
         self.world_axis = world_axis_of(mesh)
         self.bytes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.ranks: dict[str, list[int]] = {}
 
     def per_axis(self) -> dict[str, int]:
         return {axis: sum(by_collective.values()) for axis, by_collective in sorted(self.bytes.items())}
@@ -148,5 +149,8 @@ class CollectiveTraffic(TorchDispatchMode):
                 group = _group([*args, *kwargs.values()], functional=namespace == "_c10d_functional")
                 if group is not None:
                     collective, rule = _RULES.get(name, (name, lambda a, g: _nbytes(a[0])))
-                    self.bytes[axis_of(group, self.world_axis)][collective] += int(rule(args, group))
+                    axis = axis_of(group, self.world_axis)
+                    self.bytes[axis][collective] += int(rule(args, group))
+                    if axis not in self.ranks:
+                        self.ranks[axis] = sorted(dist.get_process_group_ranks(group))
         return func(*args, **kwargs)

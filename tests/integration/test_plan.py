@@ -168,6 +168,7 @@ def _real_step(rank: int, world: int, layout: dict, out: str) -> None:
     engine_sent = (engine.stats.bytes_sent - sent_before) // 2 if engine is not None else 0
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "peak": memory.peak, "model_states": memory.model_states, "traffic": memory.traffic, "engine_sent": engine_sent,
+        "flops": memory.flops, "forward_flops": memory.forward_flops, "axis_ranks": memory.axis_ranks,
     }))
 
 
@@ -199,6 +200,10 @@ def test_a_real_step_holds_what_the_plan_says_and_peaks_near_the_fake_steps_peak
             assert planned.communication == real["traffic"], (rank, real["traffic"])
             data_parallel = sum(v for axis, v in planned.bytes_per_axis().items() if axis.startswith("dp"))
             assert data_parallel == real["engine_sent"] > 0, (rank, data_parallel, real["engine_sent"])
+            # The FLOPs the estimate divides: the fake step counts the real step's, rank 0's groups are rank 0's.
+            if rank == 0:
+                assert (planned.flops, planned.forward_flops) == (real["flops"], real["forward_flops"]) != (0, 0)
+                assert planned.communication_ranks == real["axis_ranks"]
             # The peak: not yet within the planner's 2% target everywhere (docs/plan.md gives the figures); a bound
             # that a step-phase bug (a missing gradient, activations counted twice) would break.
             assert abs(rank_class.peak - real["peak"]) <= 0.1 * real["peak"], (rank, rank_class.peak, real)

@@ -1,0 +1,135 @@
+"""A step's time and MFU estimated from the step phase: its FLOPs against peak FLOP/s, its bytes against link speeds.
+
+Contract: :func:`estimate_step` takes what the step phase counted on one rank (:class:`~lightning_ciuic.planner.step.
+StepMemory`: the step's FLOPs and its forward's, from torch's ``FlopCounterMode``; the bytes sent per mesh axis and
+the global ranks of each axis's group) and a :class:`Hardware`, and returns a :class:`StepEstimate`:
+
+* compute: the step's FLOPs (recomputed forwards included: the device runs them) over ``peak_flops``;
+* communication, per axis: its bytes over the intra-node link when every rank of its group sits on one node
+  (``rank // devices_per_node`` equal, nodes holding consecutive ranks as torchrun places them), else over the
+  inter-node link; the axes' seconds add up (one rank's collectives queue on its links one after another);
+* the step between two bounds: ``max(compute, communication)`` (every collective hidden behind compute, as FSDP2's
+  prefetching and bucketed all-reduces aim for) and ``compute + communication`` (none hidden);
+* MFU for both: model FLOPs over the step's time times ``peak_flops``, model FLOPs being three times the forward's
+  (backward costs two forwards; recomputation is not counted, the convention of PaLM's appendix B).
+
+What it leaves out, and says so in the plan: kernels reaching less than the peak FLOP/s (MFU above about 60% is
+rare), latency of small collectives, links shared by the axes of several ranks of a node, and the pipeline's bubble
+(the step phase runs without pipeline stages).
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+_SI = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15, "e": 1e18}
+_BINARY = {"": 1.0, "k": 2.0**10, "m": 2.0**20, "g": 2.0**30, "t": 2.0**40, "p": 2.0**50}
+
+
+def parse_flops(text: str) -> float:
+    """``"989e12"``, ``"989T"``, ``"989 TFLOPS"`` or ``"1.98P"`` as FLOP/s."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgtpe]?)(?:flop/?s|flops)?\s*", text, re.I)
+    if match is None:
+        raise ValueError(f"{text!r} is not a FLOP/s figure: write it as 989e12, 989T or 989TFLOPS (per device).")
+    number, prefix = match.groups()
+    return float(number) * _SI[prefix.lower()]
+
+
+def parse_rate(text: str) -> float:
+    """``"900GB/s"``, ``"400Gbit/s"``, ``"50GiB/s"`` (also ``Gb/s``, ``Gbps``) as bytes per second."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgtp]?)(i?)(b|bit|byte)s?(?:/s|ps)\s*", text, re.I)
+    if match is None:
+        raise ValueError(
+            f"{text!r} is not a link speed: write it as 900GB/s (bytes), 400Gbit/s or 400Gbps (bits), 50GiB/s."
+        )
+    number, prefix, binary, unit = match.groups()
+    scale = (_BINARY if binary else _SI)[prefix.lower()]
+    bits = unit == "b" or unit.lower() == "bit"  # "Gb/s": bits, "GB/s": bytes
+    return float(number) * scale / (8 if bits else 1)
+
+
+def parse_links(text: str) -> tuple[float, float]:
+    """``"intra=900GB/s,inter=50GB/s"`` as (intra-node, inter-node) bytes per second."""
+    links = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        if name.strip() not in ("intra", "inter") or not value:
+            raise ValueError(f"--link {text!r}: write it as intra=900GB/s,inter=50GB/s (both, per device).")
+        links[name.strip()] = parse_rate(value)
+    if set(links) != {"intra", "inter"}:
+        raise ValueError(f"--link {text!r} names {sorted(links)}; give both: intra=900GB/s,inter=50GB/s.")
+    return links["intra"], links["inter"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device's peak FLOP/s, its links' speeds (bytes per second, each way) and how many devices a node holds."""
+
+    peak_flops: float
+    intra_node: float
+    inter_node: float
+    devices_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("peak_flops", "intra_node", "inter_node", "devices_per_node"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}.")
+
+    def link_of(self, ranks: Sequence[int]) -> str:
+        """``"intra"`` when the ranks sit on one node, else ``"inter"``."""
+        return "intra" if len({r // self.devices_per_node for r in ranks}) <= 1 else "inter"
+
+    def speed(self, link: str) -> float:
+        return self.intra_node if link == "intra" else self.inter_node
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """What :func:`estimate_step` found (see the module docstring); seconds, FLOPs, fractions."""
+
+    flops: int  # counted in the step, recompute included
+    model_flops: int  # three forwards
+    compute_seconds: float
+    axis_seconds: Mapping[str, float]
+    axis_links: Mapping[str, str]  # axis -> "intra" | "inter"
+    peak_flops: float
+
+    @property
+    def communication_seconds(self) -> float:
+        return sum(self.axis_seconds.values())
+
+    @property
+    def overlapped_seconds(self) -> float:
+        return max(self.compute_seconds, self.communication_seconds)
+
+    @property
+    def serial_seconds(self) -> float:
+        return self.compute_seconds + self.communication_seconds
+
+    def mfu(self, seconds: float) -> float:
+        return self.model_flops / (seconds * self.peak_flops) if seconds > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "flops": self.flops, "model_flops": self.model_flops, "compute_seconds": self.compute_seconds,
+            "communication_seconds": dict(self.axis_seconds), "links": dict(self.axis_links),
+            "step_seconds": {"overlapped": self.overlapped_seconds, "serial": self.serial_seconds},
+            "mfu": {"overlapped": self.mfu(self.overlapped_seconds), "serial": self.mfu(self.serial_seconds)},
+        }
+
+
+def estimate_step(
+    flops: int, forward_flops: int, axis_bytes: Mapping[str, int], axis_ranks: Mapping[str, Sequence[int]],
+    hardware: Hardware,
+) -> StepEstimate:
+    """The estimate of one rank's step (see the module docstring)."""
+    links = {axis: hardware.link_of(axis_ranks.get(axis, ())) for axis in axis_bytes}
+    seconds = {axis: n / hardware.speed(links[axis]) for axis, n in axis_bytes.items()}
+    return StepEstimate(
+        flops=int(flops), model_flops=int(3 * forward_flops), compute_seconds=flops / hardware.peak_flops,
+        axis_seconds=seconds, axis_links=links, peak_flops=hardware.peak_flops,
+    )

@@ -1,0 +1,52 @@
+"""FLOPs a rank's own kernels run: torch's FLOP formulas applied to the local tensors of each op.
+
+Contract: inside :class:`LocalFlops` (a ``TorchDispatchMode``), every op with a formula in
+``torch.utils.flop_counter`` (matmuls, convolutions, attention kernels) adds its FLOPs to ``total``, computed from
+the shapes of the tensors it runs on. An op on DTensors is handed to DTensor (the mode returns ``NotImplemented``),
+and the local ops DTensor runs are counted: a tensor-parallel matmul counts this rank's shard, not the global
+product that ``FlopCounterMode`` counts for a DTensor. Not counted: the ops DTensor's sharding propagation runs on
+fake tensors of the global shapes to learn an output's shape (no kernel computes them;
+:func:`~lightning_ciuic.compat.dtensor_shape_propagation_marked`). Fake tensors count as real ones do (shapes are all
+it reads), so a step on fake tensors counts what the same step on real ones does.
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from lightning_ciuic import compat
+
+
+class LocalFlops(TorchDispatchMode):
+    """Counts this rank's FLOPs (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+        self._propagating = [0]
+        self._marking = contextlib.ExitStack()
+
+    def __enter__(self) -> "LocalFlops":
+        self._marking.enter_context(compat.dtensor_shape_propagation_marked(self._propagating))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._marking.close()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs the local ops, which come back here
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None and not self._propagating[0]:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out

@@ -1,0 +1,64 @@
+"""The step-time estimate: figures parsed as written on datasheets, each axis on the link its group crosses, the two
+bounds and MFU from their definitions."""
+
+import pytest
+
+from lightning_ciuic.planner.estimate import Hardware, estimate_step, parse_flops, parse_links, parse_rate
+
+
+def test_datasheet_figures_parse_to_flops_and_bytes_per_second():
+    assert parse_flops("989T") == parse_flops("989e12") == parse_flops("989 TFLOPS") == 989e12
+    assert parse_rate("900GB/s") == 900e9
+    assert parse_rate("400Gbit/s") == parse_rate("400Gbps") == parse_rate("400Gb/s") == 50e9
+    assert parse_rate("1GiB/s") == 2**30
+    assert parse_links("intra=900GB/s,inter=400Gbit/s") == (900e9, 50e9)
+    with pytest.raises(ValueError, match=r"'fast' is not a link speed: write it as 900GB/s"):
+        parse_rate("fast")
+    with pytest.raises(ValueError, match=r"names \['intra'\]; give both"):
+        parse_links("intra=900GB/s")
+    with pytest.raises(ValueError, match=r"is not a FLOP/s figure"):
+        parse_flops("lots")
+
+
+def test_each_axis_runs_on_the_link_its_group_crosses_and_the_bounds_follow():
+    hardware = Hardware(peak_flops=100e12, intra_node=400e9, inter_node=25e9, devices_per_node=8)
+    estimate = estimate_step(
+        flops=40e12, forward_flops=10e12,
+        axis_bytes={"tp": 8e9, "dp_shard": 1e9},
+        axis_ranks={"tp": list(range(8)), "dp_shard": [0, 8, 16, 24]},
+        hardware=hardware,
+    )
+    assert estimate.axis_links == {"tp": "intra", "dp_shard": "inter"}
+    assert estimate.axis_seconds == {"tp": 8e9 / 400e9, "dp_shard": 1e9 / 25e9}
+    assert estimate.compute_seconds == 0.4
+    assert estimate.communication_seconds == pytest.approx(0.02 + 0.04)
+    assert estimate.overlapped_seconds == 0.4 and estimate.serial_seconds == pytest.approx(0.46)
+    assert estimate.model_flops == 30e12  # three forwards: recompute (40 - 30) is not model work
+    assert estimate.mfu(estimate.overlapped_seconds) == pytest.approx(0.75)
+    with pytest.raises(ValueError, match=r"devices_per_node must be > 0, got 0"):
+        Hardware(1e12, 1e9, 1e9, devices_per_node=0)
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real-tensors", "fake-tensors"])
+def test_a_tensor_parallel_matmul_counts_the_ranks_shard_not_the_global_product(fake):
+    """FlopCounterMode counts a DTensor op at its global shapes (and DTensor's shape propagation again): LocalFlops
+    counts what this rank's kernels run."""
+    import contextlib
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from lightning_ciuic.planner.flops import LocalFlops
+    from lightning_ciuic.planner.layout import fake_world
+
+    with fake_world(0, 4):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+            layer = parallelize_module(torch.nn.Linear(64, 128, bias=False), mesh, ColwiseParallel())
+            x = torch.randn(8, 64, requires_grad=True)
+            with LocalFlops() as counted:
+                layer(x).sum().backward()
+    forward = 2 * 8 * 64 * (128 // 4)
+    assert counted.total == 3 * forward  # forward, the weight's gradient and the input's
