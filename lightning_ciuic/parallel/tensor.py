@@ -19,9 +19,10 @@ where ``*`` stands for a layer index, styles as strings) into concrete module na
 ``nn.Embedding`` a ``RowwiseParallel`` (vocabulary-parallel embedding). Entries with other styles (packed
 3-D expert weights, expert-parallel wrappers) are returned as *skipped*: those modules stay replicated,
 which is correct, only not sharded. ``replicated_with_grad_allreduce`` (Qwen3's and Gemma3's per-head ``q_norm`` /
-``k_norm``, which see only a rank's heads, so each rank's gradient is a part that must be summed over tp) is not
-done yet: a plan that names such a module is refused (``ValueError`` naming them), never trained with partial
-gradients.
+``k_norm``, which see only a rank's heads, so each rank's gradient is a part that must be summed over tp) becomes
+:class:`HeadwiseReplicated`: the module's parameters replicated DTensors, its input this rank's heads as a DTensor
+sharded on the heads dimension, so DTensor's backward returns the parameters' gradient as ``Partial`` (each rank's
+heads' part), which FSDP2 and the replicated engine redistribute to the parameter's ``Replicate``: summed over tp.
 
 No Lightning imports.
 """
@@ -35,7 +36,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 
@@ -91,6 +92,29 @@ def sum_grad_over(activation: torch.Tensor, tp_mesh: DeviceMesh | None) -> torch
     return replicated.to_local(grad_placements=[Partial()])
 
 
+class HeadwiseReplicated(ParallelStyle):
+    """A module run on this rank's heads alone (input ``[..., heads, head_dim]``, the heads split over tp by the
+    column-parallel projection before it): parameters replicated over tp, gradients summed over tp (see the module
+    docstring). Its output is local again, as the input came."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=self._heads_in, output_fn=self._local_out)
+
+    @staticmethod
+    def _heads_in(module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
+        heads, *rest = inputs
+        if heads.dim() < 2:
+            raise ValueError(
+                f"{type(module).__name__} is planned replicated_with_grad_allreduce, for per-head inputs"
+                f" [..., heads, head_dim], and got a {heads.dim()}-D input of shape {tuple(heads.shape)}."
+            )
+        return (DTensor.from_local(heads, device_mesh, [Shard(heads.dim() - 2)], run_check=False), *rest)
+
+    @staticmethod
+    def _local_out(module: nn.Module, output: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tensor:
+        return output.to_local()
+
+
 def _hugging_face_style(style: str, module: nn.Module) -> ParallelStyle | None:
     if isinstance(module, nn.Linear):
         if style == "colwise":
@@ -101,6 +125,8 @@ def _hugging_face_style(style: str, module: nn.Module) -> ParallelStyle | None:
             return ColwiseParallel(output_layouts=Replicate())
     if isinstance(module, nn.Embedding) and style == "embedding_rowwise":
         return RowwiseParallel(input_layouts=Replicate())  # token ids are replicated, not split
+    if style == "replicated_with_grad_allreduce":
+        return HeadwiseReplicated()
     return None
 
 
@@ -114,17 +140,6 @@ def hugging_face_plan(
     translated: dict[str, ParallelStyle] = {}
     skipped: list[str] = []
     modules = [(name, re.sub(r"\d+", "*", name), module) for name, module in model.named_modules() if name]
-    partial = [
-        pattern for pattern, style in plan.items()
-        if style == "replicated_with_grad_allreduce" and any(generic == pattern for _, generic, _ in modules)
-    ]
-    if partial:
-        raise ValueError(
-            f"{type(model).__name__}'s tensor-parallel plan keeps {partial} replicated with their gradients summed over"
-            " the tensor-parallel ranks (each sees only its heads); that sum is not implemented here, and without it"
-            " those weights would train on partial gradients. Use tensor_parallel_size=1 (shard with"
-            " data_parallel_shard_size, and the experts with expert_parallel_size, instead)."
-        )
     for pattern, style_name in plan.items():
         matches = [(name, module) for name, generic, module in modules if generic == pattern]
         styles = [_hugging_face_style(style_name, module) for _, module in matches]
