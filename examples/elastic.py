@@ -59,7 +59,15 @@ def main() -> None:
         help="FSDP over every data-parallel rank (data_parallel_shard_size='auto'), with an AsyncCheckpointer every"
         " --snapshot-freq steps: a membership change resumes from its checkpoint, which DCP reshards",
     )
+    parser.add_argument(
+        "--experts", type=int, default=1, metavar="EP",
+        help="with --sharded: the routed experts sharded EP ways over the data-parallel ranks (expert_parallel_size),"
+        " 4 of them per layer; the expert layout is re-derived from each new world (EP must divide every world's dp)",
+    )
+    parser.add_argument("--batch-size", type=int, default=4, help="per-rank batch (global batch 8 kept by accumulation)")
     args = parser.parse_args()
+    if args.experts > 1 and not args.sharded:
+        parser.error("--experts shards the experts of a --sharded run: add --sharded")
     args.out.mkdir(parents=True, exist_ok=True)
 
     torch.set_num_threads(1)
@@ -72,7 +80,7 @@ def main() -> None:
     ]
     strategy = "ciuic"
     if args.sharded:
-        strategy = HybridParallelStrategy(data_parallel_shard_size="auto")
+        strategy = HybridParallelStrategy(data_parallel_shard_size="auto", expert_parallel_size=args.experts)
         callbacks.append(AsyncCheckpointer(str(args.out / "checkpoints"), every_n_train_steps=args.snapshot_freq, save_interval=None))
     trainer = Trainer(
         accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
@@ -80,8 +88,8 @@ def main() -> None:
         callbacks=callbacks, logger=False, enable_checkpointing=args.sharded, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0,
     )
-    model = DeepSeekMini(**TINY)
-    data = ByteCorpusDataModule(CORPUS, seq_len=32, batch_size=4)  # per-rank batch 4: accumulation 2 on one rank
+    model = DeepSeekMini(**(TINY if args.experts == 1 else {**TINY, "n_routed_experts": 4}))
+    data = ByteCorpusDataModule(CORPUS, seq_len=32, batch_size=args.batch_size)  # 4 on 2 ranks: accumulation 2 on one
     trainer.fit(model, data)
     held_out = next(iter(data.val_dataloader()))
     with torch.no_grad():  # every rank: a sharded model gathers its parameters for the forward

@@ -1,7 +1,7 @@
 """Lose a node and bring it back: the elastic scenario that ``tests/integration/test_elastic.py`` asserts on and
 ``benchmarks/elastic.py`` measures.
 
-Two ``torchrun --nnodes=1:2 --nproc-per-node=1`` agents (c10d rendezvous) on this machine run
+Two ``torchrun --nnodes=1:2 --nproc-per-node=1`` (or more) agents (c10d rendezvous) on this machine run
 ``examples/elastic.py``, each agent standing for a node. In the middle of the run one agent and its worker are
 killed with SIGKILL (a lost node); the other must go on alone; then the killed agent is started again and the run
 must return to two nodes. An uninterrupted run (one agent, two ranks) on the same data is the reference.
@@ -100,36 +100,40 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
 
 def run_scenario(
     workdir: Path, steps: int = 60, step_seconds: float = 0.2, kill_at: int = 15, alone_steps: int = 10,
-    job_args: tuple[str, ...] = (),
+    job_args: tuple[str, ...] = (), nproc_per_node: int = 1,
 ) -> dict:
     """Reference run, then the lose-and-rejoin run (``job_args`` passed to examples/elastic.py, e.g.
-    ``("--sharded",)``); returns the measurements (see the module docstring)."""
+    ``("--sharded",)``; ``nproc_per_node`` processes per node, the reference on one node of twice as many); returns
+    the measurements (see the module docstring)."""
     reference_dir, out = workdir / "reference", workdir / "elastic"
     reference_dir.mkdir(parents=True)
     out.mkdir(parents=True)
-    reference = agent(reference_dir, free_port(), steps, step_seconds, nnodes="1", nproc=2, job_args=job_args)
+    reference = agent(
+        reference_dir, free_port(), steps, step_seconds, nnodes="1", nproc=2 * nproc_per_node, job_args=job_args
+    )
     if reference.wait(timeout=600) != 0:
         raise RuntimeError(f"reference run failed:\n{logs(reference_dir)}")
 
+    both, one = 2 * nproc_per_node, nproc_per_node  # world sizes on two nodes and on one
     shm_before = set(Path("/dev/shm").glob("lightning_ciuic-ciuic-elastic-*"))
     port = free_port()
-    first = agent(out, port, steps, step_seconds, job_args=job_args)
+    first = agent(out, port, steps, step_seconds, nproc=nproc_per_node, job_args=job_args)
     time.sleep(1.0)  # the first agent hosts the rendezvous store: it is the one that stays
-    second = agent(out, port, steps, step_seconds, job_args=job_args)
+    second = agent(out, port, steps, step_seconds, nproc=nproc_per_node, job_args=job_args)
     try:
-        wait_for(lambda: any(r["world"] == 2 and r["step"] >= kill_at for r in progress(out)), 300, f"two nodes at step {kill_at}")
+        wait_for(lambda: any(r["world"] == both and r["step"] >= kill_at for r in progress(out)), 300, f"two nodes at step {kill_at}")
         lose_node(second)
         killed_at = time.time()
         before_kill = max(r["step"] for r in progress(out) if r["time"] < killed_at)
-        wait_for(lambda: any(r["world"] == 1 and r["time"] > killed_at for r in progress(out)), 120, "one node going on")
-        alone = [r for r in progress(out) if r["world"] == 1 and r["time"] > killed_at]
+        wait_for(lambda: any(r["world"] == one and r["time"] > killed_at for r in progress(out)), 120, "one node going on")
+        alone = [r for r in progress(out) if r["world"] == one and r["time"] > killed_at]
         resumed = min(r["step"] for r in alone)
         wait_for(lambda: max(r["step"] for r in progress(out)) >= resumed + alone_steps, 120, "steps on one node")
         rejoined_at = time.time()
-        second = agent(out, port, steps, step_seconds, job_args=job_args)
-        wait_for(lambda: any(r["world"] == 2 and r["time"] > rejoined_at for r in progress(out)), 180, "two nodes again")
-        before_rejoin = max(r["step"] for r in progress(out) if r["world"] == 1)
-        back = [r for r in progress(out) if r["world"] == 2 and r["time"] > rejoined_at]
+        second = agent(out, port, steps, step_seconds, nproc=nproc_per_node, job_args=job_args)
+        wait_for(lambda: any(r["world"] == both and r["time"] > rejoined_at for r in progress(out)), 180, "two nodes again")
+        before_rejoin = max(r["step"] for r in progress(out) if r["world"] == one)
+        back = [r for r in progress(out) if r["world"] == both and r["time"] > rejoined_at]
         if first.wait(timeout=600) != 0 or second.wait(timeout=120) != 0:
             raise RuntimeError(f"elastic run failed:\n{logs(out)}")
     finally:
@@ -156,6 +160,11 @@ def run_scenario(
         "loss_difference": abs(final["loss"] - expected["loss"]) / expected["loss"],
         "decisions": [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()],
         "shared_memory_left": [str(p) for p in leftover],
+        "layouts": sorted({  # each start's layout, as HybridParallelStrategy printed it
+            line.split("HybridParallelStrategy: ", 1)[1].split(", backend")[0]
+            for log in sorted(out.glob("agent-*.log")) for line in log.read_text().splitlines()
+            if "HybridParallelStrategy: " in line
+        }),
         "resumed_from": [  # what each restart restored, as SnapshotRecovery reported it
             line.split("resumed from ", 1)[1].split(" in ")[0]
             for log in sorted(out.glob("agent-*.log")) for line in log.read_text().splitlines()

@@ -178,7 +178,7 @@ def _export(checkpoint: dict, name: str, out: str, export_format: str) -> int:
 PLAN_USAGE = (
     "usage: lightning-ciuic plan --config RUN.yaml --world-size N [--device-memory 80GiB] [--json OUT.json]"
     " [--micro-batch-size B --sequence-length S [--flops 989T --link intra=900GB/s,inter=50GB/s"
-    " --devices-per-node 8]] [any fit override, e.g. --trainer.strategy.init_args.tensor_parallel_size 8]"
+    " --devices-per-node 8]] [--search] [any fit override, e.g. --trainer.strategy.init_args.tensor_parallel_size 8]"
 )
 
 
@@ -219,6 +219,7 @@ def plan_command(argv: list[str]) -> int:
     parser.add_argument("--flops", type=_argument(parse_flops), help="peak FLOP/s of one device (989T): with --link, a step-time estimate")
     parser.add_argument("--link", type=_argument(parse_links), help="link speeds per device, each way: intra=900GB/s,inter=50GB/s")
     parser.add_argument("--devices-per-node", type=int, default=8, help="devices per node (default 8): which axes cross nodes")
+    parser.add_argument("--search", action="store_true", help="plan the other layouts of the world size too, ranked")
     parser.add_argument("--json", help="write the plan as JSON to this file")
     options, overrides = parser.parse_known_args(argv)
     if (options.micro_batch_size is None) != (options.sequence_length is None):
@@ -236,6 +237,8 @@ def plan_command(argv: list[str]) -> int:
             parser.error(str(err))
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    if options.search:
+        return _search_command(options, overrides, step, hardware)
     try:
         result = plan(
             options.config, world_size=options.world_size, cli_args=overrides, device_memory=options.device_memory,
@@ -249,6 +252,28 @@ def plan_command(argv: list[str]) -> int:
         Path(options.json).write_text(json.dumps(result.to_json(), indent=1))
         print(f"plan written to {options.json}")
     return 0 if result.all_fit else 1
+
+
+def _search_command(options: argparse.Namespace, overrides: list[str], step: Any, hardware: Any) -> int:
+    """``plan --search``: the ranked layouts; exit 1 when none fits."""
+    from lightning_ciuic.planner import search_layouts
+    from lightning_ciuic.planner.search import search_table
+
+    try:
+        candidates = search_layouts(
+            options.config, world_size=options.world_size, cli_args=overrides, devices_per_node=options.devices_per_node,
+            device_memory=options.device_memory, step=step, hardware=hardware,
+        )
+    except (ValueError, TypeError) as err:  # the config itself (not a layout) does not work
+        print(f"the run does not work: {err}", file=sys.stderr)
+        return 2
+    print(search_table(candidates, pipelines_searched=step is None))
+    if options.json:
+        Path(options.json).write_text(json.dumps(
+            {"world_size": options.world_size, "candidates": [c.to_json() for c in candidates]}, indent=1
+        ))
+        print(f"search written to {options.json}")
+    return 0 if any(c.plan is not None and c.plan.all_fit for c in candidates) else 1
 
 
 def main(args: Optional[list[str]] = None) -> None:

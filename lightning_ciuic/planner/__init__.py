@@ -15,7 +15,8 @@ optimizers, and returns a :class:`~lightning_ciuic.planner.report.Plan`:
   (:mod:`~lightning_ciuic.planner.estimate`).
 
 :func:`plan` is the same from a LightningCLI config (what ``lightning-ciuic plan`` runs), or from a module and a
-``HybridParallelStrategy`` given in Python. No Lightning imports at import time (the config loader has them).
+``HybridParallelStrategy`` given in Python; :func:`search_layouts` plans the other layouts of the world size and
+ranks them (:mod:`~lightning_ciuic.planner.search`). No Lightning imports at import time (the config loader has them).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from lightning_ciuic.planner.layout import (
 )
 from lightning_ciuic.planner.report import GiB, Plan, RankClass
 
-__all__ = ["GiB", "Hardware", "Plan", "RankClass", "plan", "plan_layout"]
+__all__ = ["GiB", "Hardware", "Plan", "RankClass", "plan", "plan_layout", "search_layouts"]
 
 
 def plan_layout(
@@ -85,4 +86,20 @@ def plan(
     return plan_layout(
         module_factory(run), run.parallelism, world_size, optimizers=optimizers_of, device_memory=device_memory,
         step=step, hardware=hardware,
+    )
+
+
+def search_layouts(
+    config: Optional[str] = None, *, world_size: int, cli_args: Sequence[str] = (), devices_per_node: int = 8,
+    device_memory: int = 80 * GiB, step: Optional[Any] = None, hardware: Optional[Hardware] = None,
+) -> list[Any]:
+    """The layouts of ``world_size`` ranks for the run a config describes, planned and ranked best first
+    (:func:`~lightning_ciuic.planner.search.search`: a list of ``Candidate``)."""
+    from lightning_ciuic.planner.config import from_config, module_factory, optimizers_of
+    from lightning_ciuic.planner.search import search
+
+    run = from_config(config, cli_args)
+    return search(
+        module_factory(run), run.parallelism, world_size, optimizers=optimizers_of, devices_per_node=devices_per_node,
+        step=step, device_memory=device_memory, hardware=hardware,
     )

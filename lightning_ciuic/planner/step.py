@@ -11,6 +11,13 @@ the stage gets the stage's activations on top of its own model states. The secon
 FLOP formulas on each op's local tensors, :mod:`~lightning_ciuic.planner.flops`: the step's and its forward's) and collective bytes (:mod:`~lightning_ciuic.planner.traffic`)
 are the plan's, for the step-time estimate (:mod:`~lightning_ciuic.planner.estimate`).
 
+A deep model is not stepped whole: when its pipeline blocks (``pipeline_blocks()``) are one ``nn.ModuleList`` of
+alike layers (same parameter names, shapes and dtypes) longer than ``2 * EXTRAPOLATION_DEPTH``, the step runs with
+the list cut to ``k = EXTRAPOLATION_DEPTH`` layers and to ``2k``, and each figure (activations, FLOPs, bytes per
+collective) is extended along the line through the two to the model's ``L`` layers: ``f(L) = f(k) + (f(2k) - f(k))
+(L - k) / k``. Alike layers add the same saved activations, FLOPs and collectives each, so the line is exact (the test
+compares it with a whole step); the model states come from the static phase, for all ``L`` layers.
+
 :func:`train_steps` is the one loop, run on fake tensors here and on real ones by the test that holds the planner to
 real runs. It drives a :class:`~lightning_ciuic.parallel.pipeline_module.PipelineModule` (``pipelined_loss`` on
 ``(input_ids, targets)``: the pack's causal LMs and ``HuggingFaceCausalLM``). Refused, saying so: pipeline stages
@@ -59,6 +66,39 @@ class StepSpec:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
+EXTRAPOLATION_DEPTH = 2
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """What a plan takes from a step: bytes, FLOPs and the collectives' bytes and groups."""
+
+    activations: int  # the peak less the model states
+    traffic: dict[str, dict[str, int]]  # mesh axis -> collective -> bytes this rank sent in the step
+    axis_ranks: dict[str, list[int]]  # mesh axis -> the global ranks of this rank's group on it
+    flops: int  # recomputed forwards included
+    forward_flops: int
+
+    def extended(self, deeper: "StepFigures", depth: int, layers: int) -> "StepFigures":
+        """The figures at ``layers`` layers, on the line through ``self`` (``depth`` layers) and ``deeper`` (2x)."""
+
+        def line(a: int, b: int) -> int:
+            return a + round((b - a) * (layers - depth) / depth)
+
+        axes = set(self.traffic) | set(deeper.traffic)
+        traffic = {
+            axis: {
+                name: line(self.traffic.get(axis, {}).get(name, 0), deeper.traffic.get(axis, {}).get(name, 0))
+                for name in set(self.traffic.get(axis, {})) | set(deeper.traffic.get(axis, {}))
+            }
+            for axis in axes
+        }
+        return StepFigures(
+            line(self.activations, deeper.activations), traffic, {**self.axis_ranks, **deeper.axis_ranks},
+            line(self.flops, deeper.flops), line(self.forward_flops, deeper.forward_flops),
+        )
+
+
 @dataclass(frozen=True)
 class StepMemory:
     """What :func:`train_steps` measured on one rank (bytes)."""
@@ -73,6 +113,9 @@ class StepMemory:
     @property
     def activations(self) -> int:
         return self.peak - self.model_states
+
+    def figures(self) -> StepFigures:
+        return StepFigures(self.activations, self.traffic, self.axis_ranks, self.flops, self.forward_flops)
 
 
 def check_steppable(module: nn.Module, dims: ParallelDims) -> None:
@@ -181,26 +224,71 @@ def _total(snapshot: dict[Any, dict[Any, int]], device: torch.device) -> int:
     return int(per_device.get("Total", 0))
 
 
-def run_step_phase(plan: Any, build: ModuleFactory, config: ParallelismConfig, optimizers: OptimizerFactory, spec: StepSpec) -> None:
-    """Fill in each rank class's activations and peak (see the module docstring)."""
+def repeated_layers(module: nn.Module) -> Optional[nn.ModuleList]:
+    """The ``nn.ModuleList`` holding the module's pipeline blocks when they are alike (see the module docstring)."""
+    blocks = getattr(module, "pipeline_blocks", None)
+    if blocks is None:
+        return None
+    parents: dict[str, int] = {}
+    for name in blocks():
+        parent, _, index = name.rpartition(".")
+        if index.isdigit():
+            parents[parent] = parents.get(parent, 0) + 1
+    if not parents:
+        return None
+    layers = module.get_submodule(max(parents, key=parents.get))
+    if not isinstance(layers, nn.ModuleList):
+        return None
+    signatures = {tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters()) for layer in layers}
+    return layers if len(signatures) == 1 else None
+
+
+def _measure(
+    rank: int, plan: Any, build: ModuleFactory, config: ParallelismConfig, optimizers: OptimizerFactory,
+    spec: StepSpec, depth: Optional[int],
+) -> StepFigures:
+    """One rank's fake step on the module ``build`` makes, its layer list cut to ``depth`` layers (None: whole)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     dims = config.resolve(plan.world_size)
-    for rank in stage_representatives(dims):
-        with fake_world(rank, plan.world_size):
-            mesh = dims.build_mesh("cpu")
-            module = build(mesh)
-            check_steppable(module, dims)
-            parallelized = parallelize(module, dims, config, mesh=mesh, materialize=False)
-            with FakeTensorMode(allow_non_fake_inputs=True):
-                materialize(module, torch.device("cpu"))
-                engine = data_parallel_engine(parallelized, config)
-                memory = train_steps(module, engine, optimizers(module), token_batch(module, spec, torch.device("cpu")), mesh)
-                if engine is not None:
-                    engine.close()
+    with fake_world(rank, plan.world_size):
+        mesh = dims.build_mesh("cpu")
+        module = build(mesh)
+        check_steppable(module, dims)
+        if depth is not None:
+            del repeated_layers(module)[depth:]
+        parallelized = parallelize(module, dims, config, mesh=mesh, materialize=False)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            materialize(module, torch.device("cpu"))
+            engine = data_parallel_engine(parallelized, config)
+            memory = train_steps(module, engine, optimizers(module), token_batch(module, spec, torch.device("cpu")), mesh)
+            if engine is not None:
+                engine.close()
+    return memory.figures()
+
+
+def step_figures(
+    rank: int, plan: Any, build: ModuleFactory, config: ParallelismConfig, optimizers: OptimizerFactory,
+    spec: StepSpec, depth: int = EXTRAPOLATION_DEPTH,
+) -> StepFigures:
+    """The step's figures for ``rank``: measured whole, or extended from ``depth`` and ``2 depth`` layers (see the
+    module docstring)."""
+    with fake_world(rank, plan.world_size):
+        layers = repeated_layers(build(config.resolve(plan.world_size).build_mesh("cpu")))
+    if layers is None or len(layers) <= 2 * depth:
+        return _measure(rank, plan, build, config, optimizers, spec, None)
+    shallow = _measure(rank, plan, build, config, optimizers, spec, depth)
+    deeper = _measure(rank, plan, build, config, optimizers, spec, 2 * depth)
+    return shallow.extended(deeper, depth, len(layers))
+
+
+def run_step_phase(plan: Any, build: ModuleFactory, config: ParallelismConfig, optimizers: OptimizerFactory, spec: StepSpec) -> None:
+    """Fill in each rank class's activations and peak, and the plan's FLOPs and traffic (see the module docstring)."""
+    for rank in stage_representatives(config.resolve(plan.world_size)):
+        figures = step_figures(rank, plan, build, config, optimizers, spec)
         for rank_class in plan.classes:  # one stage (check_steppable)
-            rank_class.activations = memory.activations
-            rank_class.peak = rank_class.model_states + memory.activations
-        plan.communication = memory.traffic
-        plan.communication_ranks = memory.axis_ranks
-        plan.flops, plan.forward_flops = memory.flops, memory.forward_flops
+            rank_class.activations = figures.activations
+            rank_class.peak = rank_class.model_states + figures.activations
+        plan.communication = figures.traffic
+        plan.communication_ranks = figures.axis_ranks
+        plan.flops, plan.forward_flops = figures.flops, figures.forward_flops

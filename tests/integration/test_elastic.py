@@ -30,3 +30,20 @@ def test_a_sharded_run_survives_the_same_and_resumes_from_resharded_checkpoints(
     assert result["final"]["step"] == 45 and result["final"]["world"] == 2
     assert result["loss_difference"] <= 0.02, result
     assert result["shared_memory_left"] == [], result["shared_memory_left"]
+
+
+def test_a_run_with_its_experts_sharded_rederives_the_expert_layout_at_each_world(tmp_path):
+    """FSDP with the routed experts sharded 2 ways (``expert_parallel_size=2``) on nodes of 2 ranks: 4 ranks
+    (efsdp 2 x ep 2), then 2 (ep 2 alone), then 4 again. Each restart builds the expert view of the new world and
+    resumes from the newest checkpoint, which DCP reshards; the run ends at the loss of an uninterrupted one."""
+    result = run_scenario(
+        tmp_path, steps=30, step_seconds=0.1, kill_at=10, alone_steps=5, nproc_per_node=2,
+        job_args=("--sharded", "--experts", "2", "--batch-size", "2"),
+    )
+    assert result["resumed_from"] and all(r.startswith("checkpoint ") for r in result["resumed_from"]), result
+    assert all("ep=2" in layout for layout in result["layouts"]), result["layouts"]
+    assert {"world size 4", "world size 2"} <= {layout.rpartition("(")[2].rstrip(")") for layout in result["layouts"]}, result
+    assert result["accumulate_alone"] == [2], result  # global batch 8: 2 per rank x 2 ranks x 2
+    assert result["final"]["step"] == 30 and result["final"]["world"] == 4
+    assert result["loss_difference"] <= 0.02, result
+    assert result["shared_memory_left"] == [], result["shared_memory_left"]

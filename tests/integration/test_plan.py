@@ -215,3 +215,60 @@ def test_the_step_phase_activations_grow_with_the_micro_batch():
         plan_layout(_build_llama, config, 4, optimizers=optimizers_of, step=StepSpec(b, 32)).classes[0] for b in (2, 4)
     )
     assert small.model_states == large.model_states and 0 < small.activations < large.activations
+
+
+def _deep_llama(mesh):
+    from lightning_ciuic.huggingface import HuggingFaceCausalLM
+
+    with torch.device("meta"):
+        return HuggingFaceCausalLM(model_type="llama", config={**LLAMA, "num_hidden_layers": 7})
+
+
+@pytest.mark.parametrize("layout", [STEP_LAYOUTS["fsdp2-tp2"], STEP_LAYOUTS["dp4"]], ids=["fsdp2-tp2", "dp4"])
+def test_a_deep_models_step_extended_from_two_and_four_layers_is_the_whole_step(layout):
+    """Seven alike layers: the figures on the line through 2- and 4-layer steps equal a whole 7-layer step's."""
+    from lightning_ciuic.planner.step import _measure, step_figures
+
+    config = ParallelismConfig(**layout)
+    shell = plan_layout(_deep_llama, config, 4, optimizers=optimizers_of)
+    extended = step_figures(0, shell, _deep_llama, config, optimizers_of, STEP, depth=2)
+    whole = _measure(0, shell, _deep_llama, config, optimizers_of, STEP, None)
+    assert (extended.flops, extended.forward_flops, extended.traffic) == (whole.flops, whole.forward_flops, whole.traffic)
+    assert extended.activations == whole.activations, (extended.activations, whole.activations)
+
+
+def test_the_step_estimate_and_search_from_the_command_line(tmp_path, capsys):
+    from lightning_ciuic.cli import plan_command
+
+    hardware = ["--flops", "100T", "--link", "intra=100GB/s,inter=10GB/s", "--devices-per-node", "2"]
+    step = ["--micro-batch-size", "2", "--sequence-length", "32"]
+    config = ["--config", "examples/configs/hf_llama.yaml", "--world-size", "4"]
+    out = tmp_path / "plan.json"
+    assert plan_command([*config, *step, *hardware, "--json", str(out), "--trainer.strategy.init_args.pipeline_parallel_size", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "step time: " in printed and "MFU" in printed and "(intra-node)" in printed, printed
+    estimate = json.loads(out.read_text())["step_estimate"]
+    assert estimate["step_seconds"]["overlapped"] <= estimate["step_seconds"]["serial"]
+    assert 0 < estimate["mfu"]["serial"] <= estimate["mfu"]["overlapped"] < 1
+    # tp=2 x dp=2 (replicated) on nodes of 2 devices: the tp group on one node, the dp group across two
+    assert estimate["links"] == {"tp": "intra", "dp": "inter"}
+
+    with pytest.raises(SystemExit):
+        plan_command([*config, *step, "--flops", "100T"])
+    assert "a step-time estimate needs both --flops and --link" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan_command([*config, *step, "--flops", "100T", "--link", "intra=fast,inter=10GB/s"])
+    assert "'fast' is not a link speed: write it as 900GB/s" in capsys.readouterr().err
+
+    searched = tmp_path / "search.json"
+    nodes_of_4 = [*hardware[:-1], "4"]  # tp up to 4: the 4-way layout is among those searched, and refused
+    assert plan_command([*config, *step, *nodes_of_4, "--search", "--json", str(searched)]) == 0
+    printed = capsys.readouterr().out
+    assert "pipeline layouts are not searched with the step phase" in printed
+    candidates = json.loads(searched.read_text())["candidates"]
+    layouts = [(c["layout"]["tp"], c["layout"]["dp_shard"]) for c in candidates]
+    assert sorted(layouts) == [(1, 1), (1, 4), (2, 1), (2, 2), (4, 1)], layouts  # DDP, FSDP, HSDP in a node
+    refused = [c for c in candidates if "refused" in c]
+    assert [c["layout"]["tp"] for c in refused] == [4] and "num_key_value_heads=2" in refused[0]["refused"]
+    mfu = [c["step_estimate"]["mfu"]["overlapped"] for c in candidates if "refused" not in c]
+    assert mfu == sorted(mfu, reverse=True), mfu
