@@ -7,7 +7,8 @@ and the local ops DTensor runs are counted: a tensor-parallel matmul counts this
 product that ``FlopCounterMode`` counts for a DTensor. Not counted: the ops DTensor's sharding propagation runs on
 fake tensors of the global shapes to learn an output's shape (no kernel computes them;
 :func:`~lightning_ciuic.compat.dtensor_shape_propagation_marked`). Fake tensors count as real ones do (shapes are all
-it reads), so a step on fake tensors counts what the same step on real ones does.
+it reads), so a step on fake tensors counts what the same step on real ones does. ``forward`` is the part counted
+outside autograd's backward (recomputed forwards of activation checkpointing run inside it, and are not there).
 
 No Lightning imports.
 """
@@ -30,6 +31,7 @@ class LocalFlops(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
+        self.forward = 0
         self._propagating = [0]
         self._marking = contextlib.ExitStack()
 
@@ -48,5 +50,8 @@ class LocalFlops(TorchDispatchMode):
         out = func(*args, **kwargs)
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None and not self._propagating[0]:
-            self.total += int(formula(*args, **kwargs, out_val=out))
+            flops = int(formula(*args, **kwargs, out_val=out))
+            self.total += flops
+            if not compat.in_backward():
+                self.forward += flops
         return out

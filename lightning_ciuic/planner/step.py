@@ -151,7 +151,7 @@ def train_steps(
     module: nn.Module, engine: Optional[DataParallel], optimizers: Sequence[torch.optim.Optimizer],
     batch: tuple[torch.Tensor, torch.Tensor], mesh: Any = None, steps: int = 2,
 ) -> StepMemory:
-    """``steps`` training steps tracked by ``MemTracker``; the last step's peak and collective bytes
+    """``steps`` training steps tracked by ``MemTracker``; the last step's peak, FLOPs and collective bytes
     (:class:`~lightning_ciuic.planner.traffic.CollectiveTraffic`; ``mesh``: the layout's, to name its axes), and the
     model states after it."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -160,22 +160,18 @@ def train_steps(
     tracker.track_external(module, *optimizers)
     device = batch[0].device
     step_module = _Step(module)
-    traffic = CollectiveTraffic(mesh)
-    forward_flops, rest_flops = LocalFlops(), LocalFlops()
+    traffic, flops = CollectiveTraffic(mesh), LocalFlops()
     with tracker:
         for step in range(steps):
             last = step == steps - 1
             if last:
                 tracker.reset_mod_stats()
-            with traffic if last else contextlib.nullcontext():
-                with forward_flops if last else contextlib.nullcontext():
-                    loss = step_module(batch)
-                with rest_flops if last else contextlib.nullcontext():
-                    loss.backward()
-                    if engine is not None:
-                        engine.after_backward()
-                    for optimizer in optimizers:
-                        optimizer.step()
+            with traffic if last else contextlib.nullcontext(), flops if last else contextlib.nullcontext():
+                step_module(batch).backward()
+                if engine is not None:
+                    engine.after_backward()
+                for optimizer in optimizers:
+                    optimizer.step()
             if not last:
                 for optimizer in optimizers:
                     optimizer.zero_grad(set_to_none=True)
@@ -183,7 +179,7 @@ def train_steps(
     held = sum(v for k, v in held_bytes(module, engine, optimizers).items() if k != "parameters")
     return StepMemory(
         peak, held, {axis: dict(by) for axis, by in traffic.bytes.items()}, dict(traffic.ranks),
-        flops=forward_flops.total + rest_flops.total, forward_flops=forward_flops.total,
+        flops=flops.total, forward_flops=flops.forward,
     )
 
 
