@@ -293,3 +293,24 @@ def dtensor_shape_propagation_marked(depth: list[int]) -> Iterator[None]:
         yield
     finally:
         ShardingPropagator._fake_mode_lock = lock
+
+
+@contextmanager
+def hugging_face_sequences_unpacked() -> Iterator[None]:
+    """Inside, transformers' masks take the path of a batch without packed sequences, as they do for real tensors.
+
+    transformers checks whether the position ids pack several sequences into one row (``masking_utils.
+    find_packed_sequence_indices``: ``(...).all()`` on their values), and skips the check for fake tensors, assuming
+    they may: it then builds an explicit ``[B, 1, S, S]`` mask and per-row position tables that a real run of the same
+    unpacked batch never allocates. The planner's step batches are unpacked by construction (``token_batch``)."""
+    try:
+        import transformers.masking_utils as masking
+    except ImportError:
+        yield
+        return
+    packed = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = packed

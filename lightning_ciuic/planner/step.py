@@ -7,7 +7,8 @@ training steps (forward, backward, the engine's gradient synchronization, the op
 ``micro_batch_size x sequence_length`` tokens, tracked by torch's ``MemTracker``. The second step's peak is the
 rank's peak (the first creates the optimizer state); its activations are the peak less the model states
 (:func:`held_bytes`: everything else alive at the peak, the batch and temporaries included). Every class of ranks of
-the stage gets the stage's activations on top of its own model states. The second step's FLOPs (torch's
+the stage gets the stage's activations on top of its own model states. transformers' masks take the path of an unpacked
+batch, as for real tensors (:func:`~lightning_ciuic.compat.hugging_face_sequences_unpacked`). The second step's FLOPs (torch's
 FLOP formulas on each op's local tensors, :mod:`~lightning_ciuic.planner.flops`: the step's and its forward's) and collective bytes (:mod:`~lightning_ciuic.planner.traffic`)
 are the plan's, for the step-time estimate (:mod:`~lightning_ciuic.planner.estimate`).
 
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_ciuic import compat
 from lightning_ciuic.comm.data_parallel import DataParallel
 from lightning_ciuic.config import ParallelismConfig
 from lightning_ciuic.parallel.dims import ParallelDims
@@ -254,7 +256,7 @@ def _measure(
         if depth is not None:
             del repeated_layers(module)[depth:]
         parallelized = parallelize(module, dims, config, mesh=mesh, materialize=False)
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), compat.hugging_face_sequences_unpacked():
             materialize(module, torch.device("cpu"))
             engine = data_parallel_engine(parallelized, config)
             memory = train_steps(module, engine, optimizers(module), token_batch(module, spec, torch.device("cpu")), mesh)
