@@ -271,3 +271,21 @@ def test_the_step_estimate_and_search_from_the_command_line(tmp_path, capsys):
     assert [c["layout"]["tp"] for c in refused] == [4] and "num_key_value_heads=2" in refused[0]["refused"]
     mfu = [c["step_estimate"]["mfu"]["overlapped"] for c in candidates if "refused" not in c]
     assert mfu == sorted(mfu, reverse=True), mfu
+
+
+def test_search_without_the_step_phase_plans_pipelines_too_and_ranks_by_memory():
+    """Static plans only: pipeline layouts are searched as well, ranked by the memory the most loaded rank needs;
+    a layout that does not fit comes after every one that does."""
+    from lightning_ciuic.planner.search import search, search_table
+
+    config = ParallelismConfig(data_parallel_size=4)
+    candidates = search(_build_llama, config, 4, optimizers=optimizers_of, devices_per_node=4)
+    planned = [c for c in candidates if c.plan is not None]
+    assert {c.parallelism.pipeline_parallel_size for c in planned} == {1, 2, 4}, [c.to_json() for c in candidates]
+    needed = [max(k.needed() for k in c.plan.classes) for c in planned]
+    assert needed == sorted(needed), needed
+    assert "ranked by the memory the most loaded rank needs" in search_table(candidates, pipelines_searched=True)
+    tight = sorted(needed)[len(needed) // 2]  # half of them fit
+    ranked = search(_build_llama, config, 4, optimizers=optimizers_of, devices_per_node=4, device_memory=tight)
+    fits = [c.plan.all_fit for c in ranked if c.plan is not None]
+    assert True in fits and False in fits and fits == sorted(fits, reverse=True), fits
