@@ -91,7 +91,7 @@ class ParallelismConfig:
 
     def resolve(self, world_size: int) -> ParallelDims:
         """The degrees over ``world_size`` ranks, ``"auto"`` filled in; the pipeline schedule checked against ``pp``."""
-        dims = ParallelDims.resolve(world_size, **self.degrees)
+        dims = ParallelDims.resolve(world_size, **self.degrees, experts_in_replica=self.diloco is not None)
         if dims.pp_enabled:
             self.pipeline.check_layout(dims.pp)
         return dims
@@ -140,13 +140,15 @@ class ParallelismConfig:
                 f"expert_dispatch_compression={dispatch!r}: use one of {list(DISPATCH_COMPRESSIONS)} (how the tokens"
                 " sent to the experts cross the all-to-all)."
             )
+        ep, tp = self.expert_parallel_size, self.tensor_parallel_size
+        if ep > 1 and self.diloco is not None and ep != tp:
+            raise ValueError(
+                f"expert_parallel_size={ep} with diloco: DiLoCo's data-parallel replicas train apart, so each"
+                f" replica holds every expert, spread over its tensor-parallel peers: expert_parallel_size must"
+                f" equal tensor_parallel_size={tp} (set both to the same degree), or drop diloco."
+            )
         if dispatch != "none" and self.expert_parallel_size == 1:
             raise ValueError(
                 f"expert_dispatch_compression={dispatch!r} compresses the tokens sent to other ranks' experts, and"
                 " expert_parallel_size=1 sends none: set expert_parallel_size > 1, or leave it 'none'."
-            )
-        if self.expert_parallel_size > 1 and self.diloco is not None:
-            raise ValueError(
-                f"expert_parallel_size={self.expert_parallel_size} spreads each layer's experts over data-parallel"
-                " ranks, and diloco= trains those ranks as independent whole replicas: use one of them."
             )

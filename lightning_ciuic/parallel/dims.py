@@ -11,7 +11,9 @@ the two data-parallel axes flattened (what samplers and replica-wide collectives
 ``ModelParallelStrategy`` names for the same axes (``data_parallel``, ``tensor_parallel``). ``ep`` (default 1) ranks
 hold different experts of each mixture-of-experts layer (expert parallelism): they are carved from the innermost
 data-parallel axis (``dp_shard`` when sharded, else ``dp``), as torchtitan's and DeepSpeed's are, and must divide it,
-or be ``tp`` times a divisor of it (``ep`` then takes the tensor-parallel peers too: ``ep_over_tp``);
+or be ``tp`` times a divisor of it (``ep`` then takes the tensor-parallel peers too: ``ep_over_tp``); with
+``ep_in_replica`` (DiLoCo, whose data-parallel replicas train apart) the experts are spread over the tensor-parallel
+peers of each replica alone (``ep`` equal to ``tp``);
 :meth:`build_expert_mesh` gives the expert view of the same world, ``(pp, dp_replicate, edp, ep, tp)`` (sharded) or
 ``(pp, edp, ep, tp)``, where ``edp`` ranks hold the same experts. Axis names are
 :class:`~lightning_ciuic.parallel.axes.Axis` members. Everything else asks this object ``pp_enabled``,
@@ -51,6 +53,7 @@ class ParallelDims:
     world_size: int
     dp_shard: int = 1
     ep: int = 1
+    ep_in_replica: bool = False  # the ep ranks are the tp peers of one data-parallel replica (see the docstring)
 
     @classmethod
     def resolve(
@@ -61,6 +64,7 @@ class ParallelDims:
         tensor_parallel_size: int = 1,
         data_parallel_shard_size: Union[int, Literal["auto"]] = 1,
         expert_parallel_size: int = 1,
+        experts_in_replica: bool = False,
     ) -> "ParallelDims":
         """Validate the degrees and fill in ``"auto"``: ``data_parallel_size`` from the world size,
         ``data_parallel_shard_size`` as the data-parallel size (plain FSDP over every data-parallel rank, whatever
@@ -101,6 +105,8 @@ class ParallelDims:
                 f" ({dp} is plain FSDP, a smaller divisor is HSDP: replicas of sharded groups)."
             )
         ep = expert_parallel_size
+        if experts_in_replica and ep > 1:  # ep == tp: ParallelismConfig checks it when built
+            return cls(pp=pp, dp=dp, tp=tp, world_size=world_size, dp_shard=data_parallel_shard_size, ep=ep, ep_in_replica=True)
         borrowed, axis = (data_parallel_shard_size, "data_parallel_shard_size") if data_parallel_shard_size > 1 else (dp, "data_parallel_size")
         if borrowed % ep != 0 and not (ep % tp == 0 and borrowed % (ep // tp) == 0):
             choices = sorted({*_divisors(borrowed), *(tp * d for d in _divisors(borrowed))})
@@ -152,7 +158,7 @@ class ParallelDims:
     def ep_over_tp(self) -> bool:
         """Whether the expert-parallel ranks include the tensor-parallel peers (``ep`` does not divide the innermost
         data-parallel degree alone): each tp rank then dispatches its share of the tokens they all hold."""
-        return self.ep_enabled and (self.dp_shard if self.sharded else self.dp) % self.ep != 0
+        return self.ep_enabled and (self.ep_in_replica or (self.dp_shard if self.sharded else self.dp) % self.ep != 0)
 
     @property
     def ep_data_ranks(self) -> int:
@@ -231,5 +237,9 @@ class ParallelDims:
 
     def __str__(self) -> str:
         dp = f"dp={self.dp}" if not self.sharded else f"dp={self.dp} (replicate {self.dp_replicate} x shard {self.dp_shard})"
-        ep = f" x ep={self.ep} (of the data-parallel ranks)" if self.ep_enabled else ""
+        ranks = (
+            "the tensor-parallel peers" if self.ep_in_replica
+            else "the data-parallel ranks and their tp peers" if self.ep_over_tp else "the data-parallel ranks"
+        )
+        ep = f" x ep={self.ep} (of {ranks})" if self.ep_enabled else ""
         return f"pp={self.pp} x {dp} x tp={self.tp}{ep} (world size {self.world_size})"

@@ -25,9 +25,9 @@ class SGDMini(DeepSeekMini):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def _tiny(cls=DeepSeekMini):
+def _tiny(cls=DeepSeekMini, **changes):
     seed_everything(7)
-    return cls(**TINY_MODEL).double()
+    return cls(**{**TINY_MODEL, **changes}).double()
 
 
 class ReplicasAgree(Callback):
@@ -84,17 +84,22 @@ def _diloco(**kwargs):
     return HybridParallelStrategy(data_parallel_size=2, diloco=DiLoCo(**kwargs), start_method="forkserver")
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)], ids=["dp2", "dp2xtp2", "dp2xpp2"])
-def test_a_sync_every_step_with_plain_outer_sgd_is_data_parallel_training(tp, pp):
+@pytest.mark.parametrize(
+    "tp, pp, ep", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 1, 2)], ids=["dp2", "dp2xtp2", "dp2xpp2", "dp2xtp2-ep2"]
+)
+def test_a_sync_every_step_with_plain_outer_sgd_is_data_parallel_training(tp, pp, ep):
     # Each replica steps theta - lr g_r; the average pseudo-gradient is lr * mean(g); the outer step with lr 1 and no
-    # momentum lands on theta - lr * mean(g): the synchronous update. With tp or pp, per local shard.
+    # momentum lands on theta - lr * mean(g): the synchronous update. With tp or pp, per local shard; with ep, each
+    # replica's experts are split over its tp peers, each expert shard averaged with the other replica's copy of it.
     steps = 4
     strategy = HybridParallelStrategy(
         data_parallel_size=2, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
-        diloco=DiLoCo(sync_every=1, outer_lr=1.0, outer_momentum=0.0), start_method="forkserver",
+        expert_parallel_size=ep, diloco=DiLoCo(sync_every=1, outer_lr=1.0, outer_momentum=0.0),
+        start_method="forkserver",
     )
-    trained = _fit(strategy, _tiny(SGDMini), steps, devices=2 * tp * pp)
-    assert_state_close(trained, reference_training(lambda: _tiny(SGDMini), steps, PER_RANK_BATCH * 2), steps, lr=0.05)
+    factory = (lambda: _tiny(SGDMini)) if ep == 1 else (lambda: _tiny(SGDMini, n_routed_experts=4))
+    trained = _fit(strategy, factory(), steps, devices=2 * tp * pp)
+    assert_state_close(trained, reference_training(factory, steps, PER_RANK_BATCH * 2), steps, lr=0.05)
 
 
 def test_replicas_diverge_inside_a_round_agree_after_it_and_a_mid_round_resume_continues_exactly(tmp_path):

@@ -56,3 +56,18 @@ def test_auto_shard_size_follows_the_data_parallel_size():
     assert alone.dp_shard == 1 and not alone.sharded
     with pytest.raises(ValueError, match="data_parallel_shard_size must be an integer >= 1 or 'auto', got 'all'"):
         ParallelDims.resolve(4, data_parallel_shard_size="all")
+
+
+def test_with_diloco_the_experts_are_spread_over_each_replicas_tensor_parallel_peers():
+    from lightning_ciuic import DiLoCo
+    from lightning_ciuic.config import ParallelismConfig
+
+    dims = ParallelismConfig(
+        data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=2, diloco=DiLoCo()
+    ).resolve(4)
+    assert dims.ep_in_replica and dims.ep_over_tp and dims.ep_data_ranks == 1 and dims.edp == 2
+    assert "ep=2 (of the tensor-parallel peers)" in str(dims)
+    without = ParallelismConfig(data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=2).resolve(4)
+    assert not without.ep_over_tp and without.edp == 1  # the replicated layout borrows data-parallel ranks
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2 with diloco: .* must equal tensor_parallel_size=1"):
+        ParallelismConfig(data_parallel_size=2, expert_parallel_size=2, diloco=DiLoCo())
