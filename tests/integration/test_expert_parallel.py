@@ -113,7 +113,8 @@ def _fit_for(steps: int, tmp_path, ckpt_path=None, **layout):
     strategy = HybridParallelStrategy(data_parallel_size=2, start_method="forkserver", **layout)
     checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
     trainer = Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, logger=False, callbacks=[checkpoints],
+        strategy=strategy, accelerator="cpu", devices=2 * layout.get("tensor_parallel_size", 1), max_steps=steps,
+        logger=False, callbacks=[checkpoints],
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, precision=PRECISION,
     )
     module = _tiny()
@@ -122,14 +123,22 @@ def _fit_for(steps: int, tmp_path, ckpt_path=None, **layout):
 
 
 @pytest.mark.parametrize(
-    "resume_layout",
-    [dict(), dict(data_parallel_shard_size=2, expert_parallel_size=2)],
-    ids=["into-replicated-ep1", "into-fsdp2-ep2"],
+    "saved_layout, resume_layout",
+    [
+        (dict(expert_parallel_size=2), dict()),
+        (dict(expert_parallel_size=2), dict(data_parallel_shard_size=2, expert_parallel_size=2)),
+        (dict(expert_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel_size=4)),
+        (dict(), dict(expert_parallel_size=2)),
+    ],
+    ids=["ep2-into-replicated-ep1", "ep2-into-fsdp2-ep2", "ep2-into-dp2xtp2-ep4", "replicated-ep1-into-ep2"],
 )
-def test_a_checkpoint_of_an_expert_parallel_run_resumes_in_another_layout(tmp_path, resume_layout):
-    _fit_for(3, tmp_path, expert_parallel_size=2)  # replicated dp 2, ep 2: a DCP directory at step 3
+def test_a_checkpoint_of_an_expert_parallel_run_resumes_in_another_layout(tmp_path, saved_layout, resume_layout):
+    """Saved at step 3 by dp 2 (replicated) with or without ep 2, resumed to step 6 in another layout: the parameters
+    of single-process training for 6 steps."""
+    _fit_for(3, tmp_path, **saved_layout)
     step3 = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
-    assert (step3 / ".metadata").is_file(), "expert shards make the checkpoint a DCP directory"
+    if saved_layout:
+        assert (step3 / ".metadata").is_file(), "expert shards make the checkpoint a DCP directory"
     resumed = _fit_for(6, tmp_path / "resumed", ckpt_path=str(step3), **resume_layout)
     expected = reference_training(_tiny, 6, 2 * PER_RANK_BATCH, num_samples=3 * 2 * PER_RANK_BATCH)
     assert_state_close(resumed, expected, 6)
