@@ -152,7 +152,8 @@ class HybridParallelStrategy(ParallelStrategy):
         expert_parallel_size: data-parallel ranks (of ``data_parallel_shard_size`` when sharded, else of
             ``data_parallel_size``) that each hold a share of every mixture-of-experts layer's experts and send
             tokens to each other (docs/expert_parallel.md); the model's experts are packed (transformers' DeepSeek-V3,
-            Qwen3-MoE, Mixtral, the example model).
+            Qwen3-MoE, Mixtral, the example model). With ``diloco`` the experts are split over each replica's
+            tensor-parallel peers instead: ``expert_parallel_size`` must equal ``tensor_parallel_size``.
         expert_dispatch_compression: ``"none"``, ``"bf16"``, ``"fp8"`` or ``"int8"``: how the tokens sent to the
             experts cross the all-to-all (fp8/int8 with a scale per 128 values); results and gradients return in
             the working precision.
