@@ -82,8 +82,9 @@ class ExpertLoadBalancer(Callback):
         self.group: Optional[dist.ProcessGroup] = None
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        context = parallel_context(trainer)
         layers = [name for name, _ in packed_experts(pl_module)]
-        if not layers and not parallel_context(trainer).dims.pp_enabled:
+        if not layers and not context.dims.pp_enabled:
             raise ValueError(
                 f"ExpertLoadBalancer balances mixture-of-experts routers, and {type(pl_module).__name__} has no packed"
                 " experts (gate_up_proj/down_proj parameters): remove the callback."
@@ -107,10 +108,10 @@ class ExpertLoadBalancer(Callback):
                     f" gradient in backward, which {type(scaler).__name__}'s loss scale would not reach (precision="
                     f"{trainer.precision!r}): use precision='bf16-mixed' or '32-true', or sequence_balance_weight=0."
                 )
-            pipeline = parallel_context(trainer).pipeline
+            pipeline = context.pipeline
             forwards = trainer.accumulate_grad_batches * (pipeline.num_microbatches if pipeline is not None else 1)
             self.balance_loss = SequenceBalanceLoss(pl_module, self.sequence_balance_weight, scale=1.0 / forwards)
-        self.group = parallel_context(trainer).dp_group
+        self.group = context.dp_group
         self.routed = RoutedTokens(pl_module)
 
     @torch.no_grad()

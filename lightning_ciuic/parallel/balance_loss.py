@@ -86,12 +86,13 @@ class _AddLossGradient(torch.autograd.Function):
 
 class SequenceBalanceLoss:
     """Hooks that add ``weight * scale *`` the sequence-wise balance loss to the backward of each packed-experts layer
-    of ``module`` (see the module docstring). ``scale`` may be changed between steps."""
+    of ``module`` (see the module docstring)."""
 
     def __init__(self, module: nn.Module, weight: float, scale: float = 1.0) -> None:
         self.weight, self.scale = float(weight), float(scale)
-        layers = packed_experts(module)
-        unknown = [name for name, _ in layers if router_score_function(module.get_submodule(_parent(name))) is None]
+        layers = [(name, experts, module.get_submodule(_parent(name))) for name, experts in packed_experts(module)]
+        scores = {name: router_score_function(moe) for name, _, moe in layers}
+        unknown = [name for name, score in scores.items() if score is None]
         if unknown:
             moe = module.get_submodule(_parent(unknown[0]))
             raise ValueError(
@@ -101,11 +102,9 @@ class SequenceBalanceLoss:
                 " sequence_balance_weight=0."
             )
         self._total: Optional[torch.Tensor] = None
-        self._seen: dict[str, dict[str, Any]] = {}
         self._handles = []
-        for name, experts in layers:
-            moe = module.get_submodule(_parent(name))
-            seen = self._seen[name] = {"score_function": router_score_function(moe)}
+        for name, experts, moe in layers:
+            seen = {"score_function": scores[name]}  # what this layer's forward has shown so far
             self._handles += [
                 moe.register_forward_pre_hook(functools.partial(self._see_batch, seen), with_kwargs=True),
                 moe.gate.register_forward_hook(functools.partial(self._see_logits, seen)),

@@ -1,7 +1,7 @@
 """A step's time and MFU estimated from the step phase: its FLOPs against peak FLOP/s, its bytes against link speeds.
 
 Contract: :func:`estimate_step` takes what the step phase counted on one rank (:class:`~lightning_ciuic.planner.step.
-StepMemory`: the step's FLOPs and its forward's, from torch's ``FlopCounterMode``; the bytes sent per mesh axis and
+StepMemory`: the step's FLOPs and its forward's, from :mod:`~lightning_ciuic.planner.flops`; the bytes sent per mesh axis and
 the global ranks of each axis's group) and a :class:`Hardware`, and returns a :class:`StepEstimate`:
 
 * compute: the step's FLOPs (recomputed forwards included: the device runs them) over ``peak_flops``;

@@ -79,6 +79,11 @@ class Plan:
         return rank_class.needed() <= self.device_memory
 
     @property
+    def most_needed(self) -> int:
+        """The memory the most loaded rank class needs (:meth:`RankClass.needed`)."""
+        return max(c.needed() for c in self.classes)
+
+    @property
     def all_fit(self) -> bool:
         return all(self.fits(c) for c in self.classes)
 
@@ -116,14 +121,14 @@ class Plan:
             "communication_bytes_per_step": self.bytes_per_axis(),
             "communication_by_collective": self.communication,
             "flops_per_step": self.flops,
-            "step_estimate": self.estimate.to_json() if self.estimate is not None else None,
+            "step_estimate": estimate.to_json() if (estimate := self.estimate) is not None else None,
             "warnings": self.warnings,
             "not_modelled": list(self.not_modelled),
         }
 
     def table(self) -> str:
         """The plan as text: the layout, one row per rank class, the warnings, what is not modelled."""
-        largest = max(c.needed() for c in self.classes)
+        largest = self.most_needed
         unit, scale = next((u, s) for u, s in UNITS if largest >= 10 * s or s == 1)
 
         def size(value: Optional[int]) -> str:

@@ -58,12 +58,11 @@ class Candidate:
     def rank_key(self) -> tuple:
         if self.plan is None:
             return (2, 0.0, 0.0)
-        needed = max(c.needed() for c in self.plan.classes)
         estimate = self.plan.estimate
         if estimate is not None:
             hidden, serial = estimate.overlapped_seconds, estimate.serial_seconds
             return (0 if self.plan.all_fit else 1, -estimate.mfu(hidden), -estimate.mfu(serial))
-        return (0 if self.plan.all_fit else 1, float(needed), 0.0)
+        return (0 if self.plan.all_fit else 1, float(self.plan.most_needed), 0.0)
 
     def to_json(self) -> dict[str, Any]:
         d = self.parallelism
@@ -75,7 +74,7 @@ class Candidate:
             return {"layout": layout, "refused": self.refused}
         estimate = self.plan.estimate
         return {
-            "layout": layout, "fits": self.plan.all_fit, "peak": max(c.needed() for c in self.plan.classes),
+            "layout": layout, "fits": self.plan.all_fit, "peak": self.plan.most_needed,
             "step_estimate": estimate.to_json() if estimate is not None else None,
         }
 
@@ -111,7 +110,7 @@ def search_table(candidates: Sequence[Candidate], pipelines_searched: bool) -> s
         if c.plan is None:
             lines.append(f"{name:<44} refused: {c.refused}")
             continue
-        peak = max(k.needed() for k in c.plan.classes) / 1024**3
+        peak = c.plan.most_needed / 1024**3
         estimate = c.plan.estimate
         step = mfu = "-"
         if estimate is not None:
@@ -123,5 +122,5 @@ def search_table(candidates: Sequence[Candidate], pipelines_searched: bool) -> s
                      " --micro-batch-size/--sequence-length")
     if not any(c.plan is not None and c.plan.estimate is not None for c in candidates):
         lines.append("ranked by the memory the most loaded rank needs (give --micro-batch-size, --sequence-length,"
-                     " --flops and --link to rank by estimated step time)")
+                     " --flops and --link to rank by estimated MFU)")
     return "\n".join(lines)

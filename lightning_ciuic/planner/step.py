@@ -7,17 +7,19 @@ training steps (forward, backward, the engine's gradient synchronization, the op
 ``micro_batch_size x sequence_length`` tokens, tracked by torch's ``MemTracker``. The second step's peak is the
 rank's peak (the first creates the optimizer state); its activations are the peak less the model states
 (:func:`held_bytes`: everything else alive at the peak, the batch and temporaries included). Every class of ranks of
-the stage gets the stage's activations on top of its own model states. transformers' masks take the path of an unpacked
-batch, as for real tensors (:func:`~lightning_ciuic.compat.hugging_face_sequences_unpacked`). The second step's FLOPs (torch's
-FLOP formulas on each op's local tensors, :mod:`~lightning_ciuic.planner.flops`: the step's and its forward's) and collective bytes (:mod:`~lightning_ciuic.planner.traffic`)
-are the plan's, for the step-time estimate (:mod:`~lightning_ciuic.planner.estimate`).
+the stage gets the stage's activations on top of its own model states. transformers' masks take the path of an
+unpacked batch, as for real tensors (:func:`~lightning_ciuic.compat.hugging_face_sequences_unpacked`). The second
+step's FLOPs (torch's FLOP formulas on each op's local tensors, :mod:`~lightning_ciuic.planner.flops`: the step's and
+its forward's) and collective bytes (:mod:`~lightning_ciuic.planner.traffic`) are the plan's, for the step-time
+estimate (:mod:`~lightning_ciuic.planner.estimate`).
 
 A deep model is not stepped whole: when its pipeline blocks (``pipeline_blocks()``) are one ``nn.ModuleList`` of
 alike layers (same parameter names, shapes and dtypes) longer than ``2 * EXTRAPOLATION_DEPTH``, the step runs with
 the list cut to ``k = EXTRAPOLATION_DEPTH`` layers and to ``2k``, and each figure (activations, FLOPs, bytes per
 collective) is extended along the line through the two to the model's ``L`` layers: ``f(L) = f(k) + (f(2k) - f(k))
 (L - k) / k``. Alike layers add the same saved activations, FLOPs and collectives each, so the line is exact (the test
-compares it with a whole step); the model states come from the static phase, for all ``L`` layers.
+compares it with a whole step); the model states come from the static phase, for all ``L`` layers. A larger
+``EXTRAPOLATION_DEPTH`` than half the layers steps the whole model.
 
 :func:`train_steps` is the one loop, run on fake tensors here and on real ones by the test that holds the planner to
 real runs. It drives a :class:`~lightning_ciuic.parallel.pipeline_module.PipelineModule` (``pipelined_loss`` on
@@ -267,10 +269,11 @@ def _measure(
 
 def step_figures(
     rank: int, plan: Any, build: ModuleFactory, config: ParallelismConfig, optimizers: OptimizerFactory,
-    spec: StepSpec, depth: int = EXTRAPOLATION_DEPTH,
+    spec: StepSpec, depth: Optional[int] = None,
 ) -> StepFigures:
-    """The step's figures for ``rank``: measured whole, or extended from ``depth`` and ``2 depth`` layers (see the
-    module docstring)."""
+    """The step's figures for ``rank``: measured whole, or extended from ``depth`` (default ``EXTRAPOLATION_DEPTH``)
+    and ``2 depth`` layers (see the module docstring)."""
+    depth = EXTRAPOLATION_DEPTH if depth is None else depth
     with fake_world(rank, plan.world_size):
         layers = repeated_layers(build(config.resolve(plan.world_size).build_mesh("cpu")))
     if layers is None or len(layers) <= 2 * depth:
