@@ -35,11 +35,11 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from lightning_ciuic.comm.timing import DeviceClock
 from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.parallel.axes import Axis
+from lightning_ciuic.parallel.tensor import gradient_to_parameter_placements
 
 
 class GradientSyncTimeoutError(RuntimeError):
@@ -232,12 +232,8 @@ class GradientSynchronizer:
         if not self._enabled:
             return
         bucket, slot = self._slots[id(param)]
-        grad = param.grad
-        if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
-            # DTensor may compute a gradient in another placement than its parameter's (a vocabulary-sharded
-            # embedding's comes back replicated): this rank's slot holds the parameter's own shard of it.
-            param.grad = grad = grad.redistribute(param.device_mesh, param.placements)
-        bucket.slice(slot).copy_(local_tensor(grad).reshape(-1))
+        gradient_to_parameter_placements(param)  # this rank's slot holds the parameter's own shard of its gradient
+        bucket.slice(slot).copy_(local_tensor(param.grad).reshape(-1))
         bucket.ready[slot] = True
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].complete:
             self._launch(self.buckets[self._next_bucket])

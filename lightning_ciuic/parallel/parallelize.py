@@ -9,7 +9,9 @@ and no Trainer. ``mesh`` is the layout's device mesh (built from ``dims`` when n
    the module; the method may keep ``tp_mesh`` for its own collectives), else a Hugging Face ``_tp_plan``
    translated (:func:`~lightning_ciuic.parallel.tensor.hugging_face_plan`). A module whose parameters are already
    DTensors (its own ``parallelize_module`` in ``configure_model``) is left as it is. ``tp > 1`` with no plan and
-   nothing sharded is an error: every tp rank would compute the same thing.
+   nothing sharded is an error: every tp rank would compute the same thing. Either way, unless FSDP2 shards the
+   module, each DTensor parameter's gradient is kept in its parameter's placements
+   (:func:`~lightning_ciuic.parallel.tensor.gradients_in_parameter_placements`).
 2. **Expert parallel** over ``ep`` (``dims.ep > 1``): every data-parallel rank first takes the first one's weights,
    then every packed-experts module is sharded expert-wise over ``ep`` and dispatches its tokens
    (:func:`~lightning_ciuic.parallel.experts.shard_experts`); ``Parallelized.experts`` is its layout, which the
@@ -55,7 +57,7 @@ from lightning_ciuic.parallel.fsdp import FSDPLayout, default_units, found_shard
 from lightning_ciuic.parallel.fsdp import materialize as materialize_meta
 from lightning_ciuic.parallel.pipeline import PipelineRunner, block_modules, checkpoint_activations
 from lightning_ciuic.parallel.pipeline_module import PipelineModule, build_pipeline
-from lightning_ciuic.parallel.tensor import apply_tensor_parallel, hugging_face_plan
+from lightning_ciuic.parallel.tensor import apply_tensor_parallel, gradients_in_parameter_placements, hugging_face_plan
 from lightning_ciuic.tensors import device_of
 
 
@@ -86,6 +88,8 @@ def parallelize(
     user_fsdp = found_sharding(module)
     if dims.tp_enabled:
         tensor_parallel(module, mesh[Axis.TP])
+        if user_fsdp is None and not dims.sharded:  # FSDP2 redistributes the gradients it reduces itself
+            gradients_in_parameter_placements(module)
     result = Parallelized(module, dims, mesh)
     if user_fsdp is None and (dims.sharded or dims.ep_enabled):
         broadcast_from_first(module, mesh[Axis.DP])  # replicas start equal, as DDP's do; then each keeps its shards

@@ -22,7 +22,14 @@ which is correct, only not sharded. ``replicated_with_grad_allreduce`` (Qwen3's 
 ``k_norm``, which see only a rank's heads, so each rank's gradient is a part that must be summed over tp) becomes
 :class:`HeadwiseReplicated`: the module's parameters replicated DTensors, its input this rank's heads as a DTensor
 sharded on the heads dimension, so DTensor's backward returns the parameters' gradient as ``Partial`` (each rank's
-heads' part), which FSDP2 and the replicated engine redistribute to the parameter's ``Replicate``: summed over tp.
+heads' part), redistributed to the parameter's ``Replicate`` (summed over tp) by the hook below, or by FSDP2.
+
+``gradients_in_parameter_placements(module)`` keeps each DTensor parameter's gradient in its parameter's placements
+once accumulated (a post-accumulate-grad hook): DTensor's backward may return another (a vocabulary-sharded
+embedding's comes back ``Replicate``: the whole table on every tp rank, tp times its shard's memory; a
+:class:`HeadwiseReplicated` norm's ``Partial``), and the optimizer, gradient clipping and the data-parallel engines
+need the parameter's own shard. From ``Replicate`` to a shard is a local slice; from ``Partial``, a sum over tp.
+``parallelize`` applies it where FSDP2 does not shard the module (FSDP2 redistributes its unsharded gradients itself).
 
 No Lightning imports.
 """
@@ -82,6 +89,32 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[
         return module
     validate_tensor_parallel_plan(module, tp_size, plan)
     return parallelize_module(module, tp_mesh, dict(plan))
+
+
+def gradients_in_parameter_placements(module: nn.Module) -> None:
+    """Keep every DTensor parameter's accumulated gradient in its placements (see the module docstring).
+
+    Each parameter's hook is (re)registered by a forward pre-hook of the module owning it, on the module's calls:
+    materialising a meta-built module (``to_empty``) swaps its parameters' contents, hooks included, after this ran."""
+    for sub in module.modules():
+        if any(isinstance(p, DTensor) for p in sub.parameters(recurse=False)):
+            sub.register_forward_pre_hook(_hook_gradients)
+
+
+def _hook_gradients(module: nn.Module, args: object) -> None:
+    for param in module.parameters(recurse=False):
+        if isinstance(param, DTensor) and param.requires_grad and not getattr(param, "_grad_placement_hooked", False):
+            param.register_post_accumulate_grad_hook(gradient_to_parameter_placements)
+            param._grad_placement_hooked = True  # swapped away with the hook
+
+
+@torch.no_grad()
+def gradient_to_parameter_placements(param: torch.Tensor) -> None:
+    """``param.grad`` redistributed to ``param``'s placements where a DTensor's differ (the hook's work; the replicated
+    engine's gradient hook, which may run before it, calls it too)."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def sum_grad_over(activation: torch.Tensor, tp_mesh: DeviceMesh | None) -> torch.Tensor:

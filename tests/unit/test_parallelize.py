@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -72,3 +72,31 @@ def test_every_rank_holds_its_stage_its_tensor_parallel_slice_and_its_data_paral
     expected = {f"layers.{i}.up.weight": (4, 32) for i in layers} | {f"layers.{i}.down.weight": (8, 16) for i in layers}
     expected |= {"embed.weight": (16, 32)} if stage == 0 else {"head.weight": (16, 32)}
     assert shapes == expected, (rank, int(stage), int(shard), int(tp))
+
+
+class VocabularyParallel(Tiny):
+    def tensor_parallel_plan(self, tp_mesh):
+        return {**super().tensor_parallel_plan(tp_mesh), "embed": RowwiseParallel(input_layouts=Replicate())}
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["built", "meta-built"])
+def test_tensor_parallel_gradients_keep_their_parameters_placements_without_fsdp(meta):
+    """DTensor computes a vocabulary-sharded embedding's gradient Replicate (the whole table on every tp rank); without
+    FSDP2 nothing else redistributes it: every gradient, accumulated over two backwards, is its parameter's shard."""
+    from lightning_ciuic.parallel.fsdp import materialize
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        config = ParallelismConfig(tensor_parallel_size=2, data_parallel_size=1)
+        with torch.device("meta" if meta else "cpu"):
+            module = VocabularyParallel()
+        parallelize(module, config.resolve(2), config, materialize=False)
+        if meta:
+            materialize(module, torch.device("cpu"))  # to_empty swaps the parameters' contents, hooks included
+        for _ in range(2):
+            module(torch.randint(0, 64, (2, 8))).sum().backward()
+        grads = {n: (p.grad.placements, p.grad.to_local().shape) for n, p in module.named_parameters() if isinstance(p, DTensor)}
+        assert grads["embed.weight"] == ((Shard(0),), (32, 32))
+        assert all(grads[n] == (p.placements, p.to_local().shape) for n, p in module.named_parameters() if n in grads)
+    finally:
+        dist.destroy_process_group()
