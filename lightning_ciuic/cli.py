@@ -267,7 +267,7 @@ def _search_command(options: argparse.Namespace, overrides: list[str], step: Any
     except (ValueError, TypeError) as err:  # the config itself (not a layout) does not work
         print(f"the run does not work: {err}", file=sys.stderr)
         return 2
-    print(search_table(candidates, pipelines_searched=step is None))
+    print(search_table(candidates))
     if options.json:
         Path(options.json).write_text(json.dumps(
             {"world_size": options.world_size, "candidates": [c.to_json() for c in candidates]}, indent=1

@@ -23,7 +23,10 @@ Touch points:
   unit (its state's parameter group); autograd's current graph task (``in_backward``: an activation-checkpointing
   recompute runs a module's forward again inside backward); ``DeviceMesh._unflatten`` (the expert view of a mesh
   axis, as torchtitan splits ``dp_shard`` into ``efsdp x ep``); ``nn.Module``'s own forward-hook tables (suspended while a step is routed
-  through an FSDP2 root, so its hooks run once per step).
+  through an FSDP2 root, so its hooks run once per step); a pipeline schedule's warm-up (``_warmup_p2p``, replaced where
+  the planner gives stages their metadata), its point-to-point batches (``schedules._batch_p2p``: on the fake process
+  group, their works made to hold their tensors) and ``MemTracker``'s module tracker (``_mod_tracker``: none for a
+  pipeline's steps).
 """
 
 from __future__ import annotations
@@ -314,3 +317,80 @@ def hugging_face_sequences_unpacked() -> Iterator[None]:
         yield
     finally:
         masking.find_packed_sequence_indices = packed
+
+
+def static_pipeline_warmup(stages: Any, has_backward: bool, p2p_done: bool) -> None:
+    """A pipeline schedule's warm-up (``_warmup_p2p``) for stages given the metadata of their inputs and outputs:
+    each set to torch's STATIC inference mode, without the vote torch's warm-up sends between stages (on a fake
+    process group a receive delivers nothing, and on fake tensors the vote's ``.item()`` has no value)."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    for stage in stages:
+        stage._inference_mode = InferenceMode.STATIC
+
+
+class _NoModuleTracking:
+    """torch's ``ModTracker`` as ``MemTracker`` uses it, tracking no module: no hooks, never inside a module or backward."""
+
+    parents = frozenset({"Global"})
+    is_bw = False
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> "_NoModuleTracking":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+def memory_totals_tracker() -> Any:
+    """torch's ``MemTracker`` keeping its totals and peak only, without its per-module statistics: their module hooks
+    refuse a module called more than once per step outside any other module, which is how a pipeline schedule calls
+    each stage (once per micro-batch), and their backward hooks fail under ``autograd.grad``, which a pipeline stage
+    runs to learn its gradients' shapes. Its ``ModTracker`` (``_mod_tracker``) is replaced by one tracking no module;
+    every tensor an op allocates is still counted (its dispatch mode), and the tensors ``track_external`` registers."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker._mod_tracker = _NoModuleTracking()
+    return tracker
+
+
+class _HoldingWork:
+    """A point-to-point work that keeps its tensors until it is waited on (and is otherwise the work)."""
+
+    def __init__(self, work: Any, tensors: list) -> None:
+        self._work, self._tensors = work, tensors
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._tensors = []
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+@contextmanager
+def pipeline_sends_held() -> Iterator[None]:
+    """Inside, the works of a pipeline schedule's point-to-point batches (``schedules._batch_p2p``) keep their tensors
+    until waited, as gloo's and NCCL's do. The fake process group's works keep nothing, so an activation a stage sends
+    would be freed at once where a real run holds it until the schedule waits (the multi-stage schedules wait for
+    their sends at the end of the step)."""
+    from torch.distributed.pipelining import schedules
+
+    batch = schedules._batch_p2p
+
+    def holding(p2p_ops: Any, desc: Any = None) -> list:
+        tensors = [op.tensor for op in p2p_ops]
+        return [_HoldingWork(work, tensors) for work in batch(p2p_ops, desc)]
+
+    schedules._batch_p2p = holding
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = batch

@@ -20,7 +20,10 @@ Contract:
   ``.grad`` (scaled so that they equal the gradient of the mean micro-batch loss divided by ``loss_divisor``)
   and returns the mean loss, identical on every rank of the pipeline group. ``train=False`` runs forward
   only. A schedule is built per (mode, batch shape), because stages size their receive buffers from the
-  first batch they see.
+  first batch they see. Where ``stage_metadata`` gives each of this rank's stages an example input and output (a
+  meta tensor of each one's shape, stride, dtype and ``requires_grad``: what the planner runs on a fake process group,
+  where nothing a stage sends arrives), the stages take them instead of exchanging shapes and a vote with their
+  neighbours on the first step (torch's STATIC inference mode).
 * The runner times each stage's compute and reports ``bubble``: the fraction of the step this rank spent
   not computing (waiting for its neighbours), to compare with :func:`theoretical_bubble`. The compute chunks and
   the gaps between them (sends, receives, waits) go to :data:`lightning_ciuic.timeline.timeline` (the monitor's
@@ -43,6 +46,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.utils.checkpoint import checkpoint
 
+from lightning_ciuic import compat
 from lightning_ciuic.timeline import timeline
 from lightning_ciuic.validation import check_int
 from lightning_ciuic.parallel.axes import Axis
@@ -374,6 +378,7 @@ class PipelineRunner:
         self.busy_seconds = self.step_seconds = 0.0
         self._schedules: dict[tuple, Any] = {}
         self._clock = [0.0]
+        self.stage_metadata: Optional[Mapping[int, tuple[torch.Tensor, torch.Tensor]]] = None  # stage -> (input, output)
         pp_size = dist.get_world_size(group)
         last_stage_rank = next(r for r in range(pp_size) if num_stages - 1 in self._ids_of(r, pp_size))
         self._last_stage_rank = dist.get_global_rank(group, last_stage_rank)
@@ -410,10 +415,12 @@ class PipelineRunner:
         key = (mode, batch_shape)
         if key not in self._schedules:
             placement = SCHEDULES[self.schedule_name].placement
+            given = self.stage_metadata or {}
             stages = [
                 _Stage(
                     module, stage_id, self.num_stages, self.device, group=self.group,
                     clock=self._clock, forward_only=placement == "v" and mode != "train",
+                    input_args=given.get(stage_id, (None, None))[0], output_args=given.get(stage_id, (None, None))[1],
                 )
                 for module, stage_id in zip(self.stage_modules, self.stage_ids)
             ]
@@ -433,6 +440,8 @@ class PipelineRunner:
                     f" pipeline_schedule={self.schedule_name!r} cannot ({err}); use batch sizes divisible by"
                     f" num_microbatches={self.num_microbatches} (drop_last=True)."
                 ) from err
+            if self.stage_metadata is not None:
+                schedule._warmup_p2p = compat.static_pipeline_warmup
             self._schedules[key] = schedule
         return self._schedules[key]
 

@@ -117,7 +117,7 @@ class PipelineConfig:
             )
 
 
-def _stage_starts(module: nn.Module, names: Sequence[str], num_stages: int, config: PipelineConfig) -> list[int]:
+def stage_starts(module: nn.Module, names: Sequence[str], num_stages: int, config: PipelineConfig) -> list[int]:
     if config.split_points is not None:
         return split_at(names, config.split_points, num_stages)
     if len(names) < num_stages:
@@ -147,7 +147,7 @@ def build_pipeline(
     if layout is None or layout[0] != (names, num_stages):  # a module already cut keeps its cut (a second fit)
         if any(isinstance(m, OnAnotherStage) for m in module.modules()):
             raise RuntimeError("this module was cut into pipeline stages for another layout; build a new one.")
-        layout = ((names, num_stages), _stage_starts(module, names, num_stages, config))
+        layout = ((names, num_stages), stage_starts(module, names, num_stages, config))
         module._pipeline_layout = layout
     my_stages = stage_ids_of_rank(pp_mesh.get_local_rank(), pp_mesh.size(), per_rank, config.schedule)
     stages = partition(module, names, layout[1], my_stages, module.pipeline_block_calls())

@@ -61,6 +61,7 @@ def plan_layout(
     result = Plan(
         world_size, dims, sum(seen.values()), classes, device_memory,
         largest_units={l.stage: l.largest_unit for l in layouts if l.largest_unit[1]}, hardware=hardware,
+        num_microbatches=parallelism.pipeline.num_microbatches,
     )
     warning = imbalance(layouts)
     if warning:

@@ -9,13 +9,14 @@ the global ranks of each axis's group) and a :class:`Hardware`, and returns a :c
   (``rank // devices_per_node`` equal, nodes holding consecutive ranks as torchrun places them), else over the
   inter-node link; the axes' seconds add up (one rank's collectives queue on its links one after another);
 * the step between two bounds: ``max(compute, communication)`` (every collective hidden behind compute, as FSDP2's
-  prefetching and bucketed all-reduces aim for) and ``compute + communication`` (none hidden);
+  prefetching and bucketed all-reduces aim for) and ``compute + communication`` (none hidden), each over
+  ``1 - bubble`` for a pipeline rank (``bubble``: the fraction of the step the schedule leaves it idle);
 * MFU for both: model FLOPs over the step's time times ``peak_flops``, model FLOPs being three times the forward's
   (backward costs two forwards; recomputation is not counted, the convention of PaLM's appendix B).
 
 What it leaves out, and says so in the plan: kernels reaching less than the peak FLOP/s (MFU above about 60% is
-rare), latency of small collectives, links shared by the axes of several ranks of a node, and the pipeline's bubble
-(the step phase runs without pipeline stages).
+rare), latency of small collectives, links shared by the axes of several ranks of a node, and stages of unequal
+speed beyond the bubble given.
 
 No Lightning imports.
 """
@@ -97,6 +98,7 @@ class StepEstimate:
     axis_seconds: Mapping[str, float]
     axis_links: Mapping[str, str]  # axis -> "intra" | "inter"
     peak_flops: float
+    bubble: float = 0.0  # the fraction of the step a pipeline schedule leaves the rank idle
 
     @property
     def communication_seconds(self) -> float:
@@ -104,18 +106,18 @@ class StepEstimate:
 
     @property
     def overlapped_seconds(self) -> float:
-        return max(self.compute_seconds, self.communication_seconds)
+        return max(self.compute_seconds, self.communication_seconds) / (1 - self.bubble)
 
     @property
     def serial_seconds(self) -> float:
-        return self.compute_seconds + self.communication_seconds
+        return (self.compute_seconds + self.communication_seconds) / (1 - self.bubble)
 
     def mfu(self, seconds: float) -> float:
         return self.model_flops / (seconds * self.peak_flops) if seconds > 0 else 0.0
 
     def to_json(self) -> dict:
         return {
-            "flops": self.flops, "model_flops": self.model_flops, "compute_seconds": self.compute_seconds,
+            "flops": self.flops, "model_flops": self.model_flops, "compute_seconds": self.compute_seconds, "bubble": self.bubble,
             "communication_seconds": dict(self.axis_seconds), "links": dict(self.axis_links),
             "step_seconds": {"overlapped": self.overlapped_seconds, "serial": self.serial_seconds},
             "mfu": {"overlapped": self.mfu(self.overlapped_seconds), "serial": self.mfu(self.serial_seconds)},
@@ -124,12 +126,12 @@ class StepEstimate:
 
 def estimate_step(
     flops: int, forward_flops: int, axis_bytes: Mapping[str, int], axis_ranks: Mapping[str, Sequence[int]],
-    hardware: Hardware,
+    hardware: Hardware, bubble: float = 0.0,
 ) -> StepEstimate:
     """The estimate of one rank's step (see the module docstring)."""
     links = {axis: hardware.link_of(axis_ranks.get(axis, ())) for axis in axis_bytes}
     seconds = {axis: n / hardware.speed(links[axis]) for axis, n in axis_bytes.items()}
     return StepEstimate(
         flops=int(flops), model_flops=int(3 * forward_flops), compute_seconds=flops / hardware.peak_flops,
-        axis_seconds=seconds, axis_links=links, peak_flops=hardware.peak_flops,
+        axis_seconds=seconds, axis_links=links, peak_flops=hardware.peak_flops, bubble=bubble,
     )

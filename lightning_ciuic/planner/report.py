@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.parallel.pipeline import theoretical_bubble
 from lightning_ciuic.planner.estimate import Hardware, StepEstimate, estimate_step
 from lightning_ciuic.planner.layout import RankBytes
 
@@ -60,20 +61,50 @@ class Plan:
     device_memory: int
     largest_units: dict[int, tuple[str, int]] = field(default_factory=dict)  # pp stage -> (unit, bytes gathered)
     warnings: list[str] = field(default_factory=list)
-    # mesh axis -> collective -> bytes one rank sends per step (the step phase's rank 0 of its stage)
-    communication: Optional[dict[str, dict[str, int]]] = None
-    communication_ranks: dict[str, list[int]] = field(default_factory=dict)  # axis -> the global ranks of its group
-    flops: Optional[int] = None  # of one rank's step (the step phase's), recompute included
-    forward_flops: Optional[int] = None
+    steps: dict[int, Any] = field(default_factory=dict)  # pp stage -> its first rank's StepFigures (the step phase)
+    num_microbatches: int = 1  # per step, under pipeline parallelism
     hardware: Optional[Hardware] = None
     not_modelled: tuple[str, ...] = NOT_MODELLED
 
     @property
+    def pacing_stage(self) -> Optional[int]:
+        """The pipeline stage whose rank computes the most FLOPs per step, at whose pace a pipeline moves (the only
+        stage without pipeline parallelism); None without the step phase."""
+        return max(self.steps, key=lambda stage: (self.steps[stage].flops, -stage)) if self.steps else None
+
+    @property
+    def communication(self) -> Optional[dict[str, dict[str, int]]]:
+        """Mesh axis -> collective -> bytes one rank of the pacing stage sends per step (None without the step phase)."""
+        return self.steps[self.pacing_stage].traffic if self.steps else None
+
+    @property
+    def communication_ranks(self) -> dict[str, list[int]]:
+        """Mesh axis -> the global ranks of the pacing stage's first rank's group on it."""
+        return self.steps[self.pacing_stage].axis_ranks if self.steps else {}
+
+    @property
+    def flops(self) -> Optional[int]:
+        """FLOPs of one step of a rank of the pacing stage, recomputed forwards included."""
+        return self.steps[self.pacing_stage].flops if self.steps else None
+
+    @property
+    def forward_flops(self) -> Optional[int]:
+        """The FLOPs of its forwards."""
+        return self.steps[self.pacing_stage].forward_flops if self.steps else None
+
+    @property
     def estimate(self) -> Optional[StepEstimate]:
-        """The step's time and MFU, where the step phase ran and the hardware is given."""
-        if self.hardware is None or self.flops is None or self.communication is None:
+        """The step's time and MFU, where the step phase ran and the hardware is given: the pacing stage's rank, its
+        busy time stretched by the schedule's bubble (``theoretical_bubble``, GPipe's and 1F1B's: interleaved and
+        zero-bubble schedules idle less), MFU over the model FLOPs of all stages' ranks."""
+        if self.hardware is None or not self.steps:
             return None
-        return estimate_step(self.flops, self.forward_flops, self.bytes_per_axis(), self.communication_ranks, self.hardware)
+        d = self.dims
+        bubble = theoretical_bubble(d.pp, self.num_microbatches) if d.pp > 1 else 0.0
+        model_forward = sum(f.forward_flops for f in self.steps.values()) / len(self.steps)
+        return estimate_step(
+            self.flops, model_forward, self.bytes_per_axis(), self.communication_ranks, self.hardware, bubble=bubble,
+        )
 
     def fits(self, rank_class: RankClass) -> bool:
         return rank_class.needed() <= self.device_memory
@@ -121,6 +152,14 @@ class Plan:
             "communication_bytes_per_step": self.bytes_per_axis(),
             "communication_by_collective": self.communication,
             "flops_per_step": self.flops,
+            "pacing_stage": self.pacing_stage,
+            "stage_steps": [
+                {
+                    "pp_stage": stage, "flops": f.flops, "forward_flops": f.forward_flops, "activations": f.activations,
+                    "communication_bytes_per_step": {axis: sum(by.values()) for axis, by in sorted(f.traffic.items())},
+                }
+                for stage, f in sorted(self.steps.items())
+            ],
             "step_estimate": estimate.to_json() if (estimate := self.estimate) is not None else None,
             "warnings": self.warnings,
             "not_modelled": list(self.not_modelled),
@@ -148,18 +187,24 @@ class Plan:
             )
         if any(c.peak is None for c in self.classes):
             lines.append("(no step phase: the peak is not known, and 'fits' compares the model states plus one gathered unit)")
-        if self.communication is not None:
+        for stage, figures in sorted(self.steps.items()):
             sent = ", ".join(
                 f"{axis} {_bytes(sum(by.values()))} ({', '.join(f'{name} {_bytes(v)}' for name, v in sorted(by.items()))})"
-                for axis, by in sorted(self.communication.items())
+                for axis, by in sorted(figures.traffic.items())
             )
-            lines.append(f"sent per step by one rank, per mesh axis: {sent or 'nothing'}")
+            whose = "one rank" if len(self.steps) == 1 else f"a rank of stage {stage}"
+            lines.append(f"sent per step by {whose}, per mesh axis: {sent or 'nothing'}")
         estimate = self.estimate
         if estimate is not None:
             by_axis = ", ".join(
                 f"{axis} {seconds * 1e3:.2f} ms ({estimate.axis_links[axis]}-node)"
                 for axis, seconds in sorted(estimate.axis_seconds.items())
             )
+            if estimate.bubble:
+                lines.append(
+                    f"pipeline: stage {self.pacing_stage} sets the pace (most FLOPs); the schedule's bubble"
+                    f" {estimate.bubble:.1%} of the step (pp={self.dims.pp}, {self.num_microbatches} micro-batches)"
+                )
             lines.append(
                 f"step time: {estimate.overlapped_seconds * 1e3:.2f} ms (communication hidden) to"
                 f" {estimate.serial_seconds * 1e3:.2f} ms (none hidden); MFU {estimate.mfu(estimate.overlapped_seconds):.1%}"

@@ -2,8 +2,8 @@
 
 Contract: :func:`candidate_layouts` varies the degrees of a run's layout and keeps everything else (precision,
 activation checkpointing, expert parallelism, compression, schedule): tensor parallel over the divisors of the world
-that fit in a node (``tp <= devices_per_node``), pipeline stages over the divisors of what is left (only without the
-step phase, which runs no stages), and for the data-parallel ranks left the three usual shapes: replicated (DDP),
+that fit in a node (``tp <= devices_per_node``), pipeline stages over the divisors of what is left, and for the
+data-parallel ranks left the three usual shapes: replicated (DDP),
 sharded over all of them (FSDP), and sharded within a node, replicated across (HSDP). :func:`search` plans each
 (:func:`~lightning_ciuic.planner.plan_layout`), keeps the reason of those the layout's own checks refuse (heads that
 tp does not divide, ...) and ranks what fits: by estimated MFU where there is a step-time estimate (the bound with
@@ -30,12 +30,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(
-    parallelism: ParallelismConfig, world_size: int, devices_per_node: int, pipelines: bool
+    parallelism: ParallelismConfig, world_size: int, devices_per_node: int
 ) -> list[ParallelismConfig]:
     """The layouts :func:`search` plans (see the module docstring), each once."""
     found: dict[tuple, ParallelismConfig] = {}
     for tp in (d for d in _divisors(world_size) if d <= devices_per_node):
-        for pp in _divisors(world_size // tp) if pipelines else [1]:
+        for pp in _divisors(world_size // tp):
             dp = world_size // (tp * pp)
             within_node = devices_per_node // tp if devices_per_node % tp == 0 else 1  # tp x dp_shard: one node
             for shard in (1, dp, within_node if dp % within_node == 0 else 1):
@@ -88,7 +88,7 @@ def search(
     from lightning_ciuic.planner import plan_layout
 
     candidates = []
-    for layout in candidate_layouts(parallelism, world_size, devices_per_node, pipelines=step is None):
+    for layout in candidate_layouts(parallelism, world_size, devices_per_node):
         try:
             result = plan_layout(build, layout, world_size, optimizers=optimizers, step=step, **plan_options)
         except (ValueError, TypeError) as err:
@@ -98,7 +98,7 @@ def search(
     return sorted(candidates, key=Candidate.rank_key)
 
 
-def search_table(candidates: Sequence[Candidate], pipelines_searched: bool) -> str:
+def search_table(candidates: Sequence[Candidate]) -> str:
     """The ranked layouts as text, best first."""
     lines = [f"{'layout (best first)':<44} {'fits':>4} {'peak GiB':>9} {'step ms':>19} {'MFU':>13}"]
     for c in candidates:
@@ -117,9 +117,6 @@ def search_table(candidates: Sequence[Candidate], pipelines_searched: bool) -> s
             step = f"{estimate.overlapped_seconds * 1e3:.3g}-{estimate.serial_seconds * 1e3:.3g}"
             mfu = f"{estimate.mfu(estimate.serial_seconds):.1%}-{estimate.mfu(estimate.overlapped_seconds):.1%}"
         lines.append(f"{name:<44} {'yes' if c.plan.all_fit else 'NO':>4} {peak:>9.2f} {step:>19} {mfu:>13}")
-    if not pipelines_searched:
-        lines.append("pipeline layouts are not searched with the step phase (it runs no stages): plan them without"
-                     " --micro-batch-size/--sequence-length")
     if not any(c.plan is not None and c.plan.estimate is not None for c in candidates):
         lines.append("ranked by the memory the most loaded rank needs (give --micro-batch-size, --sequence-length,"
                      " --flops and --link to rank by estimated MFU)")

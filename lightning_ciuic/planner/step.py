@@ -10,22 +10,34 @@ rank's peak (the first creates the optimizer state); its activations are the pea
 the stage gets the stage's activations on top of its own model states. transformers' masks take the path of an
 unpacked batch, as for real tensors (:func:`~lightning_ciuic.compat.hugging_face_sequences_unpacked`). The second
 step's FLOPs (torch's FLOP formulas on each op's local tensors, :mod:`~lightning_ciuic.planner.flops`: the step's and
-its forward's) and collective bytes (:mod:`~lightning_ciuic.planner.traffic`) are the plan's, for the step-time
+its forward's) and collective bytes (:mod:`~lightning_ciuic.planner.traffic`) are the stage's, for the step-time
 estimate (:mod:`~lightning_ciuic.planner.estimate`).
 
+Pipeline stages (``pp > 1``): each step is the layout's own schedule (torch's, through the strategy's
+:class:`~lightning_ciuic.parallel.pipeline.PipelineRunner`) over ``num_microbatches`` micro-batches of that size, in
+the schedule's action order, so the micro-batches in flight at the peak are the schedule's. A fake process group
+delivers nothing, so the stages are given what a real run's exchange on its first step: each stage's input and output
+(:func:`stage_boundaries`, stage by stage from a fake forward of the previous one's output); and a stage's sends keep
+their tensors until the schedule waits for them, as a real process group's do
+(:func:`~lightning_ciuic.compat.pipeline_sends_held`). Point-to-point sends are counted with the collectives (axis
+``pp``).
+
 A deep model is not stepped whole: when its pipeline blocks (``pipeline_blocks()``) are one ``nn.ModuleList`` of
-alike layers (same parameter names, shapes and dtypes) longer than ``2 * EXTRAPOLATION_DEPTH``, the step runs with
-the list cut to ``k = EXTRAPOLATION_DEPTH`` layers and to ``2k``, and each figure (activations, FLOPs, bytes per
-collective) is extended along the line through the two to the model's ``L`` layers: ``f(L) = f(k) + (f(2k) - f(k))
-(L - k) / k``. Alike layers add the same saved activations, FLOPs and collectives each, so the line is exact (the test
-compares it with a whole step); the model states come from the static phase, for all ``L`` layers. A larger
-``EXTRAPOLATION_DEPTH`` than half the layers steps the whole model.
+alike layers (same parameter names, shapes and dtypes) longer than ``2 * EXTRAPOLATION_DEPTH`` per stage, the step
+runs with the list cut to ``k = EXTRAPOLATION_DEPTH`` layers per stage and to ``2k`` (under pp, the pipeline split
+before every ``k``-th layer), and each figure (activations, FLOPs, bytes per collective) is extended along the line
+through the two to the ``L`` layers the rank holds in the layout's own split: ``f(L) = f(k) + (f(2k) - f(k)) (L - k) /
+k``. Alike layers add the same saved activations, FLOPs and collectives each, so the line is exact (the tests compare
+it with whole steps, pipelined too) from two layers on (with one, FSDP2's prefetch of the next unit finds a unit of
+another size); the model states come from the static phase, for all ``L`` layers. A split that leaves a stage no
+layer, or puts other blocks between two stages' layers, is stepped whole, as is every model when
+``EXTRAPOLATION_DEPTH`` is larger than half the layers per stage.
 
 :func:`train_steps` is the one loop, run on fake tensors here and on real ones by the test that holds the planner to
 real runs. It drives a :class:`~lightning_ciuic.parallel.pipeline_module.PipelineModule` (``pipelined_loss`` on
-``(input_ids, targets)``: the pack's causal LMs and ``HuggingFaceCausalLM``). Refused, saying so: pipeline stages
-(``pp > 1``; the static phase still plans them exactly), and mixture-of-experts models, whose routing is data-dependent
-(the number of tokens each expert gets is a value, which fake tensors do not have).
+``(input_ids, targets)``: the pack's causal LMs and ``HuggingFaceCausalLM``). Refused, saying so: mixture-of-experts
+models, whose routing is data-dependent (the number of tokens each expert gets is a value, which fake tensors do not
+have).
 
 No Lightning imports.
 """
@@ -33,7 +45,8 @@ No Lightning imports.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -48,7 +61,8 @@ from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.experts import packed_experts
 from lightning_ciuic.parallel.fsdp import materialize
 from lightning_ciuic.parallel.parallelize import parallelize
-from lightning_ciuic.parallel.pipeline_module import PipelineModule
+from lightning_ciuic.parallel.pipeline import PipelineRunner, stage_ids_of_rank
+from lightning_ciuic.parallel.pipeline_module import PipelineModule, stage_starts
 from lightning_ciuic.planner.flops import LocalFlops
 from lightning_ciuic.planner.layout import ModuleFactory, OptimizerFactory, data_parallel_engine, fake_world, stage_representatives
 from lightning_ciuic.planner.traffic import CollectiveTraffic
@@ -122,14 +136,8 @@ class StepMemory:
         return StepFigures(self.activations, self.traffic, self.axis_ranks, self.flops, self.forward_flops)
 
 
-def check_steppable(module: nn.Module, dims: ParallelDims) -> None:
+def check_steppable(module: nn.Module) -> None:
     """Refuse, naming why, what :func:`train_steps` cannot run on fake tensors."""
-    if dims.pp_enabled:
-        raise ValueError(
-            f"the step phase runs whole steps of one rank, and pipeline_parallel_size={dims.pp} splits a step over"
-            " stages and micro-batches: plan without --micro-batch-size/--sequence-length (the static phase is"
-            " exact for pipelines), or plan the layout with pipeline_parallel_size=1."
-        )
     if packed_experts(module):
         raise ValueError(
             f"{type(module).__name__} routes tokens to experts by their values, which fake tensors do not have: the step"
@@ -153,14 +161,16 @@ def token_batch(module: nn.Module, spec: StepSpec, device: torch.device) -> tupl
 
 def train_steps(
     module: nn.Module, engine: Optional[DataParallel], optimizers: Sequence[torch.optim.Optimizer],
-    batch: tuple[torch.Tensor, torch.Tensor], mesh: Any = None, steps: int = 2,
+    batch: tuple[torch.Tensor, torch.Tensor], mesh: Any = None, steps: int = 2, pipeline: Optional[PipelineRunner] = None,
 ) -> StepMemory:
     """``steps`` training steps tracked by ``MemTracker``; the last step's peak, FLOPs and collective bytes
     (:class:`~lightning_ciuic.planner.traffic.CollectiveTraffic`; ``mesh``: the layout's, to name its axes), and the
-    model states after it."""
+    model states after it. With ``pipeline`` (this rank's stages), each step is its schedule over the whole ``batch``
+    (forward and backward of every micro-batch, in the schedule's order); MemTracker then keeps totals only
+    (:func:`~lightning_ciuic.compat.memory_totals_tracker`: a schedule calls each stage once per micro-batch)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker()
+    tracker = MemTracker() if pipeline is None else compat.memory_totals_tracker()
     tracker.track_external(module, *optimizers)
     device = batch[0].device
     step_module = _Step(module)
@@ -171,7 +181,10 @@ def train_steps(
             if last:
                 tracker.reset_mod_stats()
             with traffic if last else contextlib.nullcontext(), flops if last else contextlib.nullcontext():
-                step_module(batch).backward()
+                if pipeline is None:
+                    step_module(batch).backward()
+                else:
+                    pipeline.run(*batch, train=True)
                 if engine is not None:
                     engine.after_backward()
                 for optimizer in optimizers:
@@ -243,28 +256,110 @@ def repeated_layers(module: nn.Module) -> Optional[nn.ModuleList]:
     return layers if len(signatures) == 1 else None
 
 
-def _measure(
-    rank: int, plan: Any, build: ModuleFactory, config: ParallelismConfig, optimizers: OptimizerFactory,
-    spec: StepSpec, depth: Optional[int],
-) -> StepFigures:
-    """One rank's fake step on the module ``build`` makes, its layer list cut to ``depth`` layers (None: whole)."""
+@contextlib.contextmanager
+def _fake_rank(rank: int, plan: Any, build: ModuleFactory, config: ParallelismConfig, depth: Optional[int]) -> Iterator[Any]:
+    """Inside: ``rank``'s part of the module ``build`` makes (its layer list cut to ``depth`` layers; None: whole),
+    parallelized on the fake process group and allocated on fake tensors; yields the ``Parallelized`` and the mesh."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     dims = config.resolve(plan.world_size)
     with fake_world(rank, plan.world_size):
         mesh = dims.build_mesh("cpu")
         module = build(mesh)
-        check_steppable(module, dims)
+        check_steppable(module)
         if depth is not None:
             del repeated_layers(module)[depth:]
         parallelized = parallelize(module, dims, config, mesh=mesh, materialize=False)
         with FakeTensorMode(allow_non_fake_inputs=True), compat.hugging_face_sequences_unpacked():
             materialize(module, torch.device("cpu"))
-            engine = data_parallel_engine(parallelized, config)
-            memory = train_steps(module, engine, optimizers(module), token_batch(module, spec, torch.device("cpu")), mesh)
-            if engine is not None:
-                engine.close()
+            yield parallelized, mesh
+
+
+def _measure(
+    rank: int, plan: Any, build: ModuleFactory, config: ParallelismConfig, optimizers: OptimizerFactory,
+    spec: StepSpec, depth: Optional[int],
+) -> StepFigures:
+    """One rank's fake step on the module ``build`` makes, its layer list cut to ``depth`` layers (None: whole)."""
+    boundaries = stage_boundaries(plan, build, config, spec, depth) if config.pipeline_parallel_size > 1 else None
+    with _fake_rank(rank, plan, build, config, depth) as (parallelized, mesh):
+        module, pipeline = parallelized.module, parallelized.pipeline
+        if pipeline is not None:
+            pipeline.stage_metadata = {stage: boundaries[stage] for stage in pipeline.stage_ids}
+            spec = StepSpec(spec.micro_batch_size * pipeline.num_microbatches, spec.sequence_length)
+        engine = data_parallel_engine(parallelized, config)
+        batch = token_batch(module, spec, torch.device("cpu"))
+        with compat.pipeline_sends_held():
+            memory = train_steps(module, engine, optimizers(module), batch, mesh, pipeline=pipeline)
+        if engine is not None:
+            engine.close()
     return memory.figures()
+
+
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta").requires_grad_(tensor.requires_grad)
+
+
+def stage_boundaries(
+    plan: Any, build: ModuleFactory, config: ParallelismConfig, spec: StepSpec, depth: Optional[int],
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each pipeline stage's input and output for one micro-batch, as meta tensors (shape, stride, dtype,
+    ``requires_grad``): stage by stage, a fake forward of the stage (on a rank that holds it) of the previous one's
+    output, the first's input being ``spec``'s token ids. What a real run's stages exchange on their first step."""
+    dims = config.resolve(plan.world_size)
+    per_stage, local = plan.world_size // dims.pp, config.pipeline.local_stages
+    holder = {
+        stage: pp_rank * per_stage
+        for pp_rank in range(dims.pp) for stage in stage_ids_of_rank(pp_rank, dims.pp, local, config.pipeline.schedule)
+    }
+    boundaries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    previous: Optional[torch.Tensor] = None
+    for stage in range(dims.pp * local):
+        with _fake_rank(holder[stage], plan, build, config, depth) as (parallelized, _):
+            pipeline = parallelized.pipeline
+            if previous is None:
+                inputs = token_batch(parallelized.module, spec, torch.device("cpu"))[0]
+            else:
+                inputs = torch.empty_strided(previous.shape, previous.stride(), dtype=previous.dtype)
+                inputs.requires_grad_(previous.requires_grad)
+            outputs = pipeline.stage_modules[pipeline.stage_ids.index(stage)](inputs)
+            if not isinstance(outputs, torch.Tensor):
+                raise TypeError(
+                    f"pipeline stage {stage} returns {type(outputs).__name__}; the step phase passes one tensor between"
+                    " stages (the PipelineModule protocol): plan it without --micro-batch-size/--sequence-length."
+                )
+            boundaries[stage] = (_meta_like(inputs), _meta_like(outputs))
+            previous = boundaries[stage][1]
+    return boundaries
+
+
+def _layers_per_rank(module: nn.Module, config: ParallelismConfig, dims: ParallelDims) -> Optional[list[int]]:
+    """The repeated layers each pipeline rank holds under the layout's own split; None where a rank holds none, or
+    where blocks other than the layers (embedding, head) sit between two stages' layers."""
+    layers = repeated_layers(module)
+    names = list(module.pipeline_blocks())
+    prefix = next(name for name, m in module.named_modules() if m is layers)
+    is_layer = [name.rpartition(".")[0] == prefix for name in names]
+    first, last = is_layer.index(True), len(is_layer) - 1 - is_layer[::-1].index(True)
+    local = config.pipeline.local_stages
+    starts = stage_starts(module, names, dims.pp * local, config.pipeline) + [len(names)]
+    per_stage = [sum(is_layer[a:b]) for a, b in zip(starts, starts[1:])]
+    if min(per_stage) == 0 or not all(first < start <= last for start in starts[1:-1]):
+        return None
+    return [
+        sum(per_stage[s] for s in stage_ids_of_rank(r, dims.pp, local, config.pipeline.schedule)) for r in range(dims.pp)
+    ]
+
+
+def _split_every(config: ParallelismConfig, module: nn.Module, depth: int) -> ParallelismConfig:
+    """``config`` with its pipeline split before every ``depth``-th layer: each stage ``depth`` layers of the list cut to
+    ``stages x depth`` (the blocks before and after the layers staying with the first and last stage)."""
+    if config.pipeline_parallel_size == 1:
+        return config
+    layers = repeated_layers(module)
+    prefix = next(name for name, m in module.named_modules() if m is layers)
+    stages = config.pipeline_parallel_size * config.pipeline.local_stages
+    points = tuple(f"{prefix}.{stage * depth}" for stage in range(1, stages))
+    return dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, split_points=points))
 
 
 def step_figures(
@@ -272,24 +367,32 @@ def step_figures(
     spec: StepSpec, depth: Optional[int] = None,
 ) -> StepFigures:
     """The step's figures for ``rank``: measured whole, or extended from ``depth`` (default ``EXTRAPOLATION_DEPTH``)
-    and ``2 depth`` layers (see the module docstring)."""
+    and ``2 depth`` layers per stage (see the module docstring)."""
     depth = EXTRAPOLATION_DEPTH if depth is None else depth
+    dims = config.resolve(plan.world_size)
+    local = config.pipeline.local_stages if dims.pp_enabled else 1
     with fake_world(rank, plan.world_size):
-        layers = repeated_layers(build(config.resolve(plan.world_size).build_mesh("cpu")))
-    if layers is None or len(layers) <= 2 * depth:
+        module = build(dims.build_mesh("cpu"))
+        layers = repeated_layers(module)
+        held = None
+        if layers is not None and len(layers) > 2 * depth * dims.pp * local:
+            held = _layers_per_rank(module, config, dims) if dims.pp_enabled else [len(layers)]
+    if held is None:
         return _measure(rank, plan, build, config, optimizers, spec, None)
-    shallow = _measure(rank, plan, build, config, optimizers, spec, depth)
-    deeper = _measure(rank, plan, build, config, optimizers, spec, 2 * depth)
-    return shallow.extended(deeper, depth, len(layers))
+    shallow, deeper = (
+        _measure(rank, plan, build, _split_every(config, module, d), optimizers, spec, d * dims.pp * local)
+        for d in (depth, 2 * depth)
+    )
+    return shallow.extended(deeper, depth * local, held[rank // (plan.world_size // dims.pp)])
 
 
 def run_step_phase(plan: Any, build: ModuleFactory, config: ParallelismConfig, optimizers: OptimizerFactory, spec: StepSpec) -> None:
-    """Fill in each rank class's activations and peak, and the plan's FLOPs and traffic (see the module docstring)."""
-    for rank in stage_representatives(config.resolve(plan.world_size)):
+    """Fill in each rank class's activations and peak, and each pipeline stage's step figures (see the module
+    docstring)."""
+    for stage, rank in enumerate(stage_representatives(config.resolve(plan.world_size))):
         figures = step_figures(rank, plan, build, config, optimizers, spec)
-        for rank_class in plan.classes:  # one stage (check_steppable)
-            rank_class.activations = figures.activations
-            rank_class.peak = rank_class.model_states + figures.activations
-        plan.communication = figures.traffic
-        plan.communication_ranks = figures.axis_ranks
-        plan.flops, plan.forward_flops = figures.flops, figures.forward_flops
+        for rank_class in plan.classes:
+            if rank_class.pp_stage == stage:
+                rank_class.activations = figures.activations
+                rank_class.peak = rank_class.model_states + figures.activations
+        plan.steps[stage] = figures

@@ -3,6 +3,7 @@ what each rank of a real gloo run holds after a training step (local parameters,
 and gradient-bucket bytes); a layout ``fit`` refuses is refused with the same error; the shipped plan configs plan at
 1024 ranks with their models' parameter counts."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from lightning_ciuic import HybridParallelStrategy
 from lightning_ciuic.planner import plan, plan_layout
 from lightning_ciuic.config import ParallelismConfig
 from lightning_ciuic.parallel.parallelize import parallelize
+from lightning_ciuic.parallel.pipeline_module import PipelineConfig
 from lightning_ciuic.planner.config import optimizers_of
 from lightning_ciuic.planner.step import StepSpec, data_parallel_engine, held_bytes, token_batch, train_steps
 from tests.helpers import TINY_MODEL, loader, run_workers
@@ -162,13 +164,19 @@ def _real_step(rank: int, world: int, layout: dict, out: str) -> None:
     mesh = dims.build_mesh("cpu")
     parallelized = parallelize(module, dims, config, mesh=mesh)
     engine = data_parallel_engine(parallelized, config)
+    pipeline = parallelized.pipeline  # its stages exchange shapes on the first step, as in fit
+    step = STEP if pipeline is None else StepSpec(STEP.micro_batch_size * pipeline.num_microbatches, STEP.sequence_length)
+    batch = token_batch(module, step, torch.device("cpu"))
+    optimizers = optimizers_of(module)
+    memory = train_steps(module, engine, optimizers, batch, mesh, pipeline=pipeline)
+    # The engine's own counters (what CommunicationMonitor reports), for one more step like the last.
     sent_before = engine.stats.bytes_sent if engine is not None else 0
-    memory = train_steps(module, engine, optimizers_of(module), token_batch(module, STEP, torch.device("cpu")), mesh)
-    # The engine's own counters (what CommunicationMonitor reports), for the last of the two steps.
-    engine_sent = (engine.stats.bytes_sent - sent_before) // 2 if engine is not None else 0
+    train_steps(module, engine, optimizers, batch, mesh, steps=1, pipeline=pipeline)
+    engine_sent = engine.stats.bytes_sent - sent_before if engine is not None else 0
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "peak": memory.peak, "model_states": memory.model_states, "traffic": memory.traffic, "engine_sent": engine_sent,
         "flops": memory.flops, "forward_flops": memory.forward_flops, "axis_ranks": memory.axis_ranks,
+        "held": held_bytes(module, engine, optimizers),
     }))
 
 
@@ -178,6 +186,11 @@ STEP_LAYOUTS = {
     "fsdp4": dict(data_parallel_size=4, data_parallel_shard_size=4),
     "hsdp2x2": dict(data_parallel_size=4, data_parallel_shard_size=2),
     "fsdp2-tp2": dict(data_parallel_size=2, data_parallel_shard_size=2, tensor_parallel_size=2),
+    "pp2-fsdp2": dict(pipeline_parallel_size=2, data_parallel_size=2, data_parallel_shard_size=2),
+    "pp2-tp2": dict(pipeline_parallel_size=2, tensor_parallel_size=2, pipeline=PipelineConfig(schedule="gpipe")),
+    "pp2-dp2-interleaved": dict(
+        pipeline_parallel_size=2, data_parallel_size=2, pipeline=PipelineConfig("interleaved_1f1b", stages_per_rank=2),
+    ),
 }
 
 
@@ -191,19 +204,21 @@ def test_a_real_step_holds_what_the_plan_says_and_peaks_near_the_fake_steps_peak
     run_workers(_real_step, 4, layout, str(tmp_path))
     planned = plan_layout(_build_llama, ParallelismConfig(**layout), 4, optimizers=optimizers_of, step=STEP)
     for rank_class in planned.classes:
+        stage = planned.steps[rank_class.pp_stage]  # the step phase's figures for the ranks of this pipeline stage
         for rank in rank_class.ranks:
             real = json.loads((tmp_path / f"rank{rank}.json").read_text())
             # What the real step holds after it is what the static phase computed, exactly.
-            assert rank_class.model_states == real["model_states"], (rank, real)
+            assert rank_class.model_states == real["model_states"], (rank, rank_class.figures, real["held"])
             # Every collective of the fake step sends what the real one does, per axis and collective; the
             # data-parallel axes' bytes are what the engine's counters (the monitor's figures) say it sent.
-            assert planned.communication == real["traffic"], (rank, real["traffic"])
-            data_parallel = sum(v for axis, v in planned.bytes_per_axis().items() if axis.startswith("dp"))
-            assert data_parallel == real["engine_sent"] > 0, (rank, data_parallel, real["engine_sent"])
-            # The FLOPs the estimate divides: the fake step counts the real step's, rank 0's groups are rank 0's.
-            if rank == 0:
-                assert (planned.flops, planned.forward_flops) == (real["flops"], real["forward_flops"]) != (0, 0)
-                assert planned.communication_ranks == real["axis_ranks"]
+            assert stage.traffic == real["traffic"], (rank, real["traffic"])
+            data_parallel = sum(sum(by.values()) for axis, by in stage.traffic.items() if axis.startswith("dp"))
+            if planned.dims.dp_enabled:
+                assert data_parallel == real["engine_sent"] > 0, (rank, data_parallel, real["engine_sent"])
+            # The FLOPs the estimate divides: the fake step counts the real step's, a stage's first rank's groups are its.
+            if rank == rank_class.ranks[0] == min(c.ranks[0] for c in planned.classes if c.pp_stage == rank_class.pp_stage):
+                assert (stage.flops, stage.forward_flops) == (real["flops"], real["forward_flops"]) != (0, 0)
+                assert stage.axis_ranks == real["axis_ranks"]
             # The peak: MemTracker's on fake tensors against MemTracker's on real ones, within the planner's 2%.
             assert abs(rank_class.peak - real["peak"]) <= 0.02 * real["peak"], (rank, rank_class.peak, real)
 
@@ -216,22 +231,29 @@ def test_the_step_phase_activations_grow_with_the_micro_batch():
     assert small.model_states == large.model_states and 0 < small.activations < large.activations
 
 
-def _deep_llama(mesh):
+def _deep_llama(mesh, layers=7):
     from lightning_ciuic.huggingface import HuggingFaceCausalLM
 
     with torch.device("meta"):
-        return HuggingFaceCausalLM(model_type="llama", config={**LLAMA, "num_hidden_layers": 7})
+        return HuggingFaceCausalLM(model_type="llama", config={**LLAMA, "num_hidden_layers": layers})
 
 
-@pytest.mark.parametrize("layout", [STEP_LAYOUTS["fsdp2-tp2"], STEP_LAYOUTS["dp4"]], ids=["fsdp2-tp2", "dp4"])
-def test_a_deep_models_step_extended_from_two_and_four_layers_is_the_whole_step(layout):
-    """Seven alike layers: the figures on the line through 2- and 4-layer steps equal a whole 7-layer step's."""
+@pytest.mark.parametrize(
+    "layout, layers, rank",
+    [(STEP_LAYOUTS["fsdp2-tp2"], 7, 0), (STEP_LAYOUTS["dp4"], 7, 0), (STEP_LAYOUTS["pp2-fsdp2"], 9, 0),
+     (STEP_LAYOUTS["pp2-fsdp2"], 9, 2)],
+    ids=["fsdp2-tp2", "dp4", "pp2-fsdp2-stage0", "pp2-fsdp2-stage1"],
+)
+def test_a_deep_models_step_extended_from_two_and_four_layers_is_the_whole_step(layout, layers, rank):
+    """Alike layers: the figures on the line through steps of 2 and 4 layers (per pipeline stage, each stage cut to
+    them) equal a whole step's (7 layers; 9 for a pipeline, whose stages hold 4 and 5)."""
     from lightning_ciuic.planner.step import _measure, step_figures
 
     config = ParallelismConfig(**layout)
-    shell = plan_layout(_deep_llama, config, 4, optimizers=optimizers_of)
-    extended = step_figures(0, shell, _deep_llama, config, optimizers_of, STEP, depth=2)
-    whole = _measure(0, shell, _deep_llama, config, optimizers_of, STEP, None)
+    build = functools.partial(_deep_llama, layers=layers)
+    shell = plan_layout(build, config, 4, optimizers=optimizers_of)
+    extended = step_figures(rank, shell, build, config, optimizers_of, STEP, depth=2)
+    whole = _measure(rank, shell, build, config, optimizers_of, STEP, None)
     assert (extended.flops, extended.forward_flops, extended.traffic) == (whole.flops, whole.forward_flops, whole.traffic)
     assert extended.activations == whole.activations, (extended.activations, whole.activations)
 
@@ -263,10 +285,14 @@ def test_the_step_estimate_and_search_from_the_command_line(tmp_path, capsys):
     nodes_of_4 = [*hardware[:-1], "4"]  # tp up to 4: the 4-way layout is among those searched, and refused
     assert plan_command([*config, *step, *nodes_of_4, "--search", "--json", str(searched)]) == 0
     printed = capsys.readouterr().out
-    assert "pipeline layouts are not searched with the step phase" in printed
+    assert "pp=4 tp=1 dp=1" in printed, printed
     candidates = json.loads(searched.read_text())["candidates"]
-    layouts = [(c["layout"]["tp"], c["layout"]["dp_shard"]) for c in candidates]
-    assert sorted(layouts) == [(1, 1), (1, 4), (2, 1), (2, 2), (4, 1)], layouts  # DDP, FSDP, HSDP in a node
+    layouts = [(c["layout"]["pp"], c["layout"]["tp"], c["layout"]["dp_shard"]) for c in candidates]
+    assert sorted(layouts) == [  # DDP, FSDP, HSDP in a node, with and without pipeline stages
+        (1, 1, 1), (1, 1, 4), (1, 2, 1), (1, 2, 2), (1, 4, 1), (2, 1, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1),
+    ], layouts
+    piped = next(c for c in candidates if c["layout"]["pp"] == 4)["step_estimate"]
+    assert piped["bubble"] == pytest.approx(3 / 7)  # (p - 1) / (m + p - 1): 4 stages, 4 micro-batches
     refused = [c for c in candidates if "refused" in c]
     assert [c["layout"]["tp"] for c in refused] == [4] and "num_key_value_heads=2" in refused[0]["refused"]
     mfu = [c["step_estimate"]["mfu"]["overlapped"] for c in candidates if "refused" not in c]
@@ -284,7 +310,7 @@ def test_search_without_the_step_phase_plans_pipelines_too_and_ranks_by_memory()
     assert {c.parallelism.pipeline_parallel_size for c in planned} == {1, 2, 4}, [c.to_json() for c in candidates]
     needed = [max(k.needed() for k in c.plan.classes) for c in planned]
     assert needed == sorted(needed), needed
-    assert "ranked by the memory the most loaded rank needs" in search_table(candidates, pipelines_searched=True)
+    assert "ranked by the memory the most loaded rank needs" in search_table(candidates)
     tight = sorted(needed)[len(needed) // 2]  # half of them fit
     ranked = search(_build_llama, config, 4, optimizers=optimizers_of, devices_per_node=4, device_memory=tight)
     fits = [c.plan.all_fit for c in ranked if c.plan is not None]

@@ -52,6 +52,27 @@ def test_fit_loop_counters_are_where_snapshots_look():
 def test_overridden_private_hooks_still_exist():
     assert "trainer" in inspect.signature(ModelCheckpoint._find_last_checkpoints).parameters  # AsyncCheckpointer
     assert callable(PipelineStage._to_tensor)  # parallel/pipeline.py: shape inference on zeros
+    # The planner's pipeline steps: a schedule's warm-up replaced, MemTracker's module hooks silenced.
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.pipelining._utils import InferenceMode
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    assert list(inspect.signature(_PipelineSchedule._warmup_p2p).parameters) == ["self", "stages", "has_backward", "p2p_done"]
+    assert InferenceMode.STATIC
+    from torch.distributed.pipelining import schedules
+
+    assert list(inspect.signature(schedules._batch_p2p).parameters) == ["p2p_ops", "desc"]
+    with compat.pipeline_sends_held():
+        assert schedules._batch_p2p([]) == []
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    assert isinstance(MemTracker()._mod_tracker, ModTracker)
+    assert all(callable(getattr(ModTracker, name)) for name in ("register_user_hooks", "clear_user_hooks", "__enter__"))
+    assert ModTracker().parents == {"Global"} and ModTracker().is_bw is False
+    tracker = compat.memory_totals_tracker()
+    with tracker:
+        kept = torch.ones(256)
+    assert tracker.get_tracker_snapshot("peak")[kept.device]["Total"] >= kept.numel() * 4
 
 
 def test_torch_private_helpers():
