@@ -26,7 +26,8 @@ Touch points:
   through an FSDP2 root, so its hooks run once per step); a pipeline schedule's warm-up (``_warmup_p2p``, replaced where
   the planner gives stages their metadata), its point-to-point batches (``schedules._batch_p2p``: on the fake process
   group, their works made to hold their tensors) and ``MemTracker``'s module tracker (``_mod_tracker``: none for a
-  pipeline's steps).
+  pipeline's steps); fake tensors' rules (``fake_impls.op_implementations_dict``) and the meta kernel of
+  ``_grouped_mm`` (a float32 rule beside it while the planner steps).
 """
 
 from __future__ import annotations
@@ -394,3 +395,35 @@ def pipeline_sends_held() -> Iterator[None]:
         yield
     finally:
         schedules._batch_p2p = batch
+
+
+@contextmanager
+def grouped_mm_on_fake_tensors_in_any_dtype() -> Iterator[None]:
+    """Inside, fake tensors run ``torch._grouped_mm`` in float32 and float16 too, as the CPU kernel computes it: the
+    meta kernel fake tensors run (``_meta_registrations.meta_grouped_mm``) keeps a CUDA check that refuses all but
+    bfloat16. The output's shape and strides are the meta kernel's for bfloat16 inputs of the same shapes, in the
+    inputs' dtype (or ``out_dtype``). Registered as a fake-tensor rule for the op (``fake_impls.
+    op_implementations_dict``) while inside; bfloat16 goes on to the meta kernel as before."""
+    from torch._meta_registrations import meta_grouped_mm
+    from torch._subclasses import fake_impls
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
+    op = torch.ops.aten._grouped_mm.default
+
+    def shape_of_grouped_mm(fake_mode: Any, func: Any, mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None) -> Any:
+        if mat_a.dtype == torch.bfloat16:
+            return NotImplemented
+        with in_kernel_invocation_manager(fake_mode):
+            as_bf16 = [torch.empty_strided(t.shape, t.stride(), dtype=torch.bfloat16, device="meta") for t in (mat_a, mat_b)]
+            shape = meta_grouped_mm(*as_bf16, offs=offs, bias=bias)
+            out = torch.empty_strided(shape.shape, shape.stride(), dtype=out_dtype or mat_a.dtype, device="meta")
+        return FakeTensor(fake_mode, out, mat_a.device)
+
+    if op in fake_impls.op_implementations_dict:
+        yield  # torch has its own rule now
+        return
+    fake_impls.op_implementations_dict[op] = shape_of_grouped_mm
+    try:
+        yield
+    finally:
+        fake_impls.op_implementations_dict.pop(op, None)

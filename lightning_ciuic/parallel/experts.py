@@ -17,7 +17,9 @@ Contract:
   local experts run on what arrived (``torch._grouped_mm`` for float32/bf16/fp16 with 16-byte rows, else a loop over
   experts: float64), the results sent back, and each token's outputs summed with its routing weights, on the sender
   (the router's gradient stays local). A rank that receives no token still takes part in every collective. Backward
-  runs the same exchanges in reverse, in the working precision.
+  runs the same exchanges in reverse, in the working precision. With ``ExpertLayout.assume_balanced`` (the planner's
+  step on fake tensors, which hold no values), it routes as if every expert got an equal share of every rank's
+  pairs, whatever the router chose: the sizes, collectives and allocations of a real step whose routing is balanced.
 * **Over tensor-parallel peers** (``dims.ep_over_tp``: ``ep`` takes the tp peers too, which hold the same tokens):
   each peer dispatches its share of the tokens, and the shares' outputs are all-gathered; the inputs' gradients are
   summed over the peers (Megatron's copy-to-tensor-parallel-region), each peer keeps its share's output gradient.
@@ -44,6 +46,7 @@ No Lightning imports.
 from __future__ import annotations
 
 import functools
+import itertools
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -151,6 +154,7 @@ class ExpertLayout:
     grad_scale: float = field(init=False)
     tp_mesh: Optional[DeviceMesh] = field(init=False)
     clock: DeviceClock = field(init=False)
+    assume_balanced: bool = False  # route as if balanced, whatever the router chose (the planner's fake tensors)
 
     def __post_init__(self) -> None:
         self.ep_mesh = self.dims.expert_parallel_mesh(self.mesh)
@@ -300,17 +304,17 @@ class _Exchange(torch.autograd.Function):
         return back.view(grad.dtype).view(-1, width), None, None, None, None, None
 
 
-def run_local_experts(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor, grad_scale: float) -> torch.Tensor:
+def run_local_experts(experts: nn.Module, rows: torch.Tensor, counts: Sequence[int], grad_scale: float) -> torch.Tensor:
     """This rank's experts on ``rows`` sorted by local expert (``counts[e]`` rows each): SwiGLU per expert."""
     gate_up = _ScaleGradient.apply(local_tensor(experts.gate_up_proj), grad_scale)
     down = _ScaleGradient.apply(local_tensor(experts.down_proj), grad_scale)
     if _grouped_mm_fits(rows, gate_up, down):
-        offsets = counts.cumsum(0).to(torch.int32)
+        offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows.device)
         hidden = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offsets)
         gate, up = hidden.chunk(2, dim=-1)
         return torch._grouped_mm((experts.act_fn(gate) * up).contiguous(), down.transpose(-2, -1), offs=offsets)
     outputs = []
-    for e, chunk in enumerate(rows.split(counts.tolist())):
+    for e, chunk in enumerate(rows.split(list(counts))):
         gate, up = nn.functional.linear(chunk, gate_up[e]).chunk(2, dim=-1)
         outputs.append(nn.functional.linear(experts.act_fn(gate) * up, down[e]))
     return torch.cat(outputs) if outputs else rows.new_empty((0, down.shape[1]))
@@ -365,31 +369,63 @@ class _GatherShares(torch.autograd.Function):
         return grad[ctx.share].contiguous(), None, None, None
 
 
-def _dispatch_and_combine(self, layout, hidden, top_k_index, top_k_weights) -> torch.Tensor:
-    """Route, send, compute, send back, combine (see the module docstring)."""
+@dataclass(frozen=True)
+class _Routing:
+    """Where one rank's (token, expert) pairs go: rows to each rank of the ep group and rows from each, and, of what
+    arrives, the expert of each row (grouped by source rank, then expert) and the rows of each local expert."""
+
+    send_rows: list[int]
+    recv_rows: list[int]
+    expert_of_row: torch.Tensor
+    per_local_expert: list[int]
+
+
+def _routing(layout: ExpertLayout, flat: torch.Tensor, n_experts: int) -> _Routing:
+    """The routing of the pairs ``flat`` (each one's expert), counted and exchanged (one small all-to-all)."""
     ep = layout.ep_mesh.size()
-    n_experts = self.gate_up_proj.shape[0]
     local = n_experts // ep
-    tokens, k = top_k_index.shape
-    flat = top_k_index.reshape(-1)
-    order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, so by destination rank
-    source_token = order // k
     counts = torch.bincount(flat, minlength=n_experts)
     arriving = torch.empty_like(counts)
     all_to_all_timed(arriving, counts, [local] * ep, [local] * ep, layout, "counts")  # [source rank, local expert] tokens coming here
     arriving = arriving.view(ep, local)
-    send_rows = counts.view(ep, local).sum(1).tolist()
-    recv_rows = arriving.sum(1).tolist()
+    expert_of_row = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(arriving.reshape(-1))
+    return _Routing(counts.view(ep, local).sum(1).tolist(), arriving.sum(1).tolist(), expert_of_row, arriving.sum(0).tolist())
+
+
+def _balanced_routing(layout: ExpertLayout, flat: torch.Tensor, n_experts: int) -> _Routing:
+    """:func:`_routing` as if every rank of the ep group routed as many pairs as this one, spread evenly over the experts
+    (expert ``e`` gets ``P // E`` of the ``P`` pairs, one more for ``e < P % E``), whatever their values: the counts
+    exchanged, every size and every tensor allocated as a real balanced step's (``ExpertLayout.assume_balanced``)."""
+    ep, me = layout.ep_mesh.size(), layout.ep_mesh.get_local_rank()
+    local, pairs = n_experts // ep, flat.numel()
+    counts = [pairs // n_experts + (1 if e < pairs % n_experts else 0) for e in range(n_experts)]
+    exchanged = flat.new_empty(n_experts)
+    all_to_all_timed(torch.empty_like(exchanged), exchanged, [local] * ep, [local] * ep, layout, "counts")
+    mine = counts[me * local : (me + 1) * local]
+    arrived = ep * sum(mine)
+    expert_of_row = flat.new_empty(arrived)
+    return _Routing(
+        [sum(counts[j * local : (j + 1) * local]) for j in range(ep)], [sum(mine)] * ep, expert_of_row, [ep * n for n in mine],
+    )
+
+
+def _dispatch_and_combine(self, layout, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+    """Route, send, compute, send back, combine (see the module docstring)."""
+    n_experts = self.gate_up_proj.shape[0]
+    tokens, k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, so by destination rank
+    source_token = order // k
+    routing = (_balanced_routing if layout.assume_balanced else _routing)(layout, flat, n_experts)
     received = _Exchange.apply(
-        hidden.index_select(0, source_token), send_rows, recv_rows, layout, layout.codec, "dispatch"
+        hidden.index_select(0, source_token), routing.send_rows, routing.recv_rows, layout, layout.codec, "dispatch"
     )
     # what arrived is grouped by source rank, then expert; the experts want it grouped by expert
-    expert_of_row = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(arriving.reshape(-1))
-    by_expert = expert_of_row.argsort(stable=True)
-    computed = run_local_experts(self, received.index_select(0, by_expert), arriving.sum(0), layout.grad_scale)
+    by_expert = routing.expert_of_row.argsort(stable=True)
+    computed = run_local_experts(self, received.index_select(0, by_expert), routing.per_local_expert, layout.grad_scale)
     layout.stats.received_tokens += computed.shape[0]
     unsorted = torch.empty_like(computed).index_copy(0, by_expert, computed)
-    returned = _Exchange.apply(unsorted, recv_rows, send_rows, layout, None, "combine")
+    returned = _Exchange.apply(unsorted, routing.recv_rows, routing.send_rows, layout, None, "combine")
     weights = top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(returned.dtype)
     combined = hidden.new_zeros((tokens, returned.shape[1]), dtype=returned.dtype)
     return combined.index_add(0, source_token, returned * weights).to(hidden.dtype)

@@ -1,8 +1,9 @@
 """FLOPs a rank's own kernels run: torch's FLOP formulas applied to the local tensors of each op.
 
 Contract: inside :class:`LocalFlops` (a ``TorchDispatchMode``), every op with a formula in
-``torch.utils.flop_counter`` (matmuls, convolutions, attention kernels) adds its FLOPs to ``total``, computed from
-the shapes of the tensors it runs on. An op on DTensors is handed to DTensor (the mode returns ``NotImplemented``),
+``torch.utils.flop_counter`` (matmuls, convolutions, attention kernels), and ``torch._grouped_mm`` (the experts'
+grouped GEMM, which it lacks: :func:`grouped_mm_flops`), adds its FLOPs to ``total``, computed from the shapes of the
+tensors it runs on. An op on DTensors is handed to DTensor (the mode returns ``NotImplemented``),
 and the local ops DTensor runs are counted: a tensor-parallel matmul counts this rank's shard, not the global
 product that ``FlopCounterMode`` counts for a DTensor. Not counted: the ops DTensor's sharding propagation runs on
 fake tensors of the global shapes to learn an output's shape (no kernel computes them;
@@ -18,11 +19,24 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Optional
 
+import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from lightning_ciuic import compat
+
+
+def grouped_mm_flops(mat_a: torch.Tensor, mat_b: torch.Tensor, *args: Any, out_val: torch.Tensor, **kwargs: Any) -> int:
+    """``torch._grouped_mm``'s FLOPs: two per multiply-add. Every output element contracts ``mat_a``'s last dimension,
+    except where both are 2-D (the groups split the contracted dimension: each ``[M, N]`` output of the ``G`` sums its
+    group's share, so all of them together contract it once)."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        return 2 * mat_a.shape[0] * mat_a.shape[1] * mat_b.shape[1]
+    return 2 * out_val.numel() * mat_a.shape[-1]
+
+
+FORMULAS = {**flop_registry, torch.ops.aten._grouped_mm: grouped_mm_flops}
 
 
 class LocalFlops(TorchDispatchMode):
@@ -48,7 +62,7 @@ class LocalFlops(TorchDispatchMode):
             return NotImplemented  # DTensor runs the local ops, which come back here
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
+        formula = FORMULAS.get(func._overloadpacket)
         if formula is not None and not self._propagating[0]:
             flops = int(formula(*args, **kwargs, out_val=out))
             self.total += flops

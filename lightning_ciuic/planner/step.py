@@ -35,9 +35,10 @@ layer, or puts other blocks between two stages' layers, is stepped whole, as is 
 
 :func:`train_steps` is the one loop, run on fake tensors here and on real ones by the test that holds the planner to
 real runs. It drives a :class:`~lightning_ciuic.parallel.pipeline_module.PipelineModule` (``pipelined_loss`` on
-``(input_ids, targets)``: the pack's causal LMs and ``HuggingFaceCausalLM``). Refused, saying so: mixture-of-experts
-models, whose routing is data-dependent (the number of tokens each expert gets is a value, which fake tensors do not
-have).
+``(input_ids, targets)``: the pack's causal LMs and ``HuggingFaceCausalLM``). Mixture-of-experts models step under
+expert parallelism, the pack's dispatch routing as if balanced (``ExpertLayout.assume_balanced``: the number of tokens
+each expert gets is a value, which fake tensors do not have); with ``expert_parallel_size=1`` their own experts'
+forward runs, and they are refused, saying so.
 
 No Lightning imports.
 """
@@ -136,13 +137,14 @@ class StepMemory:
         return StepFigures(self.activations, self.traffic, self.axis_ranks, self.flops, self.forward_flops)
 
 
-def check_steppable(module: nn.Module) -> None:
+def check_steppable(module: nn.Module, dims: ParallelDims) -> None:
     """Refuse, naming why, what :func:`train_steps` cannot run on fake tensors."""
-    if packed_experts(module):
+    if packed_experts(module) and not dims.ep_enabled:
         raise ValueError(
-            f"{type(module).__name__} routes tokens to experts by their values, which fake tensors do not have: the step"
-            " phase cannot run a mixture-of-experts model; plan it without --micro-batch-size/--sequence-length (the"
-            " static phase is exact)."
+            f"{type(module).__name__} routes tokens to its experts by their values, which fake tensors do not have, and"
+            " with expert_parallel_size=1 its experts' own forward runs: the step phase plans mixture-of-experts"
+            " models under expert parallelism (expert_parallel_size > 1: the pack's dispatch, planned with balanced"
+            " routing), or plan this layout without --micro-batch-size/--sequence-length (the static phase is exact)."
         )
     if not isinstance(module, PipelineModule):
         raise TypeError(
@@ -266,11 +268,16 @@ def _fake_rank(rank: int, plan: Any, build: ModuleFactory, config: ParallelismCo
     with fake_world(rank, plan.world_size):
         mesh = dims.build_mesh("cpu")
         module = build(mesh)
-        check_steppable(module)
+        check_steppable(module, dims)
         if depth is not None:
             del repeated_layers(module)[depth:]
         parallelized = parallelize(module, dims, config, mesh=mesh, materialize=False)
-        with FakeTensorMode(allow_non_fake_inputs=True), compat.hugging_face_sequences_unpacked():
+        if parallelized.experts is not None:
+            parallelized.experts.assume_balanced = True  # the router's choices are values, which fake tensors lack
+        with (
+            FakeTensorMode(allow_non_fake_inputs=True), compat.hugging_face_sequences_unpacked(),
+            compat.grouped_mm_on_fake_tensors_in_any_dtype(),
+        ):
             materialize(module, torch.device("cpu"))
             yield parallelized, mesh
 

@@ -156,11 +156,49 @@ def _llama():
     return HuggingFaceCausalLM(model_type="llama", config=LLAMA)
 
 
-def _real_step(rank: int, world: int, layout: dict, out: str) -> None:
+def _cyclic_routing(experts, args, kwargs):
+    """Each token's experts, whatever its router chose: pair ``p`` (token ``p // k``, slot ``p % k``) to expert
+    ``p mod E``, every expert an equal share (one more for the first ``P mod E``): the balanced routing the planner
+    assumes. The router still runs, as in training."""
+    index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+    cyclic = torch.arange(index.numel(), device=index.device).remainder(experts.gate_up_proj.shape[0]).view_as(index)
+    if len(args) > 1:
+        return (args[0], cyclic, *args[2:]), kwargs
+    return args, {**kwargs, "top_k_index": cyclic}
+
+
+def _routed_cyclically(module):
+    from lightning_ciuic.parallel.experts import packed_experts
+
+    for _, experts in packed_experts(module):
+        experts.register_forward_pre_hook(_cyclic_routing, with_kwargs=True)
+    return module
+
+
+MIXTRAL = dict(
+    vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64,
+    num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, num_local_experts=4,
+)
+
+
+def _deepseek_mini():
+    return _routed_cyclically(DeepSeekMini(**{**MODEL, "max_seq_len": 32}))
+
+
+def _mixtral():
+    from lightning_ciuic.huggingface import HuggingFaceCausalLM
+
+    return _routed_cyclically(HuggingFaceCausalLM(model_type="mixtral", config=MIXTRAL))
+
+
+MODELS = {"llama": _llama, "deepseek-mini": _deepseek_mini, "mixtral": _mixtral}
+
+
+def _real_step(rank: int, world: int, layout: dict, out: str, model: str = "llama") -> None:
     """A real rank: the same parallelize, engine and steps as the step phase, on real tensors."""
     config = ParallelismConfig(**layout)
     dims = config.resolve(world)
-    module = _llama()
+    module = MODELS[model]()
     mesh = dims.build_mesh("cpu")
     parallelized = parallelize(module, dims, config, mesh=mesh)
     engine = data_parallel_engine(parallelized, config)
@@ -194,15 +232,34 @@ STEP_LAYOUTS = {
 }
 
 
+# Mixture-of-experts layouts, routed as the planner assumes (balanced): each model's own router runs, its choice is
+# replaced by the cyclic one in the real run; the planned fake step routes balanced whatever its (valueless) router chose.
+MOE_STEP_LAYOUTS = {
+    "deepseek-mini-fsdp4-ep2": ("deepseek-mini", dict(data_parallel_size=4, data_parallel_shard_size=4, expert_parallel_size=2)),
+    "deepseek-mini-pp2-dp2-ep2": ("deepseek-mini", dict(pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2)),
+    "mixtral-dp4-ep4": ("mixtral", dict(data_parallel_size=4, expert_parallel_size=4)),
+    "mixtral-dp2-tp2-ep4": ("mixtral", dict(data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=4)),
+}
+LAYOUTS = {**{name: ("llama", layout) for name, layout in STEP_LAYOUTS.items()}, **MOE_STEP_LAYOUTS}
+
+
 def _build_llama(mesh):
     with torch.device("meta"):
         return _llama()
 
 
-@pytest.mark.parametrize("layout", STEP_LAYOUTS.values(), ids=STEP_LAYOUTS.keys())
-def test_a_real_step_holds_what_the_plan_says_and_peaks_near_the_fake_steps_peak(layout, tmp_path):
-    run_workers(_real_step, 4, layout, str(tmp_path))
-    planned = plan_layout(_build_llama, ParallelismConfig(**layout), 4, optimizers=optimizers_of, step=STEP)
+def _builder(model: str):
+    def build(mesh):
+        with torch.device("meta"):
+            return MODELS[model]()
+
+    return build
+
+
+@pytest.mark.parametrize("model, layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_a_real_step_holds_what_the_plan_says_and_peaks_near_the_fake_steps_peak(model, layout, tmp_path):
+    run_workers(_real_step, 4, layout, str(tmp_path), model)
+    planned = plan_layout(_builder(model), ParallelismConfig(**layout), 4, optimizers=optimizers_of, step=STEP)
     for rank_class in planned.classes:
         stage = planned.steps[rank_class.pp_stage]  # the step phase's figures for the ranks of this pipeline stage
         for rank in rank_class.ranks:
@@ -212,7 +269,10 @@ def test_a_real_step_holds_what_the_plan_says_and_peaks_near_the_fake_steps_peak
             # Every collective of the fake step sends what the real one does, per axis and collective; the
             # data-parallel axes' bytes are what the engine's counters (the monitor's figures) say it sent.
             assert stage.traffic == real["traffic"], (rank, real["traffic"])
-            data_parallel = sum(sum(by.values()) for axis, by in stage.traffic.items() if axis.startswith("dp"))
+            data_parallel = sum(  # the engine's: data-parallel axes (edp: the expert replicas'), less the dispatch
+                n for axis, by in stage.traffic.items() if axis.startswith("dp") or axis == "edp"
+                for name, n in by.items() if name != "all_to_all"
+            )
             if planned.dims.dp_enabled:
                 assert data_parallel == real["engine_sent"] > 0, (rank, data_parallel, real["engine_sent"])
             # The FLOPs the estimate divides: the fake step counts the real step's, a stage's first rank's groups are its.
