@@ -388,8 +388,12 @@ def _routing(layout: ExpertLayout, flat: torch.Tensor, n_experts: int) -> _Routi
     arriving = torch.empty_like(counts)
     all_to_all_timed(arriving, counts, [local] * ep, [local] * ep, layout, "counts")  # [source rank, local expert] tokens coming here
     arriving = arriving.view(ep, local)
-    expert_of_row = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(arriving.reshape(-1))
-    return _Routing(counts.view(ep, local).sum(1).tolist(), arriving.sum(1).tolist(), expert_of_row, arriving.sum(0).tolist())
+    sizes = torch.cat([counts.view(ep, local).sum(1), arriving.sum(1), arriving.sum(0)]).tolist()  # one device sync
+    send_rows, recv_rows = sizes[:ep], sizes[ep : 2 * ep]
+    expert_of_row = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(
+        arriving.reshape(-1), output_size=sum(recv_rows)
+    )
+    return _Routing(send_rows, recv_rows, expert_of_row, sizes[2 * ep :])
 
 
 def _balanced_routing(layout: ExpertLayout, flat: torch.Tensor, n_experts: int) -> _Routing:

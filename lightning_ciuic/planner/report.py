@@ -73,37 +73,24 @@ class Plan:
         return max(self.steps, key=lambda stage: (self.steps[stage].flops, -stage)) if self.steps else None
 
     @property
-    def communication(self) -> Optional[dict[str, dict[str, int]]]:
-        """Mesh axis -> collective -> bytes one rank of the pacing stage sends per step (None without the step phase)."""
-        return self.steps[self.pacing_stage].traffic if self.steps else None
-
-    @property
-    def communication_ranks(self) -> dict[str, list[int]]:
-        """Mesh axis -> the global ranks of the pacing stage's first rank's group on it."""
-        return self.steps[self.pacing_stage].axis_ranks if self.steps else {}
-
-    @property
-    def flops(self) -> Optional[int]:
-        """FLOPs of one step of a rank of the pacing stage, recomputed forwards included."""
-        return self.steps[self.pacing_stage].flops if self.steps else None
-
-    @property
-    def forward_flops(self) -> Optional[int]:
-        """The FLOPs of its forwards."""
-        return self.steps[self.pacing_stage].forward_flops if self.steps else None
+    def pacing_step(self) -> Optional[Any]:
+        """The pacing stage's StepFigures: one of its ranks' FLOPs, collective bytes and groups (None without the step
+        phase)."""
+        return self.steps[self.pacing_stage] if self.steps else None
 
     @property
     def estimate(self) -> Optional[StepEstimate]:
         """The step's time and MFU, where the step phase ran and the hardware is given: the pacing stage's rank, its
         busy time stretched by the schedule's bubble (``theoretical_bubble``, GPipe's and 1F1B's: interleaved and
         zero-bubble schedules idle less), MFU over the model FLOPs of all stages' ranks."""
-        if self.hardware is None or not self.steps:
+        pacing = self.pacing_step
+        if self.hardware is None or pacing is None:
             return None
         d = self.dims
         bubble = theoretical_bubble(d.pp, self.num_microbatches) if d.pp > 1 else 0.0
         model_forward = sum(f.forward_flops for f in self.steps.values()) / len(self.steps)
         return estimate_step(
-            self.flops, model_forward, self.bytes_per_axis(), self.communication_ranks, self.hardware, bubble=bubble,
+            pacing.flops, model_forward, _axis_totals(pacing.traffic), pacing.axis_ranks, self.hardware, bubble=bubble,
         )
 
     def fits(self, rank_class: RankClass) -> bool:
@@ -124,11 +111,11 @@ class Plan:
 
     def bytes_per_axis(self) -> Optional[dict[str, int]]:
         """Bytes one rank sends per step on each mesh axis (``None`` without the step phase)."""
-        if self.communication is None:
-            return None
-        return {axis: sum(by.values()) for axis, by in sorted(self.communication.items())}
+        pacing = self.pacing_step
+        return _axis_totals(pacing.traffic) if pacing is not None else None
 
     def to_json(self) -> dict[str, Any]:
+        pacing = self.pacing_step
         classes = []
         for c in self.classes:
             f = c.figures
@@ -150,13 +137,13 @@ class Plan:
             "device_memory": self.device_memory,
             "rank_classes": classes,
             "communication_bytes_per_step": self.bytes_per_axis(),
-            "communication_by_collective": self.communication,
-            "flops_per_step": self.flops,
+            "communication_by_collective": pacing.traffic if pacing is not None else None,
+            "flops_per_step": pacing.flops if pacing is not None else None,
             "pacing_stage": self.pacing_stage,
             "stage_steps": [
                 {
                     "pp_stage": stage, "flops": f.flops, "forward_flops": f.forward_flops, "activations": f.activations,
-                    "communication_bytes_per_step": {axis: sum(by.values()) for axis, by in sorted(f.traffic.items())},
+                    "communication_bytes_per_step": _axis_totals(f.traffic),
                 }
                 for stage, f in sorted(self.steps.items())
             ],
@@ -212,8 +199,10 @@ class Plan:
                 f" ({estimate.flops / 1e12:.3g} TFLOP at {estimate.peak_flops / 1e12:.4g} TFLOP/s), communication"
                 f" {by_axis or 'none'}"
             )
-        elif self.flops is not None:
-            lines.append(f"FLOPs per step of one rank: {self.flops:.4g} (give --flops and --link for a step-time estimate)")
+        elif self.steps:
+            lines.append(
+                f"FLOPs per step of one rank: {self.pacing_step.flops:.4g} (give --flops and --link for a step-time estimate)"
+            )
         lines += [f"warning: {w}" for w in self.warnings]
         lines.append("not modelled: " + ", ".join(self.not_modelled) + ".")
         return "\n".join(lines)
@@ -234,6 +223,11 @@ def _count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f}{suffix}"
     return str(n)
+
+
+def _axis_totals(traffic: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Mesh axis -> the bytes of all its collectives."""
+    return {axis: sum(by.values()) for axis, by in sorted(traffic.items())}
 
 
 def _ranges(ranks: list[int]) -> str:

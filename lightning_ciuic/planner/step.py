@@ -302,8 +302,10 @@ def _measure(
     return memory.figures()
 
 
-def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta").requires_grad_(tensor.requires_grad)
+def _empty_like(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    """An empty tensor of ``tensor``'s shape, strides, dtype and ``requires_grad`` on ``device``."""
+    empty = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+    return empty.requires_grad_(tensor.requires_grad)
 
 
 def stage_boundaries(
@@ -326,25 +328,28 @@ def stage_boundaries(
             if previous is None:
                 inputs = token_batch(parallelized.module, spec, torch.device("cpu"))[0]
             else:
-                inputs = torch.empty_strided(previous.shape, previous.stride(), dtype=previous.dtype)
-                inputs.requires_grad_(previous.requires_grad)
+                inputs = _empty_like(previous, "cpu")
             outputs = pipeline.stage_modules[pipeline.stage_ids.index(stage)](inputs)
             if not isinstance(outputs, torch.Tensor):
                 raise TypeError(
                     f"pipeline stage {stage} returns {type(outputs).__name__}; the step phase passes one tensor between"
                     " stages (the PipelineModule protocol): plan it without --micro-batch-size/--sequence-length."
                 )
-            boundaries[stage] = (_meta_like(inputs), _meta_like(outputs))
+            boundaries[stage] = (_empty_like(inputs, "meta"), _empty_like(outputs, "meta"))
             previous = boundaries[stage][1]
     return boundaries
+
+
+def _layers_name(module: nn.Module) -> str:
+    """The name of the module's :func:`repeated_layers` list (the prefix of its layers' block names)."""
+    layers = repeated_layers(module)
+    return next(name for name, m in module.named_modules() if m is layers)
 
 
 def _layers_per_rank(module: nn.Module, config: ParallelismConfig, dims: ParallelDims) -> Optional[list[int]]:
     """The repeated layers each pipeline rank holds under the layout's own split; None where a rank holds none, or
     where blocks other than the layers (embedding, head) sit between two stages' layers."""
-    layers = repeated_layers(module)
-    names = list(module.pipeline_blocks())
-    prefix = next(name for name, m in module.named_modules() if m is layers)
+    names, prefix = list(module.pipeline_blocks()), _layers_name(module)
     is_layer = [name.rpartition(".")[0] == prefix for name in names]
     first, last = is_layer.index(True), len(is_layer) - 1 - is_layer[::-1].index(True)
     local = config.pipeline.local_stages
@@ -362,8 +367,7 @@ def _split_every(config: ParallelismConfig, module: nn.Module, depth: int) -> Pa
     ``stages x depth`` (the blocks before and after the layers staying with the first and last stage)."""
     if config.pipeline_parallel_size == 1:
         return config
-    layers = repeated_layers(module)
-    prefix = next(name for name, m in module.named_modules() if m is layers)
+    prefix = _layers_name(module)
     stages = config.pipeline_parallel_size * config.pipeline.local_stages
     points = tuple(f"{prefix}.{stage * depth}" for stage in range(1, stages))
     return dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, split_points=points))
