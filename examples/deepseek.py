@@ -265,6 +265,7 @@ class DeepSeekMini(PipelineModule, LightningModule):
         max_seq_len: int = 256,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
+        v_head_dim: int = 16,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -273,6 +274,7 @@ class DeepSeekMini(PipelineModule, LightningModule):
             n_routed_experts=n_routed_experts, n_shared_experts=n_shared_experts,
             n_activated_experts=n_activated_experts, moe_inter_dim=moe_inter_dim,
             dense_inter_dim=dense_inter_dim, n_dense_layers=n_dense_layers, max_seq_len=max_seq_len,
+            v_head_dim=v_head_dim,
         )
         self.model = DeepSeekTransformer(self.config)
         self._last_step_time: float | None = None

@@ -32,6 +32,7 @@ Touch points:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import warnings
@@ -349,16 +350,43 @@ class _NoModuleTracking:
         pass
 
 
-def memory_totals_tracker() -> Any:
-    """torch's ``MemTracker`` keeping its totals and peak only, without its per-module statistics: their module hooks
-    refuse a module called more than once per step outside any other module, which is how a pipeline schedule calls
-    each stage (once per micro-batch), and their backward hooks fail under ``autograd.grad``, which a pipeline stage
-    runs to learn its gradients' shapes. Its ``ModTracker`` (``_mod_tracker``) is replaced by one tracking no module;
-    every tensor an op allocates is still counted (its dispatch mode), and the tensors ``track_external`` registers."""
+def memory_tracker(per_module: bool = True) -> Any:
+    """torch's ``MemTracker``, blind to DTensor's sharding propagation: its ops on fake tensors of the global shapes
+    (:func:`dtensor_shape_propagation_marked`) allocate nothing on a device. ``MemTracker`` skips them where they run
+    under a fake mode of their own, but counts them when it is entered inside the ``FakeTensorMode`` they run under,
+    as the planner's step does: a step whose ops DTensor has not yet cached (a first step) then peaked above a real one.
+
+    ``per_module=False``: totals and peak only, without the per-module statistics, whose module hooks refuse a module
+    called more than once per step outside any other module, which is how a pipeline schedule calls each stage (once
+    per micro-batch), and whose backward hooks fail under ``autograd.grad``, which a pipeline stage runs to learn its
+    gradients' shapes. Its ``ModTracker`` (``_mod_tracker``) is then one tracking no module; every tensor an op
+    allocates is still counted (its dispatch mode), and the tensors ``track_external`` registers."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker()
-    tracker._mod_tracker = _NoModuleTracking()
+    class PropagationBlindMemTracker(MemTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self._propagating = [0]
+            self._marking = contextlib.ExitStack()
+
+        def __enter__(self) -> "PropagationBlindMemTracker":
+            self._marking.enter_context(dtensor_shape_propagation_marked(self._propagating))
+            return super().__enter__()
+
+        def __exit__(self, *exc: Any) -> Any:
+            try:
+                return super().__exit__(*exc)
+            finally:
+                self._marking.close()
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+            if self._propagating[0]:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    tracker = PropagationBlindMemTracker()
+    if not per_module:
+        tracker._mod_tracker = _NoModuleTracking()
     return tracker
 
 
@@ -427,3 +455,39 @@ def grouped_mm_on_fake_tensors_in_any_dtype() -> Iterator[None]:
         yield
     finally:
         fake_impls.op_implementations_dict.pop(op, None)
+
+
+@contextmanager
+def attention_held_as_cuda_holds_it() -> Iterator[None]:
+    """Inside, ``F.scaled_dot_product_attention`` of a value head dim other than the query's (multi-head latent
+    attention: DeepSeek-V2/V3's 192-dim queries and keys, 128-dim values) runs as CUDA runs it, by the memory-efficient
+    kernel (``aten._scaled_dot_product_efficient_attention``, its meta kernel on fake tensors), which keeps the output
+    and its log-sum-exp for the backward. The CPU's flash kernel refuses such inputs and its math path keeps the
+    ``L x S`` attention weights (128 heads x 4096 x 4096 x 2 bytes: 4 GiB per layer and sequence). Same FLOP formula
+    (two products of ``L x S`` per head, each way). A boolean mask becomes the additive mask CUDA's kernels take, as
+    torch's dispatch makes it; grouped-query inputs (``enable_gqa``) and dtypes the kernel lacks go on as before."""
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
+                  is_causal: bool = False, scale: Any = None, enable_gqa: bool = False) -> torch.Tensor:
+        if (value.shape[-1] == query.shape[-1] or key.shape[-1] != query.shape[-1] or enable_gqa
+                or query.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        bias = attn_mask
+        if bias is not None:
+            if bias.dtype == torch.bool:
+                bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill_(~bias, float("-inf"))
+            bias = bias.expand(*query.shape[:-1], key.shape[-2])
+        needs_grad = query.requires_grad or key.requires_grad or value.requires_grad
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, needs_grad, dropout_p, is_causal, scale=scale,
+        )
+        return out[0]
+
+    functional.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = original

@@ -1,8 +1,9 @@
 """FLOPs a rank's own kernels run: torch's FLOP formulas applied to the local tensors of each op.
 
 Contract: inside :class:`LocalFlops` (a ``TorchDispatchMode``), every op with a formula in
-``torch.utils.flop_counter`` (matmuls, convolutions, attention kernels), and ``torch._grouped_mm`` (the experts'
-grouped GEMM, which it lacks: :func:`grouped_mm_flops`), adds its FLOPs to ``total``, computed from the shapes of the
+``torch.utils.flop_counter`` (matmuls, convolutions, attention kernels), ``torch._grouped_mm`` (the experts'
+grouped GEMM, which it lacks: :func:`grouped_mm_flops`) and the CPU's flash attention (which it lacks too: counted by
+its formula for CUDA's flash attention, whose arguments begin alike), adds its FLOPs to ``total``, computed from the shapes of the
 tensors it runs on. An op on DTensors is handed to DTensor (the mode returns ``NotImplemented``),
 and the local ops DTensor runs are counted: a tensor-parallel matmul counts this rank's shard, not the global
 product that ``FlopCounterMode`` counts for a DTensor. Not counted: the ops DTensor's sharding propagation runs on
@@ -36,7 +37,13 @@ def grouped_mm_flops(mat_a: torch.Tensor, mat_b: torch.Tensor, *args: Any, out_v
     return 2 * out_val.numel() * mat_a.shape[-1]
 
 
-FORMULAS = {**flop_registry, torch.ops.aten._grouped_mm: grouped_mm_flops}
+FORMULAS = {
+    **flop_registry,
+    torch.ops.aten._grouped_mm: grouped_mm_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[torch.ops.aten._scaled_dot_product_flash_attention],
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        flop_registry[torch.ops.aten._scaled_dot_product_flash_attention_backward],
+}
 
 
 class LocalFlops(TorchDispatchMode):

@@ -2,15 +2,18 @@
 
 Contract: :func:`run_step_phase` builds, for one rank of each pipeline stage, the module exactly as the static phase
 does (``parallelize`` on torch's fake process group), then, under ``FakeTensorMode`` (shapes and dtypes, no values,
-no memory), allocates it, sets up the data-parallel engine the strategy would run, and runs :func:`train_steps`: two
-training steps (forward, backward, the engine's gradient synchronization, the optimizer step) on a micro-batch of
-``micro_batch_size x sequence_length`` tokens, tracked by torch's ``MemTracker``. The second step's peak is the
-rank's peak (the first creates the optimizer state); its activations are the peak less the model states
+no memory), allocates it, sets up the data-parallel engine the strategy would run, and runs :func:`train_steps`: one
+training step (forward, backward, the engine's gradient synchronization, the optimizer step) on a micro-batch of
+``micro_batch_size x sequence_length`` tokens, tracked by torch's ``MemTracker``, after a warm-up that makes the
+optimizer's and the engine's state as a first step would (their step on zero gradients, no forward or backward). That
+step's peak is the rank's peak; its activations are the peak less the model states
 (:func:`held_bytes`: everything else alive at the peak, the batch and temporaries included). Every class of ranks of
 the stage gets the stage's activations on top of its own model states. transformers' masks take the path of an
-unpacked batch, as for real tensors (:func:`~lightning_ciuic.compat.hugging_face_sequences_unpacked`). The second
-step's FLOPs (torch's FLOP formulas on each op's local tensors, :mod:`~lightning_ciuic.planner.flops`: the step's and
-its forward's) and collective bytes (:mod:`~lightning_ciuic.planner.traffic`) are the stage's, for the step-time
+unpacked batch, as for real tensors (:func:`~lightning_ciuic.compat.hugging_face_sequences_unpacked`), and attention
+of a value head dim of its own is held as CUDA's memory-efficient kernel holds it
+(:func:`~lightning_ciuic.compat.attention_held_as_cuda_holds_it`; the CPU's math path keeps the ``L x S`` weights).
+The step's FLOPs (torch's FLOP formulas on each op's local tensors, :mod:`~lightning_ciuic.planner.flops`: the step's
+and its forward's) and collective bytes (:mod:`~lightning_ciuic.planner.traffic`) are the stage's, for the step-time
 estimate (:mod:`~lightning_ciuic.planner.estimate`).
 
 Pipeline stages (``pp > 1``): each step is the layout's own schedule (torch's, through the strategy's
@@ -164,20 +167,27 @@ def token_batch(module: nn.Module, spec: StepSpec, device: torch.device) -> tupl
 def train_steps(
     module: nn.Module, engine: Optional[DataParallel], optimizers: Sequence[torch.optim.Optimizer],
     batch: tuple[torch.Tensor, torch.Tensor], mesh: Any = None, steps: int = 2, pipeline: Optional[PipelineRunner] = None,
+    warm_from_zero_gradients: bool = False,
 ) -> StepMemory:
     """``steps`` training steps tracked by ``MemTracker``; the last step's peak, FLOPs and collective bytes
     (:class:`~lightning_ciuic.planner.traffic.CollectiveTraffic`; ``mesh``: the layout's, to name its axes), and the
     model states after it. With ``pipeline`` (this rank's stages), each step is its schedule over the whole ``batch``
     (forward and backward of every micro-batch, in the schedule's order); MemTracker then keeps totals only
-    (:func:`~lightning_ciuic.compat.memory_totals_tracker`: a schedule calls each stage once per micro-batch)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    (:func:`~lightning_ciuic.compat.memory_tracker` without per-module statistics: a schedule calls each stage once per
+    micro-batch).
 
-    tracker = MemTracker() if pipeline is None else compat.memory_totals_tracker()
+    The last step is measured warm: the optimizer's state and the engine's made by the steps before it, or, with
+    ``warm_from_zero_gradients``, before the first step by what a step ends with, on zero gradients and without a
+    forward or backward (the engine's synchronization of the gradients, the optimizer's step, the gradients cleared):
+    the step phase's warm-up, a whole schedule cheaper (the tests hold its figures to real runs warmed by a step)."""
+    tracker = compat.memory_tracker(per_module=pipeline is None)
     tracker.track_external(module, *optimizers)
     device = batch[0].device
     step_module = _Step(module)
     traffic, flops = CollectiveTraffic(mesh), LocalFlops()
     with tracker:
+        if warm_from_zero_gradients:
+            _warm_on_zero_gradients(module, engine, optimizers)
         for step in range(steps):
             last = step == steps - 1
             if last:
@@ -187,19 +197,40 @@ def train_steps(
                     step_module(batch).backward()
                 else:
                     pipeline.run(*batch, train=True)
-                if engine is not None:
-                    engine.after_backward()
-                for optimizer in optimizers:
-                    optimizer.step()
+                _end_step(engine, optimizers)
             if not last:
-                for optimizer in optimizers:
-                    optimizer.zero_grad(set_to_none=True)
+                _clear_gradients(optimizers)
         peak = _total(tracker.get_tracker_snapshot("peak"), device)
     held = sum(v for k, v in held_bytes(module, engine, optimizers).items() if k != "parameters")
     return StepMemory(
         peak, held, {axis: dict(by) for axis, by in traffic.bytes.items()}, dict(traffic.ranks),
         flops=flops.total, forward_flops=flops.forward,
     )
+
+
+def _end_step(engine: Optional[DataParallel], optimizers: Sequence[torch.optim.Optimizer], accumulated: bool = False) -> None:
+    """What follows a step's backward: the engine's gradient synchronization, the optimizers' step."""
+    if engine is not None:
+        engine.after_backward(accumulated)
+    for optimizer in optimizers:
+        optimizer.step()
+
+
+def _clear_gradients(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _warm_on_zero_gradients(module: nn.Module, engine: Optional[DataParallel], optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """The end of a step on zero gradients, each in its parameter's placements: the optimizers' and the engine's
+    state made as a step makes them (the engine takes the gradients as accumulated ones, present without its
+    backward hooks)."""
+    trained = [p for p in module.parameters() if p.requires_grad]
+    for p in trained:
+        p.grad = torch.zeros_like(p)
+    _end_step(engine, optimizers, accumulated=True)
+    for p in trained:
+        p.grad = None
 
 
 class _Step(nn.Module):
@@ -276,7 +307,7 @@ def _fake_rank(rank: int, plan: Any, build: ModuleFactory, config: ParallelismCo
             parallelized.experts.assume_balanced = True  # the router's choices are values, which fake tensors lack
         with (
             FakeTensorMode(allow_non_fake_inputs=True), compat.hugging_face_sequences_unpacked(),
-            compat.grouped_mm_on_fake_tensors_in_any_dtype(),
+            compat.grouped_mm_on_fake_tensors_in_any_dtype(), compat.attention_held_as_cuda_holds_it(),
         ):
             materialize(module, torch.device("cpu"))
             yield parallelized, mesh
@@ -284,10 +315,16 @@ def _fake_rank(rank: int, plan: Any, build: ModuleFactory, config: ParallelismCo
 
 def _measure(
     rank: int, plan: Any, build: ModuleFactory, config: ParallelismConfig, optimizers: OptimizerFactory,
-    spec: StepSpec, depth: Optional[int],
+    spec: StepSpec, depth: Optional[int], known_boundaries: Optional[dict] = None,
 ) -> StepFigures:
-    """One rank's fake step on the module ``build`` makes, its layer list cut to ``depth`` layers (None: whole)."""
-    boundaries = stage_boundaries(plan, build, config, spec, depth) if config.pipeline_parallel_size > 1 else None
+    """One rank's fake step on the module ``build`` makes, its layer list cut to ``depth`` layers (None: whole).
+    ``known_boundaries``: :func:`stage_boundaries` by ``(config, depth)``, filled in here, for the stages to share."""
+    boundaries = None
+    if config.pipeline_parallel_size > 1:
+        known = {} if known_boundaries is None else known_boundaries
+        if (config, depth) not in known:
+            known[config, depth] = stage_boundaries(plan, build, config, spec, depth)
+        boundaries = known[config, depth]
     with _fake_rank(rank, plan, build, config, depth) as (parallelized, mesh):
         module, pipeline = parallelized.module, parallelized.pipeline
         if pipeline is not None:
@@ -296,7 +333,9 @@ def _measure(
         engine = data_parallel_engine(parallelized, config)
         batch = token_batch(module, spec, torch.device("cpu"))
         with compat.pipeline_sends_held():
-            memory = train_steps(module, engine, optimizers(module), batch, mesh, pipeline=pipeline)
+            memory = train_steps(
+                module, engine, optimizers(module), batch, mesh, steps=1, pipeline=pipeline, warm_from_zero_gradients=True,
+            )
         if engine is not None:
             engine.close()
     return memory.figures()
@@ -375,10 +414,11 @@ def _split_every(config: ParallelismConfig, module: nn.Module, depth: int) -> Pa
 
 def step_figures(
     rank: int, plan: Any, build: ModuleFactory, config: ParallelismConfig, optimizers: OptimizerFactory,
-    spec: StepSpec, depth: Optional[int] = None,
+    spec: StepSpec, depth: Optional[int] = None, known_boundaries: Optional[dict] = None,
 ) -> StepFigures:
     """The step's figures for ``rank``: measured whole, or extended from ``depth`` (default ``EXTRAPOLATION_DEPTH``)
-    and ``2 depth`` layers per stage (see the module docstring)."""
+    and ``2 depth`` layers per stage (see the module docstring). ``known_boundaries``: a dict the calls for a layout's
+    stages share, so that its stages' boundaries are computed once (see :func:`_measure`)."""
     depth = EXTRAPOLATION_DEPTH if depth is None else depth
     dims = config.resolve(plan.world_size)
     local = config.pipeline.local_stages if dims.pp_enabled else 1
@@ -389,9 +429,9 @@ def step_figures(
         if layers is not None and len(layers) > 2 * depth * dims.pp * local:
             held = _layers_per_rank(module, config, dims) if dims.pp_enabled else [len(layers)]
     if held is None:
-        return _measure(rank, plan, build, config, optimizers, spec, None)
+        return _measure(rank, plan, build, config, optimizers, spec, None, known_boundaries)
     shallow, deeper = (
-        _measure(rank, plan, build, _split_every(config, module, d), optimizers, spec, d * dims.pp * local)
+        _measure(rank, plan, build, _split_every(config, module, d), optimizers, spec, d * dims.pp * local, known_boundaries)
         for d in (depth, 2 * depth)
     )
     return shallow.extended(deeper, depth * local, held[rank // (plan.world_size // dims.pp)])
@@ -400,8 +440,9 @@ def step_figures(
 def run_step_phase(plan: Any, build: ModuleFactory, config: ParallelismConfig, optimizers: OptimizerFactory, spec: StepSpec) -> None:
     """Fill in each rank class's activations and peak, and each pipeline stage's step figures (see the module
     docstring)."""
+    known_boundaries: dict = {}
     for stage, rank in enumerate(stage_representatives(config.resolve(plan.world_size))):
-        figures = step_figures(rank, plan, build, config, optimizers, spec)
+        figures = step_figures(rank, plan, build, config, optimizers, spec, known_boundaries=known_boundaries)
         for rank_class in plan.classes:
             if rank_class.pp_stage == stage:
                 rank_class.activations = figures.activations

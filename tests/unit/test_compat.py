@@ -3,6 +3,7 @@ that moves one fails here, by name, rather than in a training run."""
 
 import inspect
 
+import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
@@ -69,7 +70,7 @@ def test_overridden_private_hooks_still_exist():
     assert isinstance(MemTracker()._mod_tracker, ModTracker)
     assert all(callable(getattr(ModTracker, name)) for name in ("register_user_hooks", "clear_user_hooks", "__enter__"))
     assert ModTracker().parents == {"Global"} and ModTracker().is_bw is False
-    tracker = compat.memory_totals_tracker()
+    tracker = compat.memory_tracker(per_module=False)
     with tracker:
         kept = torch.ones(256)
     assert tracker.get_tracker_snapshot("peak")[kept.device]["Total"] >= kept.numel() * 4
@@ -139,3 +140,28 @@ def test_an_fsdp2_units_mesh_is_read_from_its_state():
         assert compat.fsdp_mesh(fully_shard(torch.nn.Sequential(unit), mesh=mesh)) is None  # owns no parameters
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("per_module", [True, False])
+def test_the_memory_tracker_on_fake_tensors_does_not_count_dtensors_sharding_propagation(per_module):
+    """DTensor learns an op's output shape by running it on fake tensors of the global shapes, once per op signature:
+    a step's first forward must peak as its second does (torch's MemTracker, entered inside the fake mode, counted them)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lightning_ciuic.planner.layout import fake_world
+
+    with fake_world(0, 4):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+            model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+            peaks = []
+            for _ in range(2):
+                tracker = compat.memory_tracker(per_module=per_module)
+                with tracker:
+                    model(torch.randn(32, 64)).sum().backward()
+                peaks.append(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+                model.zero_grad(set_to_none=True)
+    assert peaks[0] == peaks[1]
