@@ -471,7 +471,8 @@ class PipelineRunner:
         target = targets if self.holds_last_stage else None
         losses: list[torch.Tensor] = []
         call = schedule.step if train else schedule.eval
-        self._timed(lambda: call(*args, target=target, losses=losses))
+        # return_outputs=False: else the last stage keeps every micro-batch's output (the logits) to the step's end
+        self._timed(lambda: call(*args, target=target, losses=losses, return_outputs=False))
         # Every pipeline rank must allocate the dtype the last stage sends: the model's (float64 under "64-true").
         dtype = next((p.dtype for p in self.parameters()), torch.get_default_dtype())
         loss = torch.zeros((), dtype=dtype, device=self.device)
