@@ -300,6 +300,31 @@ def dtensor_shape_propagation_marked(depth: list[int]) -> Iterator[None]:
         ShardingPropagator._fake_mode_lock = lock
 
 
+class WatchesShapePropagation:
+    """A mixin for a dispatch mode: ``propagating`` is true, while the mode is entered, as long as DTensor's sharding
+    propagation runs an op (:func:`dtensor_shape_propagation_marked`), whose fake tensors of the global shapes no
+    kernel computes and no device holds."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._propagating = [0]
+        self._marking = contextlib.ExitStack()
+
+    @property
+    def propagating(self) -> bool:
+        return self._propagating[0] > 0
+
+    def __enter__(self) -> Any:
+        self._marking.enter_context(dtensor_shape_propagation_marked(self._propagating))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._marking.close()
+
+
 @contextmanager
 def hugging_face_sequences_unpacked() -> Iterator[None]:
     """Inside, transformers' masks take the path of a batch without packed sequences, as they do for real tensors.
@@ -363,24 +388,9 @@ def memory_tracker(per_module: bool = True) -> Any:
     allocates is still counted (its dispatch mode), and the tensors ``track_external`` registers."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    class PropagationBlindMemTracker(MemTracker):
-        def __init__(self) -> None:
-            super().__init__()
-            self._propagating = [0]
-            self._marking = contextlib.ExitStack()
-
-        def __enter__(self) -> "PropagationBlindMemTracker":
-            self._marking.enter_context(dtensor_shape_propagation_marked(self._propagating))
-            return super().__enter__()
-
-        def __exit__(self, *exc: Any) -> Any:
-            try:
-                return super().__exit__(*exc)
-            finally:
-                self._marking.close()
-
+    class PropagationBlindMemTracker(WatchesShapePropagation, MemTracker):
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-            if self._propagating[0]:
+            if self.propagating:
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
 

@@ -17,7 +17,6 @@ No Lightning imports.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Optional
 
 import torch
@@ -46,23 +45,13 @@ FORMULAS = {
 }
 
 
-class LocalFlops(TorchDispatchMode):
+class LocalFlops(compat.WatchesShapePropagation, TorchDispatchMode):
     """Counts this rank's FLOPs (see the module docstring)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
         self.forward = 0
-        self._propagating = [0]
-        self._marking = contextlib.ExitStack()
-
-    def __enter__(self) -> "LocalFlops":
-        self._marking.enter_context(compat.dtensor_shape_propagation_marked(self._propagating))
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        self._marking.close()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if any(issubclass(t, DTensor) for t in types):
@@ -70,7 +59,7 @@ class LocalFlops(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = FORMULAS.get(func._overloadpacket)
-        if formula is not None and not self._propagating[0]:
+        if formula is not None and not self.propagating:
             flops = int(formula(*args, **kwargs, out_val=out))
             self.total += flops
             if not compat.in_backward():

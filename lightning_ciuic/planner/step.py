@@ -199,7 +199,8 @@ def train_steps(
                     pipeline.run(*batch, train=True)
                 _end_step(engine, optimizers)
             if not last:
-                _clear_gradients(optimizers)
+                for optimizer in optimizers:
+                    optimizer.zero_grad(set_to_none=True)
         peak = _total(tracker.get_tracker_snapshot("peak"), device)
     held = sum(v for k, v in held_bytes(module, engine, optimizers).items() if k != "parameters")
     return StepMemory(
@@ -214,11 +215,6 @@ def _end_step(engine: Optional[DataParallel], optimizers: Sequence[torch.optim.O
         engine.after_backward(accumulated)
     for optimizer in optimizers:
         optimizer.step()
-
-
-def _clear_gradients(optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    for optimizer in optimizers:
-        optimizer.zero_grad(set_to_none=True)
 
 
 def _warm_on_zero_gradients(module: nn.Module, engine: Optional[DataParallel], optimizers: Sequence[torch.optim.Optimizer]) -> None:

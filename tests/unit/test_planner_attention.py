@@ -60,7 +60,6 @@ def test_latent_attention_is_held_as_cudas_memory_efficient_kernel_holds_it(mask
         assert as_cpu[n][2] == 3 * _products(n, 24) + 3 * _products(n, 16)
         # fused: the same and q.k again backward
         assert as_cuda[n][2] == 4 * _products(n, 24) + 3 * _products(n, 16)
-    for n in (64, 128):
         inputs = 2 * 4 * n * (24 + 24 + 16) * 4
         assert as_cpu[n][3] >= inputs + 2 * 4 * n * n * 4  # the weights, 2 x 4 x L x L floats
         # the inputs, the output and a log-sum-exp per query and head, two random-state scalars (and the additive
