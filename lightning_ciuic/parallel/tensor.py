@@ -15,14 +15,21 @@ weights that produced it receive only this rank's share of the gradient and the 
 ``hugging_face_plan(model, plan)`` translates a Hugging Face ``base_model_tp_plan`` / ``_tp_plan`` (patterns
 where ``*`` stands for a layer index, styles as strings) into concrete module names and torch styles:
 ``colwise`` and ``rowwise`` on ``nn.Linear`` become ``ColwiseParallel`` / ``RowwiseParallel``,
-``colwise_gather_output`` a ``ColwiseParallel`` with a replicated output, ``embedding_rowwise`` on
-``nn.Embedding`` a ``RowwiseParallel`` (vocabulary-parallel embedding). Entries with other styles (packed
-3-D expert weights, expert-parallel wrappers) are returned as *skipped*: those modules stay replicated,
-which is correct, only not sharded. ``replicated_with_grad_allreduce`` (Qwen3's and Gemma3's per-head ``q_norm`` /
+``colwise_gather_output`` (alias ``colwise_rep``) a ``ColwiseParallel`` with a replicated output, ``embedding_rowwise``
+on ``nn.Embedding`` a ``RowwiseParallel`` (vocabulary-parallel embedding), ``mla_kv_a_proj`` (multi-head latent
+attention's ``kv_a_proj_with_mqa``) :class:`SharedRotaryKey`. The styles of :data:`KEPT_REPLICATED_STYLES` (packed
+3-D expert weights and expert-parallel wrappers, which the expert-parallel layer handles, sequence-parallel norms,
+``replicate``), and entries whose pattern names a parameter rather than a module, are returned as *skipped*: those
+modules stay replicated, which is correct, only not sharded. Any other style on a module is refused, naming the entry:
+kept replicated, a module its neighbours expect sharded (or reduced) would compute something else than the plan.
+``replicated_with_grad_allreduce`` (Qwen3's and Gemma3's per-head ``q_norm`` /
 ``k_norm``, which see only a rank's heads, so each rank's gradient is a part that must be summed over tp) becomes
 :class:`HeadwiseReplicated`: the module's parameters replicated DTensors, its input this rank's heads as a DTensor
 sharded on the heads dimension, so DTensor's backward returns the parameters' gradient as ``Partial`` (each rank's
 heads' part), redistributed to the parameter's ``Replicate`` (summed over tp) by the hook below, or by FSDP2.
+:class:`SharedRotaryKey` keeps its module replicated and sums over tp the gradient of its output's last
+``qk_rope_head_dim`` features: MLA's rotary key, which reaches every head directly instead of through the
+column-parallel ``kv_b_proj`` (whose input gradient ``ColwiseParallel`` sums), so each rank holds its heads' part only.
 
 ``gradients_in_parameter_placements(module)`` keeps each DTensor parameter's gradient in its parameter's placements
 once accumulated (a post-accumulate-grad hook): DTensor's backward may return another (a vocabulary-sharded
@@ -39,6 +46,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -148,14 +156,46 @@ class HeadwiseReplicated(ParallelStyle):
         return output.to_local()
 
 
-def _hugging_face_style(style: str, module: nn.Module) -> ParallelStyle | None:
+class SharedRotaryKey(ParallelStyle):
+    """MLA's ``kv_a_proj_with_mqa`` (output ``[compressed kv | rotary key]``): parameters replicated, the rotary key's
+    gradient summed over tp (see the module docstring)."""
+
+    def __init__(self, rotary_dim: int) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def sum_rotary_key_gradient(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+            compressed, rotary = output.split([output.shape[-1] - self.rotary_dim, self.rotary_dim], dim=-1)
+            return torch.cat([compressed, sum_grad_over(rotary, device_mesh)], dim=-1)
+
+        module.register_forward_hook(sum_rotary_key_gradient)
+        return module
+
+
+# Hugging Face styles whose modules stay replicated, correctly: expert weights and wrappers (the expert-parallel layer
+# shards and dispatches experts itself), norms planned sequence-parallel (this translation keeps activations
+# replicated between the tensor-parallel linears), and plain replication.
+KEPT_REPLICATED_STYLES = frozenset(
+    {"packed_colwise", "packed_rowwise", "moe_tp_experts", "grouped_gemm", "ep_dispatch_experts", "sequence_parallel",
+     "replicate"}
+)
+_TRANSLATED_STYLES = (
+    "colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise", "replicated_with_grad_allreduce",
+    "mla_kv_a_proj",
+)
+
+
+def _hugging_face_style(style: str, module: nn.Module, config: Any) -> ParallelStyle | None:
     if isinstance(module, nn.Linear):
         if style == "colwise":
             return ColwiseParallel()
         if style == "rowwise":
             return RowwiseParallel()
-        if style == "colwise_gather_output":
+        if style in ("colwise_gather_output", "colwise_rep"):
             return ColwiseParallel(output_layouts=Replicate())
+        if style == "mla_kv_a_proj" and getattr(config, "qk_rope_head_dim", None):
+            return SharedRotaryKey(config.qk_rope_head_dim)
     if isinstance(module, nn.Embedding) and style == "embedding_rowwise":
         return RowwiseParallel(input_layouts=Replicate())  # token ids are replicated, not split
     if style == "replicated_with_grad_allreduce":
@@ -168,17 +208,28 @@ def hugging_face_plan(
 ) -> tuple[dict[str, ParallelStyle], list[str]]:
     """``(torch plan over concrete module names, skipped "pattern: style" entries)`` for a Hugging Face plan.
 
-    ``plan`` patterns are relative to ``model``; ``prefix`` is prepended to the returned names (the model's
-    name inside the module the plan is applied to)."""
+    ``plan`` patterns are relative to ``model`` (whose ``config`` gives MLA's rotary width); ``prefix`` is prepended
+    to the returned names (the model's name inside the module the plan is applied to). Raises ``ValueError`` for an
+    entry on a module that can neither be translated nor correctly kept replicated."""
     translated: dict[str, ParallelStyle] = {}
     skipped: list[str] = []
+    config = getattr(model, "config", None)
     modules = [(name, re.sub(r"\d+", "*", name), module) for name, module in model.named_modules() if name]
     for pattern, style_name in plan.items():
         matches = [(name, module) for name, generic, module in modules if generic == pattern]
-        styles = [_hugging_face_style(style_name, module) for _, module in matches]
-        if not matches or any(style is None for style in styles):
+        styles = [_hugging_face_style(style_name, module, config) for _, module in matches]
+        if not matches or style_name in KEPT_REPLICATED_STYLES:
             skipped.append(f"{pattern}: {style_name}")
             continue
-        for (name, _), style in zip(matches, styles):
+        for (name, module), style in zip(matches, styles):
+            if style is None:
+                raise ValueError(
+                    f"{type(model).__name__}'s tensor-parallel plan gives {pattern!r} the style {style_name!r}, which"
+                    f" lightning_ciuic does not translate for a {type(module).__name__}; kept replicated, it would compute"
+                    f" something else than the plan. Translated: {list(_TRANSLATED_STYLES)} (on nn.Linear, or"
+                    f" nn.Embedding for embedding_rowwise); kept replicated: {sorted(KEPT_REPLICATED_STYLES)}. Train"
+                    f" this model with tensor_parallel_size=1, or give its LightningModule a tensor_parallel_plan(tp_mesh)"
+                    f" of torch ParallelStyles."
+                )
             translated[prefix + name] = style
     return translated, skipped

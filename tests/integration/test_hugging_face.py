@@ -76,13 +76,20 @@ def test_llama_and_deepseek_v3_train_with_pp2_tp2():
 
 def test_tensor_parallel_plan_translation():
     module = _factory("deepseek_v3")()
-    from lightning_ciuic.parallel.tensor import hugging_face_plan
+    from lightning_ciuic.parallel.tensor import SharedRotaryKey, hugging_face_plan
 
     plan, skipped = hugging_face_plan(module.model, module.model._tp_plan, prefix="model.")
     assert "model.model.layers.0.mlp.gate_proj" in plan  # the dense first layer
     assert "model.model.layers.1.mlp.shared_experts.down_proj" in plan
     assert "model.model.embed_tokens" in plan and "model.lm_head" in plan
-    assert any(s.startswith("model.layers.*.mlp.experts.gate_up_proj") for s in skipped)  # packed 3-D: replicated
+    # MLA's shared rotary key: replicated, its gradient summed over tp (transformers >= 5.25 shards DeepSeek's attention)
+    if "layers.*.self_attn.kv_a_proj_with_mqa" in module.model._tp_plan:
+        assert isinstance(plan["model.model.layers.0.self_attn.kv_a_proj_with_mqa"], SharedRotaryKey)
+        assert plan["model.model.layers.0.self_attn.kv_a_proj_with_mqa"].rotary_dim == 4
+    # packed 3-D experts (transformers < 5.25 lists them in the tp plan): replicated here, sharded by expert parallelism
+    assert not any(".mlp.experts" in name for name in plan), plan
+    with pytest.raises(ValueError, match=r"gives 'layers.\*.mlp.gate_proj' the style 'colwise_sharded_io'.*tensor_parallel_size=1"):
+        hugging_face_plan(module.model.model, {"layers.*.mlp.gate_proj": "colwise_sharded_io"})
     assert module.pipeline_blocks() == [
         "model.model.embed_tokens", "model.model.layers.0", "model.model.layers.1", "model.model.norm", "model.lm_head"
     ]
