@@ -178,7 +178,7 @@ def _export(checkpoint: dict, name: str, out: str, export_format: str) -> int:
 PLAN_USAGE = (
     "usage: lightning-ciuic plan --config RUN.yaml --world-size N [--device-memory 80GiB] [--json OUT.json]"
     " [--micro-batch-size B --sequence-length S [--flops 989T --link intra=900GB/s,inter=50GB/s"
-    " --devices-per-node 8]] [--search] [any fit override, e.g. --trainer.strategy.init_args.tensor_parallel_size 8]"
+    " --devices-per-node 8] [--processes P]] [--search] [any fit override, e.g. --trainer.strategy.init_args.tensor_parallel_size 8]"
 )
 
 
@@ -221,6 +221,10 @@ def plan_command(argv: list[str]) -> int:
     parser.add_argument("--devices-per-node", type=int, default=8, help="devices per node (default 8): which axes cross nodes")
     parser.add_argument("--search", action="store_true", help="plan the other layouts of the world size too, ranked")
     parser.add_argument("--json", help="write the plan as JSON to this file")
+    parser.add_argument(
+        "--processes", type=int, default=len(os.sched_getaffinity(0)),
+        help="pipeline stages the step phase steps at once, in forked processes (default: the CPUs this process may use)",
+    )
     options, overrides = parser.parse_known_args(argv)
     if (options.micro_batch_size is None) != (options.sequence_length is None):
         parser.error("the step phase needs both --micro-batch-size and --sequence-length (or neither: the static phase alone)")
@@ -228,6 +232,8 @@ def plan_command(argv: list[str]) -> int:
         parser.error("a step-time estimate needs both --flops and --link (or neither)")
     if options.flops is not None and options.micro_batch_size is None:
         parser.error("a step-time estimate needs the step phase's FLOPs and bytes: add --micro-batch-size and --sequence-length")
+    if options.processes < 1:
+        parser.error(f"--processes must be at least 1, got {options.processes}")
     step = StepSpec(options.micro_batch_size, options.sequence_length) if options.micro_batch_size else None
     hardware = None
     if options.flops is not None:
@@ -242,7 +248,7 @@ def plan_command(argv: list[str]) -> int:
     try:
         result = plan(
             options.config, world_size=options.world_size, cli_args=overrides, device_memory=options.device_memory,
-            step=step, hardware=hardware,
+            step=step, hardware=hardware, processes=options.processes,
         )
     except (ValueError, TypeError) as err:  # the layout's errors, as fit raises them
         print(f"the layout does not work: {err}", file=sys.stderr)
@@ -262,7 +268,7 @@ def _search_command(options: argparse.Namespace, overrides: list[str], step: Any
     try:
         candidates = search_layouts(
             options.config, world_size=options.world_size, cli_args=overrides, devices_per_node=options.devices_per_node,
-            device_memory=options.device_memory, step=step, hardware=hardware,
+            device_memory=options.device_memory, step=step, hardware=hardware, processes=options.processes,
         )
     except (ValueError, TypeError) as err:  # the config itself (not a layout) does not work
         print(f"the run does not work: {err}", file=sys.stderr)

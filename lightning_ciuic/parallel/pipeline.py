@@ -108,6 +108,17 @@ def stage_ids_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int, schedule
     return [pp_rank + k * pp_size for k in range(stages_per_rank)]
 
 
+def forwards_in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> Optional[int]:
+    """The most micro-batches whose forward ``stage`` has run and whose backward it has not yet, under a schedule of
+    one stage per rank: GPipe all of them, 1F1B its warm-up (one for itself and one for each stage after it, at most
+    all); ``None`` under the multi-stage schedules, whose stages' orders differ by more than one count."""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "1f1b":
+        return min(microbatches, stages - stage)
+    return None
+
+
 PIPELINE_COMPUTE = "pp_compute"  # timeline category of a stage's forward / backward chunk
 
 

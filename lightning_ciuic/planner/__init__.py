@@ -37,11 +37,12 @@ __all__ = ["GiB", "Hardware", "Plan", "RankClass", "plan", "plan_layout", "searc
 
 def plan_layout(
     build: ModuleFactory, parallelism: ParallelismConfig, world_size: int, *, optimizers: OptimizerFactory,
-    device_memory: int = 80 * GiB, step: Optional[Any] = None, hardware: Optional[Hardware] = None,
+    device_memory: int = 80 * GiB, step: Optional[Any] = None, hardware: Optional[Hardware] = None, processes: int = 1,
 ) -> Plan:
     """Plan ``parallelism`` over ``world_size`` ranks for the module ``build(mesh)`` makes on the meta device;
     ``optimizers(module)`` gives the optimizers the module trains with (see the module docstring). ``step``: a
-    :class:`~lightning_ciuic.planner.step.StepSpec` to run the step phase too; ``hardware``: to estimate its time."""
+    :class:`~lightning_ciuic.planner.step.StepSpec` to run the step phase too, its pipeline stages stepped
+    ``processes`` at a time; ``hardware``: to estimate its time."""
     dims = parallelism.resolve(world_size)  # the layout's errors, as fit raises them
     layouts: list[StageLayout] = []
     for rank in stage_representatives(dims):
@@ -69,14 +70,16 @@ def plan_layout(
     if step is not None:
         from lightning_ciuic.planner.step import run_step_phase
 
-        run_step_phase(result, build, parallelism, optimizers, step)
+        run_step_phase(
+            result, build, parallelism, optimizers, step, structures=[l.structure() for l in layouts], processes=processes,
+        )
     return result
 
 
 
 def plan(
     config: Optional[str] = None, *, world_size: int, cli_args: Sequence[str] = (), device_memory: int = 80 * GiB,
-    step: Optional[Any] = None, hardware: Optional[Hardware] = None,
+    step: Optional[Any] = None, hardware: Optional[Hardware] = None, processes: int = 1,
 ) -> Plan:
     """Plan the run a LightningCLI config describes (``config``: a YAML path; ``cli_args``: overrides as
     ``lightning-ciuic fit`` takes them) over ``world_size`` ranks: :func:`plan_layout` on its module, its strategy's
@@ -86,13 +89,13 @@ def plan(
     run = from_config(config, cli_args)
     return plan_layout(
         module_factory(run), run.parallelism, world_size, optimizers=optimizers_of, device_memory=device_memory,
-        step=step, hardware=hardware,
+        step=step, hardware=hardware, processes=processes,
     )
 
 
 def search_layouts(
     config: Optional[str] = None, *, world_size: int, cli_args: Sequence[str] = (), devices_per_node: int = 8,
-    device_memory: int = 80 * GiB, step: Optional[Any] = None, hardware: Optional[Hardware] = None,
+    device_memory: int = 80 * GiB, step: Optional[Any] = None, hardware: Optional[Hardware] = None, processes: int = 1,
 ) -> list[Any]:
     """The layouts of ``world_size`` ranks for the run a config describes, planned and ranked best first
     (:func:`~lightning_ciuic.planner.search.search`: a list of ``Candidate``)."""
@@ -102,5 +105,5 @@ def search_layouts(
     run = from_config(config, cli_args)
     return search(
         module_factory(run), run.parallelism, world_size, optimizers=optimizers_of, devices_per_node=devices_per_node,
-        step=step, device_memory=device_memory, hardware=hardware,
+        step=step, device_memory=device_memory, hardware=hardware, processes=processes,
     )

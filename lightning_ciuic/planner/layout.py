@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -136,6 +137,16 @@ class StageLayout:
     largest_unit: tuple[str, int] = ("", 0)  # (name, bytes gathered) of the largest FSDP2 unit; ("", 0) unsharded
     engine_bytes: int = 0  # the data-parallel engine's own tensors on this stage's ranks (DataParallel.buffer_bytes)
     per_rank: dict[int, RankBytes] = field(default_factory=dict)
+
+    def structure(self) -> tuple:
+        """What two stages' first ranks share when they hold alike parts of the model: each parameter in order (its
+        name with layer indices as ``*``, global shape, element size, placements), the rank's figures, the largest
+        FSDP2 unit and the engine's buffers."""
+        parameters = tuple(
+            (re.sub(r"\d+", "*", t.name), t.global_shape, t.element_size, t.trainable, t.mesh_shape, t.placements)
+            for t in self.tensors
+        )
+        return parameters, self.figures(self.ranks[0]).key(), self.largest_unit[1], self.engine_bytes
 
     def figures(self, rank: int) -> RankBytes:
         found = self.per_rank.get(rank)
