@@ -15,7 +15,9 @@ weights that produced it receive only this rank's share of the gradient and the 
 ``hugging_face_plan(model, plan)`` translates a Hugging Face ``base_model_tp_plan`` / ``_tp_plan`` (patterns
 where ``*`` stands for a layer index, styles as strings) into concrete module names and torch styles:
 ``colwise`` and ``rowwise`` on ``nn.Linear`` become ``ColwiseParallel`` / ``RowwiseParallel``,
-``colwise_gather_output`` (alias ``colwise_rep``) a ``ColwiseParallel`` with a replicated output, ``embedding_rowwise``
+``colwise_gather_output`` (alias ``colwise_rep``) a ``ColwiseParallel`` with a replicated output,
+``rowwise_split_input`` (alias ``rowwise_rep``: Phi-3's, GLM's, OLMo-2's projection after a gathered one) a
+``RowwiseParallel`` that splits its replicated input, ``embedding_rowwise``
 on ``nn.Embedding`` a ``RowwiseParallel`` (vocabulary-parallel embedding), ``mla_kv_a_proj`` (multi-head latent
 attention's ``kv_a_proj_with_mqa``) :class:`SharedRotaryKey`. The styles of :data:`KEPT_REPLICATED_STYLES` (packed
 3-D expert weights and expert-parallel wrappers, which the expert-parallel layer handles, sequence-parallel norms,
@@ -181,8 +183,8 @@ KEPT_REPLICATED_STYLES = frozenset(
      "replicate"}
 )
 _TRANSLATED_STYLES = (
-    "colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise", "replicated_with_grad_allreduce",
-    "mla_kv_a_proj",
+    "colwise", "rowwise", "colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep", "embedding_rowwise",
+    "replicated_with_grad_allreduce", "mla_kv_a_proj",
 )
 
 
@@ -194,6 +196,8 @@ def _hugging_face_style(style: str, module: nn.Module, config: Any) -> ParallelS
             return RowwiseParallel()
         if style in ("colwise_gather_output", "colwise_rep"):
             return ColwiseParallel(output_layouts=Replicate())
+        if style in ("rowwise_split_input", "rowwise_rep"):  # a replicated input (after a gathered colwise), split here
+            return RowwiseParallel(input_layouts=Replicate())
         if style == "mla_kv_a_proj" and getattr(config, "qk_rope_head_dim", None):
             return SharedRotaryKey(config.qk_rope_head_dim)
     if isinstance(module, nn.Embedding) and style == "embedding_rowwise":

@@ -26,6 +26,8 @@ CONFIGS = {
         qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
         experts_implementation="eager",  # torch's grouped_mm (the default) has no float64 kernel
     ),
+    # fused qkv and gate_up projections: colwise_gather_output, then rowwise_split_input on a replicated input
+    "phi3": dict(COMMON, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 
 
@@ -39,7 +41,7 @@ def _factory(model_type: str):
 
 def _pp2_tp2(rank: int, world: int) -> None:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
-    for model_type in CONFIGS:
+    for model_type in ("llama", "deepseek_v3"):
         expected_losses: list[float] = []
         expected = reference_training(_factory(model_type), STEPS, PER_RANK_BATCH, losses=expected_losses)
         module, recorder = _factory(model_type)(), _LossRecorder()
@@ -88,6 +90,9 @@ def test_tensor_parallel_plan_translation():
         assert plan["model.model.layers.0.self_attn.kv_a_proj_with_mqa"].rotary_dim == 4
     # packed 3-D experts (transformers < 5.25 lists them in the tp plan): replicated here, sharded by expert parallelism
     assert not any(".mlp.experts" in name for name in plan), plan
+    phi3 = _factory("phi3")().model
+    phi3_plan, phi3_skipped = hugging_face_plan(phi3, phi3._tp_plan)
+    assert type(phi3_plan["model.layers.0.self_attn.o_proj"]).__name__ == "RowwiseParallel" and not phi3_skipped
     with pytest.raises(ValueError, match=r"gives 'layers.\*.mlp.gate_proj' the style 'colwise_sharded_io'.*tensor_parallel_size=1"):
         hugging_face_plan(module.model.model, {"layers.*.mlp.gate_proj": "colwise_sharded_io"})
     assert module.pipeline_blocks() == [
@@ -110,8 +115,9 @@ HSDP_EP2 = dict(data_parallel_size=4, data_parallel_shard_size=2, expert_paralle
 
 @pytest.mark.parametrize(
     "model_type, layout",
-    [("llama", PP2_TP2), ("deepseek_v3", PP2_TP2), ("llama", PP2_FSDP2), ("deepseek_v3", HSDP_EP2), ("llama", DP2_TP2)],
-    ids=["llama-pp2xtp2", "deepseek_v3-pp2xtp2", "llama-pp2xfsdp2", "deepseek_v3-hsdp2x2-ep2", "llama-dp2xtp2"],
+    [("llama", PP2_TP2), ("deepseek_v3", PP2_TP2), ("llama", PP2_FSDP2), ("deepseek_v3", HSDP_EP2), ("llama", DP2_TP2),
+     ("phi3", PP2_TP2)],
+    ids=["llama-pp2xtp2", "deepseek_v3-pp2xtp2", "llama-pp2xfsdp2", "deepseek_v3-hsdp2x2-ep2", "llama-dp2xtp2", "phi3-pp2xtp2"],
 )
 def test_pretrained_weights_train_in_parallel_and_export_back_to_hugging_face(tmp_path, model_type, layout, capsys):
     """Hugging Face weights -> 3 steps at pp=2 x tp=2 (or pp=2 x FSDP 2, or HSDP 2x2 with the experts sharded over 2:
