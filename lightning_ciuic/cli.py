@@ -222,7 +222,8 @@ def plan_command(argv: list[str]) -> int:
     parser.add_argument("--search", action="store_true", help="plan the other layouts of the world size too, ranked")
     parser.add_argument("--json", help="write the plan as JSON to this file")
     parser.add_argument(
-        "--processes", type=int, default=len(os.sched_getaffinity(0)),
+        "--processes", type=int,
+        default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
         help="pipeline stages the step phase steps at once, in forked processes (default: the CPUs this process may use)",
     )
     options, overrides = parser.parse_known_args(argv)

@@ -61,6 +61,7 @@ import contextlib
 import dataclasses
 import multiprocessing
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -506,14 +507,15 @@ def _step_forked(stage: int) -> StepFigures:
 def _step_stages(stages: Sequence[int], step: Callable[[int], StepFigures], processes: int) -> dict[int, StepFigures]:
     """``step(stage)`` for each of ``stages``: here, or, with ``processes > 1``, in that many forked processes, each
     inheriting this one's state (as a ``DataLoader``'s workers do), so that nothing but stage numbers and figures is
-    pickled."""
+    pickled. Where processes cannot fork (Windows), every stage is stepped here."""
     global _FORKED_STEP
-    if processes <= 1 or len(stages) <= 1:
+    if processes <= 1 or len(stages) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         return {stage: step(stage) for stage in stages}
     _FORKED_STEP = step
     try:
-        with multiprocessing.get_context("fork").Pool(min(processes, len(stages))) as pool:
-            return dict(zip(stages, pool.map(_step_forked, stages, chunksize=1)))
+        workers = min(processes, len(stages))
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:  # a killed worker raises
+            return dict(zip(stages, pool.map(_step_forked, stages)))
     finally:
         _FORKED_STEP = None
 
