@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -182,29 +182,26 @@ KEPT_REPLICATED_STYLES = frozenset(
     {"packed_colwise", "packed_rowwise", "moe_tp_experts", "grouped_gemm", "ep_dispatch_experts", "sequence_parallel",
      "replicate"}
 )
-_TRANSLATED_STYLES = (
-    "colwise", "rowwise", "colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep", "embedding_rowwise",
-    "replicated_with_grad_allreduce", "mla_kv_a_proj",
-)
 
 
-def _hugging_face_style(style: str, module: nn.Module, config: Any) -> ParallelStyle | None:
-    if isinstance(module, nn.Linear):
-        if style == "colwise":
-            return ColwiseParallel()
-        if style == "rowwise":
-            return RowwiseParallel()
-        if style in ("colwise_gather_output", "colwise_rep"):
-            return ColwiseParallel(output_layouts=Replicate())
-        if style in ("rowwise_split_input", "rowwise_rep"):  # a replicated input (after a gathered colwise), split here
-            return RowwiseParallel(input_layouts=Replicate())
-        if style == "mla_kv_a_proj" and getattr(config, "qk_rope_head_dim", None):
-            return SharedRotaryKey(config.qk_rope_head_dim)
-    if isinstance(module, nn.Embedding) and style == "embedding_rowwise":
-        return RowwiseParallel(input_layouts=Replicate())  # token ids are replicated, not split
-    if style == "replicated_with_grad_allreduce":
-        return HeadwiseReplicated()
-    return None
+def _rotary_key(config: Any) -> ParallelStyle | None:
+    rotary_dim = getattr(config, "qk_rope_head_dim", None)
+    return SharedRotaryKey(rotary_dim) if rotary_dim else None
+
+
+# Hugging Face style -> (the module type it applies to, its torch style from the model's config; None: not translated)
+_TRANSLATIONS: dict[str, tuple[type[nn.Module], Callable[[Any], ParallelStyle | None]]] = {
+    "colwise": (nn.Linear, lambda config: ColwiseParallel()),
+    "rowwise": (nn.Linear, lambda config: RowwiseParallel()),
+    "colwise_gather_output": (nn.Linear, lambda config: ColwiseParallel(output_layouts=Replicate())),
+    "colwise_rep": (nn.Linear, lambda config: ColwiseParallel(output_layouts=Replicate())),
+    # a replicated input (after a gathered colwise), split here
+    "rowwise_split_input": (nn.Linear, lambda config: RowwiseParallel(input_layouts=Replicate())),
+    "rowwise_rep": (nn.Linear, lambda config: RowwiseParallel(input_layouts=Replicate())),
+    "mla_kv_a_proj": (nn.Linear, _rotary_key),
+    "embedding_rowwise": (nn.Embedding, lambda config: RowwiseParallel(input_layouts=Replicate())),  # token ids replicated
+    "replicated_with_grad_allreduce": (nn.Module, lambda config: HeadwiseReplicated()),
+}
 
 
 def hugging_face_plan(
@@ -221,19 +218,20 @@ def hugging_face_plan(
     modules = [(name, re.sub(r"\d+", "*", name), module) for name, module in model.named_modules() if name]
     for pattern, style_name in plan.items():
         matches = [(name, module) for name, generic, module in modules if generic == pattern]
-        styles = [_hugging_face_style(style_name, module, config) for _, module in matches]
         if not matches or style_name in KEPT_REPLICATED_STYLES:
             skipped.append(f"{pattern}: {style_name}")
             continue
-        for (name, module), style in zip(matches, styles):
+        module_type, translate = _TRANSLATIONS.get(style_name, (type(None), None))
+        for name, module in matches:
+            style = translate(config) if isinstance(module, module_type) else None
             if style is None:
+                translated_styles = {known: kind.__name__ for known, (kind, _) in _TRANSLATIONS.items()}
                 raise ValueError(
                     f"{type(model).__name__}'s tensor-parallel plan gives {pattern!r} the style {style_name!r}, which"
                     f" lightning_ciuic does not translate for a {type(module).__name__}; kept replicated, it would compute"
-                    f" something else than the plan. Translated: {list(_TRANSLATED_STYLES)} (on nn.Linear, or"
-                    f" nn.Embedding for embedding_rowwise); kept replicated: {sorted(KEPT_REPLICATED_STYLES)}. Train"
-                    f" this model with tensor_parallel_size=1, or give its LightningModule a tensor_parallel_plan(tp_mesh)"
-                    f" of torch ParallelStyles."
+                    f" something else than the plan. Translated (style: module): {translated_styles}; kept replicated:"
+                    f" {sorted(KEPT_REPLICATED_STYLES)}. Train this model with tensor_parallel_size=1, or give its"
+                    f" LightningModule a tensor_parallel_plan(tp_mesh) of torch ParallelStyles."
                 )
             translated[prefix + name] = style
     return translated, skipped

@@ -78,6 +78,9 @@ def test_llama_and_deepseek_v3_train_with_pp2_tp2():
 
 def test_tensor_parallel_plan_translation():
     module = _factory("deepseek_v3")()
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
     from lightning_ciuic.parallel.tensor import SharedRotaryKey, hugging_face_plan
 
     plan, skipped = hugging_face_plan(module.model, module.model._tp_plan, prefix="model.")
@@ -92,7 +95,8 @@ def test_tensor_parallel_plan_translation():
     assert not any(".mlp.experts" in name for name in plan), plan
     phi3 = _factory("phi3")().model
     phi3_plan, phi3_skipped = hugging_face_plan(phi3, phi3._tp_plan)
-    assert type(phi3_plan["model.layers.0.self_attn.o_proj"]).__name__ == "RowwiseParallel" and not phi3_skipped
+    o_proj = phi3_plan["model.layers.0.self_attn.o_proj"]  # rowwise_split_input: a replicated input, split here
+    assert isinstance(o_proj, RowwiseParallel) and o_proj.input_layouts == (Replicate(),) and not phi3_skipped
     with pytest.raises(ValueError, match=r"gives 'layers.\*.mlp.gate_proj' the style 'colwise_sharded_io'.*tensor_parallel_size=1"):
         hugging_face_plan(module.model.model, {"layers.*.mlp.gate_proj": "colwise_sharded_io"})
     assert module.pipeline_blocks() == [

@@ -353,29 +353,37 @@ def test_a_deep_models_step_extended_from_two_and_four_layers_is_the_whole_step(
     assert extended.activations == whole.activations, (extended.activations, whole.activations)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_alike_middle_stages_step_at_their_ends_and_the_rest_equals_stepping_every_stage(schedule, monkeypatch):
+@pytest.mark.parametrize("schedule, data_parallel", [("1f1b", 2), ("gpipe", 1)], ids=["1f1b-fsdp2", "gpipe"])
+def test_alike_middle_stages_step_at_their_ends_and_the_rest_equals_stepping_every_stage(schedule, data_parallel, monkeypatch):
     """Six stages of one layer each: stages 1-4 hold alike layers, so only 1 and 4 are stepped (with 0 and 5) and 2
-    and 3 are on the line through them in forwards in flight (1F1B: 5, 4, 3, 2; GPipe: all 6). Every figure equals
-    stepping every stage (1F1B's stages 1-4 differ by 251,392 bytes each; the line must land on them to the byte)."""
+    and 3 are on the line through them in forwards in flight (1F1B: 5, 4, 3, 2; GPipe: all 6), their FSDP2 groups'
+    ranks moved by the stages between. Every figure equals stepping every stage (1F1B's stages 1-4 differ by 251,392
+    bytes each; the line must land on them to the byte)."""
     from lightning_ciuic.planner import step as step_phase
 
-    config = ParallelismConfig(pipeline_parallel_size=6, pipeline=PipelineConfig(schedule, num_microbatches=6))
-    build = functools.partial(_deep_llama, layers=6)
+    config = ParallelismConfig(
+        pipeline_parallel_size=6, data_parallel_size=data_parallel, data_parallel_shard_size=data_parallel,
+        pipeline=PipelineConfig(schedule, num_microbatches=6),
+    )
+    build, world = functools.partial(_deep_llama, layers=6), 6 * data_parallel
     stepped: list[int] = []
     measure = step_phase.step_figures
-    monkeypatch.setattr(step_phase, "step_figures", lambda rank, *a, **k: stepped.append(rank) or measure(rank, *a, **k))
-    planned = plan_layout(build, config, 6, optimizers=optimizers_of, step=STEP)
+    monkeypatch.setattr(
+        step_phase, "step_figures", lambda rank, *a, **k: stepped.append(rank // data_parallel) or measure(rank, *a, **k)
+    )
+    planned = plan_layout(build, config, world, optimizers=optimizers_of, step=STEP)
     assert stepped == [0, 1, 4, 5]
-    forked = plan_layout(build, config, 6, optimizers=optimizers_of, step=STEP, processes=2)  # stages 1, 4, 5 at once
+    forked = plan_layout(build, config, world, optimizers=optimizers_of, step=STEP, processes=2)  # stages 1, 4, 5 at once
     assert forked.steps == planned.steps and stepped == [0, 1, 4, 5, 0]
-    every = plan_layout(build, config, 6, optimizers=optimizers_of)
+    every = plan_layout(build, config, world, optimizers=optimizers_of)
     step_phase.run_step_phase(every, build, config, optimizers_of, STEP)  # no structures: every stage stepped
     assert stepped == [0, 1, 4, 5, 0, 0, 1, 2, 3, 4, 5]
-    assert planned.steps == every.steps
+    assert planned.steps == every.steps  # activations, FLOPs, bytes per collective, each axis's group ranks
     assert [(c.ranks, c.activations, c.peak) for c in planned.classes] == [(c.ranks, c.activations, c.peak) for c in every.classes]
     activations = [planned.steps[stage].activations for stage in range(1, 5)]
     assert len({b - a for a, b in zip(activations, activations[1:])}) == 1 and (schedule == "gpipe") == (activations[0] == activations[-1])
+    if data_parallel > 1:  # stage 2's FSDP2 group is its own two ranks, not stage 1's
+        assert planned.steps[2].axis_ranks["dp_shard"] == [4, 5]
 
 
 def test_the_step_estimate_and_search_from_the_command_line(tmp_path, capsys):
