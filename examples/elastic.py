@@ -80,7 +80,9 @@ def main() -> None:
     ]
     strategy = "ciuic"
     if args.sharded:
-        strategy = HybridParallelStrategy(data_parallel_shard_size="auto", expert_parallel_size=args.experts)
+        # timeout: a survivor blocked where no dead peer's socket closes (a store wait) fails within a minute and is
+        # restarted, instead of the default half hour
+        strategy = HybridParallelStrategy(data_parallel_shard_size="auto", expert_parallel_size=args.experts, timeout=60)
         callbacks.append(AsyncCheckpointer(str(args.out / "checkpoints"), every_n_train_steps=args.snapshot_freq, save_interval=None))
     trainer = Trainer(
         accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
