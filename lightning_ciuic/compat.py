@@ -13,7 +13,8 @@ Touch points:
   ``_WorkerOutput`` (our strategy starts processes as ``DDPStrategy`` does), with what it hands a spawned rank
   (``_GlobalStateSnapshot``, ``_disable_module_memory_sharing``: ours hands a forkserver rank the same); ``Strategy._reset_optimizers_and_schedulers``; the optimizer a
   ``LightningOptimizer`` wraps (``_optimizer``); the fit loop's progress counters (epoch and batch position,
-  optimizer-step totals, ``_batches_that_stepped``) that snapshots rewind; ``ModelCheckpoint._find_last_checkpoints``
+  optimizer-step totals, ``_batches_that_stepped``) that snapshots rewind; the barrier that ends ``fit``'s restore and the
+  loader states it leaves pending (``_load_combined_loader_states``); ``ModelCheckpoint._find_last_checkpoints``
   (what ``ckpt_path="last"`` resolves), which ``AsyncCheckpointer`` overrides.
 * torch: ``PipelineStage._to_tensor`` (shape inference on zeros), ``torch.utils._python_dispatch.TorchDispatchMode``
   (timing tensor-parallel collectives), DCP's ``_load_state_dict`` with ``_EmptyStateDictLoadPlanner`` (loading a
@@ -158,9 +159,12 @@ def batch_index(trainer: Any) -> int:
 
 
 def epoch_position(trainer: Any) -> tuple[int, int]:
-    """(epochs processed, batches processed in this epoch) of the fit loop."""
-    loop = trainer.fit_loop
-    return loop.epoch_progress.current.processed, loop.epoch_loop.batch_progress.current.processed
+    """(epochs processed, batches processed in the running epoch) of the fit loop: ``(e, 0)`` between epochs. Once
+    the fit loop has counted an epoch processed (at its end, or when ``max_steps`` ends training mid-epoch), the
+    epoch loop's batch counters still hold that epoch's batches: they are not the next epoch's."""
+    epochs = trainer.fit_loop.epoch_progress.current
+    running = epochs.started > epochs.processed
+    return epochs.processed, trainer.fit_loop.epoch_loop.batch_progress.current.processed if running else 0
 
 
 def shift_batch_counters(trainer: Any, shift: int) -> None:
@@ -168,6 +172,17 @@ def shift_batch_counters(trainer: Any, shift: int) -> None:
     current = trainer.fit_loop.epoch_loop.batch_progress.current
     for counter in ("ready", "started", "processed", "completed"):
         setattr(current, counter, getattr(current, counter) + shift)
+
+
+# Lightning calls ``strategy.barrier`` by this name once ``fit``'s checkpoint restore is over (a ``ckpt_path`` or
+# none), before the sanity check and the fit loop: the end of the restore that nothing public marks.
+RESTORE_DONE_BARRIER = "_CheckpointConnector.resume_end"
+
+
+def load_pending_loader_states(trainer: Any) -> None:
+    """Give training loaders that were set up before a restore the states the restore brought (Lightning loads them
+    only when it sets a loader up: issue #20550). A no-op when nothing is pending or no loader is set up yet."""
+    trainer.fit_loop._load_combined_loader_states()
 
 
 def rewind_step_counters(trainer: Any, loops: dict[str, Any]) -> None:

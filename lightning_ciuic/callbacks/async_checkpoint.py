@@ -15,12 +15,13 @@ its part, and the restart should not wait for an upload.
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any, Optional
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ciuic.comm.vote import StepVote
@@ -138,12 +139,29 @@ class AsyncCheckpointer(ModelCheckpoint):
             self.io.abandon()
 
     def _save(self, trainer: Trainer) -> None:
-        name = f"epoch={trainer.current_epoch}-step={trainer.global_step}"
+        name = self._unused_name(trainer, f"epoch={trainer.current_epoch}-step={trainer.global_step}")
         trainer.save_checkpoint(name, weights_only=False)  # the whole training state (and no log line per rank)
         self.stalls.append(self.io.last_stall_seconds)
         self.saves += 1
         self._last_saved_step = trainer.global_step
         self._last_save_time = time.monotonic()
+
+    def _unused_name(self, trainer: Trainer, name: str) -> str:
+        """Collective: ``name``, or ``name-v1``, ``name-v2``, ... where a committed checkpoint (an earlier run's in
+        the same directory) has it already, as ``ModelCheckpoint`` versions its files: nothing is replaced."""
+        if trainer.is_global_zero:
+            taken, free = {manifest.name for manifest in self.io.catalog.manifests()}, name
+            for version in itertools.count(1):
+                if free not in taken:
+                    break
+                free = f"{name}-v{version}"
+            if free != name:
+                rank_zero_warn(
+                    f"AsyncCheckpointer: {self.url} already holds a checkpoint {name} (an earlier run's); this one is"
+                    f" saved as {free}, nothing is replaced. Give each run its own dirpath to keep their names apart."
+                )
+            name = free
+        return trainer.strategy.broadcast(name)
 
     def latest_checkpoint(self) -> Optional[str]:
         """The URL of the newest committed checkpoint, or ``None``."""

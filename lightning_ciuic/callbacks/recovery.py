@@ -40,10 +40,12 @@ Contract:
   - ``"never"``: never (rollbacks only).
 
   Never when ``fit`` is given a ``ckpt_path``: Lightning loads that checkpoint, and only that one. The decision
-  waits until ``trainer.ckpt_path`` is known: at ``on_fit_start`` where Lightning restores ``ckpt_path`` before
-  it (``restore_checkpoint_after_setup`` is False, e.g. DDP), else (``HybridParallelStrategy``, which loads
-  checkpoints into the set-up model after ``on_fit_start``) when Lightning sets up the training DataLoader: after
-  its own restore and the validation sanity check, before the loop state is used. A resume is said in one line
+  waits until ``trainer.ckpt_path`` is known, whatever the order of the callbacks and whichever of them sets up the
+  training loader first: at ``on_fit_start`` where Lightning restores ``ckpt_path`` before it
+  (``restore_checkpoint_after_setup`` is False, e.g. DDP); under ``HybridParallelStrategy`` (which loads
+  checkpoints into the set-up model after ``on_fit_start``) at the point it announces once that restore is over
+  (:mod:`lightning_ciuic.strategies.restore_point`), before the sanity check and the fit loop; under another
+  strategy that restores after set-up, when Lightning sets up the training loader. A resume is said in one line
   (what was loaded, its step, why). A restart into a different data-parallel size (elastic nodes; ``pp`` and
   ``tp`` unchanged) restores from a data-parallel replica's snapshot, sent by the rank that holds it; compression
   residuals then start at zero.
@@ -92,6 +94,7 @@ from lightning_ciuic.checkpoint.snapshot import (
 from lightning_ciuic.callbacks.snapshot_restore import decode_agreed, restore_from_checkpoint, restore_newest
 from lightning_ciuic.callbacks.trainer_state import apply_training_state, capture_training_state
 from lightning_ciuic.data.resume import positioned
+from lightning_ciuic.strategies.restore_point import announces_restore
 from lightning_ciuic import compat
 from lightning_ciuic.strategies.context import batch_end_vote, parallel_context, step_vote
 from lightning_ciuic.tensors import local_tensor
@@ -188,6 +191,7 @@ class SnapshotRecovery(Callback):
         if stage != "fit":
             return
         add_train_loader_transform(trainer, self._train_loader)
+        self._resume_pending = True  # decided once, when fit's own restore is over (see on_fit_start)
         self._vote = step_vote(trainer)
         self._vote.register(_VOTE, 4, self._local_health)
         if self.store_kind == "memory":
@@ -209,8 +213,10 @@ class SnapshotRecovery(Callback):
         return owner, self.run_id or f"local-{owner}"
 
     def _train_loader(self, trainer: Trainer, loader: Any) -> Any:
-        """Lightning sets up the training loader: resume first if still to be decided (see :meth:`on_fit_start`)."""
-        self._resume_once(trainer)
+        """Lightning sets up the training loader: under a strategy that restores after set-up and announces no end
+        of it, resume first if still to be decided (see :meth:`on_fit_start`)."""
+        if trainer.strategy.restore_checkpoint_after_setup and not announces_restore(trainer):
+            self._resume_once(trainer)
         return self._positioned(trainer, loader)
 
     def _positioned(self, trainer: Trainer, loader: Any) -> Any:
@@ -249,11 +255,14 @@ class SnapshotRecovery(Callback):
     # -- resume at the start of fit: after a restart, or when asked ------------------------------------
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._resume_pending = True
         if not trainer.strategy.restore_checkpoint_after_setup:
             self._resume_once(trainer)  # Lightning restored any ckpt_path before this hook: trainer.ckpt_path says
         # Else Lightning loads ckpt_path after this hook, so trainer.ckpt_path is not known yet (no public API names
-        # the fit argument before): decided when the training loader is set up, the first point after that load.
+        # the fit argument before): decided at on_fit_restored, or when the training loader is set up.
+
+    def on_fit_restored(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """``HybridParallelStrategy``: Lightning's restore is over (``strategies/restore_point.py``)."""
+        self._resume_once(trainer)
 
     def _resume_once(self, trainer: Trainer) -> None:
         if self._resume_pending:
@@ -288,6 +297,7 @@ class SnapshotRecovery(Callback):
             rank_zero_info(f"SnapshotRecovery: {reason}, but no snapshot or AsyncCheckpointer checkpoint to resume.")
             return
         self.restored_from = restored
+        compat.load_pending_loader_states(trainer)  # a loader set up before this restore continues where it was
         rank_zero_info(f"SnapshotRecovery: resumed from {what} in {time.perf_counter() - started:.2f} s ({reason}).")
 
     def _resume_reason(self) -> Optional[str]:

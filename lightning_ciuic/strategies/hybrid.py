@@ -76,7 +76,7 @@ from lightning_ciuic.parallel.parallelize import Parallelized, parallelize
 from lightning_ciuic.parallel.grad_norm import clip_grad_norm_
 from lightning_ciuic.parallel.pipeline import PipelineRunner, PipelineScheduleName
 from lightning_ciuic.parallel.shutdown import agree_on_setup, leave_at_exit, setup_vote_group
-from lightning_ciuic.strategies import checkpointing
+from lightning_ciuic.strategies import checkpointing, restore_point
 from lightning_ciuic.strategies.launchers import FullWeightsMultiProcessingLauncher
 from lightning_ciuic.strategies.redirection import through_root
 from lightning_ciuic.parallel.pipeline_module import PipelineConfig
@@ -160,6 +160,7 @@ class HybridParallelStrategy(ParallelStrategy):
     """
 
     strategy_name = "ciuic"
+    announces_fit_restored = True  # calls restore_point.restore_done once fit's restore is over (strategies/restore_point.py)
 
     def __init__(
         self,
@@ -656,6 +657,8 @@ class HybridParallelStrategy(ParallelStrategy):
             dist.barrier(device_ids=[self.root_device.index])
         else:
             dist.barrier()
+        if name == compat.RESTORE_DONE_BARRIER:
+            restore_point.restore_done(self.lightning_module.trainer)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:

@@ -43,7 +43,12 @@ def test_fit_loop_counters_are_where_snapshots_look():
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     assert compat.batch_index(trainer) == -1 and compat.epoch_position(trainer) == (0, 0)  # before the first batch
     compat.shift_batch_counters(trainer, 3)
+    epochs = trainer.fit_loop.epoch_progress
+    assert compat.epoch_position(trainer) == (0, 0)  # no epoch running: the counters are no epoch's
+    epochs.increment_ready(), epochs.increment_started()
     assert compat.epoch_position(trainer) == (0, 3)
+    epochs.increment_processed()  # counted processed (its end, or max_steps mid-epoch): the next starts at batch 0
+    assert compat.epoch_position(trainer) == (1, 0)
     loops = trainer.fit_loop.state_dict()
     loops["epoch_loop.state_dict"]["_batches_that_stepped"] = 7
     compat.rewind_step_counters(trainer, loops)
