@@ -1,7 +1,8 @@
 """What the pack did in a run, in a few lines: the end of ``lightning-ciuic fit``.
 
 Contract: :func:`run_summary(trainer, config)` reads only what survives in the launching process after ``fit``
-(spawned workers keep their callbacks' state to themselves): this run's ``monitor.json`` (report, trace, advice),
+(spawned workers keep their callbacks' state to themselves): the optimizer steps this ``fit`` trained (from the step
+it resumed at: the strategy's ``fit_start_step``, handed back by its launcher), this run's ``monitor.json`` (report, trace, advice),
 as :meth:`CommunicationMonitor.record_path` finds it (the file it wrote, or the one carrying its run id; never
 another run's newer file in the same folder), the AsyncCheckpointer's store (its checkpoints, as
 ``lightning-ciuic checkpoint ls`` lists them), the metrics SnapshotRecovery logged (last snapshot, rollbacks), and
@@ -25,13 +26,22 @@ def checkpoint_table(manifests: list[Any]) -> list[str]:
     return lines
 
 
+def _steps_trained(trainer: Trainer) -> tuple[int, int]:
+    """(the step ``fit`` resumed at, the step it ended at); a launching process whose ranks were spawned has them
+    from the strategy (its own loops never ran)."""
+    start = getattr(trainer.strategy, "fit_start_step", None)
+    end = getattr(trainer.strategy, "fit_end_step", None)
+    return start or 0, end if end is not None else trainer.global_step
+
+
 def run_summary(trainer: Trainer, config: Optional[str] = None) -> str:
     from lightning_ciuic.advice import RunProfile, advise
     from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
     from lightning_ciuic.callbacks.monitor import CommunicationMonitor
     from lightning_ciuic.callbacks.recovery import SnapshotRecovery
 
-    lines = [f"Summary: {trainer.global_step} optimizer steps."]
+    start, end = _steps_trained(trainer)
+    lines = [f"Summary: {end - start} optimizer steps" + (f" (steps {start + 1} to {end})." if start else ".")]
     monitor = next((c for c in trainer.callbacks if isinstance(c, CommunicationMonitor)), None)
     if monitor is not None:
         found = monitor.record_path(trainer)

@@ -141,7 +141,11 @@ def load_whole(
     set_model_state_dict(model, {k: v for k, v in saved.items() if not k.startswith(elsewhere)}, options=options)
     for optimizer, optimizer_saved in zip(optimizers, optimizer_states):
         by_name = _held_by(model, optimizer, optimizer_state_by_name(model, optimizer, optimizer_saved, saved.keys()))
-        set_optimizer_state_dict(model, optimizer, by_name, options=options)
+        if by_name["state"]:
+            set_optimizer_state_dict(model, optimizer, by_name, options=options)
+        else:  # no per-parameter state (plain SGD): torch's whole-state loading finds no tensor to take a device from
+            for group, saved_group in zip(optimizer.param_groups, by_name["param_groups"]):
+                group.update({key: value for key, value in saved_group.items() if key != "params"})
     return checkpoint
 
 

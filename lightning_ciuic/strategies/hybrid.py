@@ -161,6 +161,8 @@ class HybridParallelStrategy(ParallelStrategy):
 
     strategy_name = "ciuic"
     announces_fit_restored = True  # calls restore_point.restore_done once fit's restore is over (strategies/restore_point.py)
+    fit_start_step: Optional[int] = None  # the step the last fit started training from (after its restore)
+    fit_end_step: Optional[int] = None  # where it ended, in a launching process whose ranks were spawned
 
     def __init__(
         self,

@@ -187,6 +187,17 @@ class FullWeightsMultiProcessingLauncher(MultiProcessingLauncher):
         super()._recover_results_in_main_process(worker_output, trainer)
 
     @override
+    def get_extra_results(self, trainer: Trainer) -> dict[str, Any]:
+        steps = (getattr(self._strategy, "fit_start_step", None), trainer.global_step)
+        return {**super().get_extra_results(trainer), "fit_steps": steps}
+
+    @override
+    def update_main_process_results(self, trainer: Trainer, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        # this process's loops never ran: what the ranks trained, for the summary
+        self._strategy.fit_start_step, self._strategy.fit_end_step = extra.get("fit_steps", (None, None))
+
+    @override
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Optional[WorkerOutput]:
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None)

@@ -14,8 +14,9 @@ things went wrong without such a point, silently:
 Contract: :func:`restore_done` runs once per ``fit`` on every rank, after Lightning's restore (with or without a
 ``ckpt_path``) and before the sanity check and the fit loop. It calls ``on_fit_restored(trainer, pl_module)`` on
 every callback that has one, in the callbacks' order (a collective there runs on every rank alike), then loads
-the saved positions into training loaders already set up. :data:`ANNOUNCES_RESTORE` on a strategy says it calls
-:func:`restore_done`.
+the saved positions into training loaders already set up, and keeps the step training starts from in the
+strategy's ``fit_start_step`` (what ``fit`` trained is ``trainer.global_step`` minus it). :data:`ANNOUNCES_RESTORE`
+on a strategy says it calls :func:`restore_done`.
 """
 
 from __future__ import annotations
@@ -42,3 +43,4 @@ def restore_done(trainer: Trainer) -> None:
         if hook is not None:
             hook(trainer, trainer.lightning_module)
     compat.load_pending_loader_states(trainer)
+    trainer.strategy.fit_start_step = trainer.global_step

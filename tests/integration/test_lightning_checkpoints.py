@@ -5,12 +5,14 @@ saving has no side effect on the optimizer."""
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.demos.boring_classes import BoringModel
 
+from examples.deepseek import DeepSeekMini
 from lightning_ciuic import HybridParallelStrategy
 from lightning_ciuic.cli import checkpoint_command
 from lightning_ciuic.checkpoint.sharded import optimizer_state, optimizer_state_by_name
+from tests.helpers import PRECISION, TINY_MODEL, assert_state_close, loader
 
 
 class SaveAtEnd(Callback):
@@ -45,8 +47,9 @@ class Hooks(Callback):
             torch.save(seen, self.path)
 
 
-def _trainer(tmp_path, devices=2, steps=2, save=None, **strategy):
+def _trainer(tmp_path, devices=2, steps=2, save=None, precision="32-true", **strategy):
     return Trainer(
+        precision=precision,
         strategy=HybridParallelStrategy(start_method="forkserver", **strategy), accelerator="cpu", devices=devices,
         max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, default_root_dir=tmp_path,
@@ -156,3 +159,29 @@ def test_a_stage_maps_a_single_files_optimizer_positions_by_the_saved_tensors_or
     with_buffers = [*whole.state_dict().keys(), "2.running_mean"]
     with pytest.raises(ValueError, match="keyed by position .4 parameters. and this rank's optimizer holds 2"):
         optimizer_state_by_name(stage, stage_optimizer, saved, with_buffers)
+
+
+class PlainSGDMini(DeepSeekMini):
+    """The example model under plain SGD: an optimizer that holds no per-parameter state."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _sgd_fit(tmp_path, steps, devices, ckpt_path=None, save=None, **strategy):
+    seed_everything(3)
+    module = PlainSGDMini(**TINY_MODEL).double()
+    trainer = _trainer(tmp_path, devices=devices, steps=steps, save=save, precision=PRECISION, **strategy)
+    trainer.fit(module, loader(8, 2), ckpt_path=ckpt_path)  # an epoch of 2 steps: saved at its end, resumed at the next
+    return {k: v.detach() for k, v in module.state_dict().items()}
+
+
+def test_an_optimizer_without_state_resumes_into_another_layout(tmp_path):
+    """A dp 2 single file into dp 2 x tp 2 with plain SGD: torch's whole-state optimizer loading asserted ("Expected
+    device to be set") on an optimizer with no tensors; now it loads, and trains on as the same file resumed at
+    dp 2 does."""
+    saved = tmp_path / "dp2.ckpt"
+    _sgd_fit(tmp_path, 2, 2, save=saved, data_parallel_size=2)
+    into_tp = _sgd_fit(tmp_path, 4, 4, ckpt_path=str(saved), data_parallel_size=2, tensor_parallel_size=2)
+    same_layout = _sgd_fit(tmp_path, 4, 2, ckpt_path=str(saved), data_parallel_size=2)
+    assert_state_close(into_tp, same_layout, steps=2, lr=0.05)

@@ -17,6 +17,7 @@ from examples.deepseek import DeepSeekMini
 from lightning_ciuic import HybridParallelStrategy
 from lightning_ciuic.callbacks.async_checkpoint import AsyncCheckpointer
 from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO
+from lightning_ciuic.summary import run_summary
 from lightning_ciuic.callbacks.recovery import SnapshotRecovery
 from lightning_ciuic.callbacks.lr_schedule import WarmupCosineSchedule
 from lightning_ciuic.callbacks.monitor import CommunicationMonitor
@@ -93,7 +94,7 @@ def _fit(
         callbacks=[*_callbacks(order, checkpoints, first, recovery), RunReport(report)],
     )
     trainer.fit(module, loader(NUM_SAMPLES, PER_RANK_BATCH), ckpt_path=ckpt_path)
-    return json.loads(report.read_text())
+    return {**json.loads(report.read_text()), "summary": run_summary(trainer).splitlines()[0]}
 
 
 def rank_zero_batches(first: int, count: int, epoch: int = 0) -> list[list[list[int]]]:
@@ -193,6 +194,7 @@ def test_ckpt_path_is_the_only_checkpoint_loaded(leftover, tmp_path, monkeypatch
     assert report["loads"] == [older], report
     assert (report["start_step"], report["batches"]) == (2, 2) and report["restored_from"] is None
     assert report["samples"] == rank_zero_batches(2, 2)
+    assert report["summary"] == "Summary: 2 optimizer steps (steps 3 to 4).", "counted in the launching process"
 
 
 def test_resume_must_be_one_of_the_choices():

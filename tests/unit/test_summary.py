@@ -38,9 +38,19 @@ def test_the_summary_names_this_runs_report_not_the_newest(tmp_path):
     expected = f"- Communication report: {ours.parent / 'report.html'}; timeline (open in ui.perfetto.dev): {ours.parent / 'trace.json'}"
     assert _report_line(run_summary(trainer)) == expected
 
-    spawned = SimpleNamespace(global_step=3, callbacks=[launching], default_root_dir=str(tmp_path), loggers=[], callback_metrics={})
+    spawned = SimpleNamespace(
+        global_step=3, callbacks=[launching], default_root_dir=str(tmp_path), loggers=[], callback_metrics={},
+        strategy=SimpleNamespace(fit_start_step=0),
+    )
     assert _report_line(run_summary(spawned)) == expected
 
     ours.unlink()  # this run's report gone: the other run's is not offered instead
     line = _report_line(run_summary(spawned))
     assert "version_9" not in line and re.search(r"none found for this run under .*" + re.escape(str(tmp_path)), line), line
+
+
+def test_the_summary_counts_the_steps_this_fit_trained():
+    resumed = SimpleNamespace(global_step=8, callbacks=[], strategy=SimpleNamespace(fit_start_step=5))
+    assert run_summary(resumed).splitlines()[0] == "Summary: 3 optimizer steps (steps 6 to 8)."
+    fresh = SimpleNamespace(global_step=8, callbacks=[], strategy=SimpleNamespace(fit_start_step=0))
+    assert run_summary(fresh).splitlines()[0] == "Summary: 8 optimizer steps."
