@@ -114,6 +114,7 @@ class SeenSamples(Callback):
 
     def on_train_end(self, trainer, pl_module):
         path = Path(self.out) / f"rank{trainer.global_rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
         previous = json.loads(path.read_text()) if path.exists() else []
         path.write_text(json.dumps(previous + self.seen))
 

@@ -16,8 +16,9 @@ Contract:
 
   - LitData ``StreamingDataset`` (also each one inside a ``CombinedStreamingDataset`` / ``ParallelStreamingDataset``):
     its distributed environment becomes (dp size, dp rank); the loader's ``load_state_dict`` then sees the same
-    world, so a resume is exact in the same data-parallel size and goes through LitData's own elastic re-striping
-    in another one.
+    world, so a resume is exact in the same data-parallel size (any tp or pp) and goes through LitData's own elastic
+    re-striping in another one, which starts at the last whole global batch before the saved position: where that
+    repeats samples, rank 0 warns at the restore, saying how many and what would avoid it.
   - a ``DistributedSampler`` the user built (as the loader's sampler or its batch sampler's), over the global world:
     re-pointed to the data-parallel world (its sample counts recomputed as torch does). One built over any other
     world is left as it is.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -152,11 +154,31 @@ def _point_litdata(loader: Any, datasets: list[Any], world: DataParallelWorld, r
     if env is not None and callable(load_state_dict) and not getattr(load_state_dict, "_data_parallel_world", False):
 
         def load_in_world(state: dict[str, Any], _original: Any = load_state_dict, _env: Any = env) -> None:
+            _tell_restriping(state, world, getattr(loader, "batch_size", None))
             with compat.litdata_detects(_env):  # it compares the saved world size with the one it detects
                 _original(state)
 
         load_in_world._data_parallel_world = True  # type: ignore[attr-defined]
         loader.load_state_dict = load_in_world
+
+
+def _tell_restriping(state: dict[str, Any], world: DataParallelWorld, batch_size: Any) -> None:
+    """LitData resumes a stream saved over another number of replicas at the last whole global batch before the saved
+    position (its elastic re-striping): say, once, how many samples are trained again and what would avoid it."""
+    saved = state.get("dataset") if isinstance(state, dict) else None
+    if not isinstance(saved, dict) or "sample_in_epoch" not in saved or not isinstance(batch_size, int):
+        return
+    before, done = int(saved.get("world_size", world.size)), int(saved["sample_in_epoch"])
+    stride = world.size * batch_size
+    if before == world.size or done % stride == 0 or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    warnings.warn(
+        f"Resuming a LitData stream saved over {before} data-parallel replicas on {world.size}: it continues at sample"
+        f" {done - done % stride} of the epoch (a whole global batch of {world.size} x {batch_size}), so the last"
+        f" {done % stride} samples before the checkpoint are trained again. A checkpoint taken after a multiple of"
+        f" {stride} samples of the epoch, or resuming on {before} replicas, resumes with none repeated.",
+        stacklevel=2,
+    )
 
 
 def _distributed_samplers(loader: Any) -> list[DistributedSampler]:

@@ -14,7 +14,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from examples.deepseek import DeepSeekMini
-from lightning_ciuic import HybridParallelStrategy, ParallelDims
+from lightning_ciuic import DynamicDataBalancer, HybridParallelStrategy, ParallelDims
 from lightning_ciuic.data.check import BatchMismatchError
 from tests.helpers import TINY_MODEL
 from tests.loaders import BATCH, N, Loaders, SeenSamples, seen_by_rank, write_litdata
@@ -53,7 +53,8 @@ def _fit(kind: str, layout: str, out, litdata_dir: str = "", ckpt_path=None, **t
         enable_model_summary=False, default_root_dir=out,
         **{**trainer_kwargs, "callbacks": [SeenSamples(out), *trainer_kwargs.get("callbacks", [])]},
     )
-    trainer.fit(DeepSeekMini(**TINY_MODEL), datamodule=Loaders(kind, litdata_dir), ckpt_path=ckpt_path)
+    model = {**TINY_MODEL, "n_routed_experts": 4}  # experts the expert-parallel ranks can share
+    trainer.fit(DeepSeekMini(**model), datamodule=Loaders(kind, litdata_dir), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -101,3 +102,31 @@ def test_a_loader_split_by_the_global_rank_is_stopped_naming_it_and_the_remedy(l
     assert "set_data_parallel(rank, size)" in message and "lightning_ciuic.data_parallel_world()" in message
     assert message.count("HybridParallelStrategy") == 1  # said once, by rank 0
     assert not list(tmp_path.glob("rank*.json"))  # stopped before any rank finished training
+
+
+@pytest.mark.parametrize("kind", ["litdata", "world"])
+def test_the_data_balancer_refuses_an_iterable_or_streaming_loader_saying_why(kind, tmp_path, request):
+    litdata_dir = request.getfixturevalue("litdata_dir") if kind == "litdata" else ""
+    with pytest.raises(TypeError) as raised:
+        _fit(kind, "dp2", tmp_path, litdata_dir, callbacks=[DynamicDataBalancer(monitoring_freq=2)])
+    message = str(raised.value)
+    assert "needs a map-style dataset (__len__ and __getitem__)" in message and "so no share can move" in message
+    assert ("LitData's StreamingDataset streams" in message) == (kind == "litdata")
+    assert "Train it without DynamicDataBalancer" in message
+
+
+RESUMES = [("dp2xtp2", "dp2xtp2"), ("dp2", "dp2xtp2"), ("dp4", "dp2")]
+
+
+@pytest.mark.parametrize("first, second", RESUMES, ids=[f"{a}-to-{b}" for a, b in RESUMES])
+def test_a_litdata_resume_sees_each_sample_of_the_epoch_once(first, second, tmp_path, litdata_dir):
+    """Three steps, a checkpoint, then the rest of the epoch in the same layout, with tp 1 -> 2, with dp 4 -> 2."""
+    checkpoints = tmp_path / "ckpt"
+    saving = ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=3, save_top_k=-1, save_last=False)
+    _fit("litdata", first, tmp_path / "first", litdata_dir, max_steps=3, enable_checkpointing=True, callbacks=[saving])
+    (checkpoint,) = checkpoints.iterdir()
+    _fit("litdata", second, tmp_path / "second", litdata_dir, ckpt_path=str(checkpoint))
+    before = _per_replica(tmp_path / "first", _dims(first))
+    after = _per_replica(tmp_path / "second", _dims(second))
+    assert sum(len(batches) for batches in before) == 3 * _dims(first).dp
+    assert _samples(before) + _samples(after) == Counter(range(N))  # none skipped, none repeated

@@ -1,6 +1,8 @@
 """Loaders pointed at the data-parallel world (lightning_ciuic/data/world.py) and the batch digest the equal-batch
 check compares (lightning_ciuic/data/check.py), in one process."""
 
+import warnings
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
@@ -93,3 +95,15 @@ def test_litdata_datasets_split_over_the_replicas_and_their_loader_resumes_in_th
     with compat.litdata_detects(env):
         seen.append(litdata.utilities.env._DistributedEnv.detect())
     assert seen == [env] and litdata.utilities.env._DistributedEnv.detect().world_size == 1  # restored after
+
+
+def test_a_litdata_resume_on_another_number_of_replicas_says_what_it_repeats():
+    from lightning_ciuic.data.world import _tell_restriping
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _tell_restriping({"dataset": {"world_size": 4, "sample_in_epoch": 24}}, DP, 4)  # 24 = 3 global batches of 2 x 4
+        _tell_restriping({"dataset": {"world_size": 2, "sample_in_epoch": 20}}, DP, 4)  # the same replicas: exact
+    with pytest.warns(UserWarning, match="saved over 4 data-parallel replicas on 2: it continues at sample 16 of the"
+                      r" epoch \(a whole global batch of 2 x 4\), so the last 4 samples before the checkpoint are trained"):
+        _tell_restriping({"dataset": {"world_size": 4, "sample_in_epoch": 20}}, DP, 4)
