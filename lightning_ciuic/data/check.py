@@ -14,7 +14,8 @@ Contract:
   (:func:`~lightning_ciuic.parallel.shutdown.raise_once`). Data-parallel replicas holding the *same* batch are
   told once, as a warning (each sample trained ``dp`` times: a loader that does not split at all, or a dataset
   whose samples are alike).
-* One process, or one rank per replica (no tensor or pipeline parallelism), compares nothing.
+* One process, or one rank per replica (no tensor or pipeline parallelism: the global rank is the data-parallel
+  rank), compares nothing and runs no collective.
 
 No Lightning imports.
 """
@@ -87,8 +88,8 @@ class EqualBatchCheck:
         self.armed = False
         if dims is None or not dist.is_initialized() or dims.world_size == 1:
             return
-        if dims.pp * dims.tp == 1 and (dims.dp == 1 or self._warned):
-            return  # one rank per replica: nothing must be equal; duplicates already told
+        if dims.pp * dims.tp == 1:
+            return  # one rank per replica: nothing must be equal (and the global rank is the data-parallel one)
         rank, world = dist.get_rank(), dist.get_world_size()
         mine = torch.tensor([dims.dp_rank_of(rank), batch_digest(batch)], dtype=torch.int64, device=device)
         rows = torch.empty(world * 2, dtype=torch.int64, device=device)
