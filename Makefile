@@ -4,6 +4,10 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
+# LitData (the streaming-loader tests) without its dependencies: it requires torchvision (image decoding only), and
+# resolving that replaces the CPU torch with the newest CUDA build (or, pinned, installs a CUDA torchvision that
+# fails to import beside a CPU torch, and with it torchmetrics and Lightning). Its other dependencies are in [test].
+LITDATA := litdata>=0.2.76,<0.2.77
 
 .PHONY: demo demo-pipeline demo-sharded demo-experts test test-gpu setup browser clean bench
 
@@ -12,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --no-deps "$(LITDATA)"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -46,6 +46,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "WarmupCosineAnnealingLR": ("lightning_ciuic.callbacks.lr_schedule", "WarmupCosineAnnealingLR"),
     "WarmupCosineSchedule": ("lightning_ciuic.callbacks.lr_schedule", "WarmupCosineSchedule"),
     "apply_tensor_parallel": ("lightning_ciuic.parallel.tensor", "apply_tensor_parallel"),
+    "data_parallel_world": ("lightning_ciuic.data.world", "data_parallel_world"),
     "parallel_context": ("lightning_ciuic.strategies.context", "parallel_context"),
     "plan": ("lightning_ciuic.planner", "plan"),
     "register_compression_hook": ("lightning_ciuic.comm.hooks", "register_compression_hook"),

@@ -29,6 +29,9 @@ Touch points:
   group, their works made to hold their tensors) and ``MemTracker``'s module tracker (``_mod_tracker``: none for a
   pipeline's steps); fake tensors' rules (``fake_impls.op_implementations_dict``) and the meta kernel of
   ``_grouped_mm`` (a float32 rule beside it while the planner steps).
+* LitData (optional): its ``_DistributedEnv`` (the world a ``StreamingDataset`` splits its chunks over, kept as the
+  dataset's ``distributed_env``; ``StreamingDataLoader.load_state_dict`` asks ``_DistributedEnv.detect()`` for it
+  again), set to the data-parallel world by :mod:`lightning_ciuic.data.world`.
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ __all__ = [
     "in_backward",
     "fsdp_mesh",
     "launchers",
+    "litdata_distributed_env",
+    "litdata_detects",
+    "set_litdata_world",
     "unflatten_mesh",
     "load_state_dict_into",
     "reset_optimizers_and_schedulers",
@@ -200,6 +206,34 @@ def all_gather_single(output: torch.Tensor, input: torch.Tensor) -> None:
     import torch.distributed as dist
 
     getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(output, input)
+
+
+# -- LitData ------------------------------------------------------------------------------------------
+def litdata_distributed_env(world_size: int, global_rank: int, num_nodes: int) -> Any:
+    """A LitData ``_DistributedEnv``: the world a ``StreamingDataset`` assigns chunks over."""
+    from litdata.utilities.env import _DistributedEnv
+
+    return _DistributedEnv(world_size=world_size, global_rank=global_rank, num_nodes=num_nodes)
+
+
+def set_litdata_world(dataset: Any, env: Any) -> Any:
+    """Make ``dataset`` (a ``StreamingDataset``) split over ``env``; returns the environment it had."""
+    before, dataset.distributed_env = dataset.distributed_env, env
+    return before
+
+
+@contextmanager
+def litdata_detects(env: Any) -> Iterator[None]:
+    """Inside, LitData's ``_DistributedEnv.detect()`` returns ``env`` (``StreamingDataLoader.load_state_dict`` compares
+    the saved world size with the one it detects)."""
+    from litdata.utilities.env import _DistributedEnv
+
+    original = _DistributedEnv.__dict__["detect"]
+    _DistributedEnv.detect = classmethod(lambda cls: env)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        _DistributedEnv.detect = original  # type: ignore[method-assign]
 
 
 def flatten_mesh(mesh: Any, axes: tuple[str, ...], name: str) -> Any:

@@ -6,7 +6,9 @@ Contract:
   ranks: the ``dp`` axis of ``HybridParallelStrategy``, every rank of ``DDPStrategy``) is replaced by one
   over :class:`~lightning_ciuic.data.balance.BalancedBatchSampler`: the same seed, epoch order and global
   batches (``batch_size x dp``), so with an even split training sees exactly what it would without the
-  balancer. Needs a map-style dataset and a DataLoader built with ``batch_size`` (not its own batch sampler).
+  balancer. Needs a map-style dataset and a DataLoader built with ``batch_size`` (not its own batch sampler); an
+  iterable or streaming loader (LitData's, a rank-splitting ``IterableDataset``) is refused at the start of ``fit``,
+  once, saying why: it yields samples in its own order, so no share of a batch can move between ranks.
 * Measurement (from :mod:`lightning_ciuic.telemetry`): each rank's compute time (forward + backward up to the
   last gradient, never the wait for other ranks) and samples. Every ``monitoring_freq`` optimizer steps the
   window is gathered; a dp rank's step time is the slowest of its tensor-parallel peers.
@@ -46,6 +48,7 @@ from typing_extensions import override
 from lightning_ciuic.callbacks.train_loader import add_train_loader_transform, remove_train_loader_transform
 from lightning_ciuic.data.balance import BalancedBatchSampler, imbalance, rebalanced_split
 from lightning_ciuic.data.resume import PositionedDataLoader, with_batch_sampler
+from lightning_ciuic.parallel.shutdown import raise_once
 from lightning_ciuic.telemetry import StepRecord, Telemetry, gather_per_rank
 from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.strategies.context import parallel_context
@@ -120,9 +123,15 @@ class DynamicDataBalancer(Callback):
             loader = loader.source
         dataset = loader.dataset
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-            raise TypeError(
-                f"DynamicDataBalancer needs a map-style dataset (__len__ and __getitem__), got {type(dataset).__name__}."
-            )
+            litdata = any(cls.__module__.startswith("litdata") for cls in type(dataset).__mro__)
+            streaming = " (LitData's StreamingDataset streams each rank's chunks in order)" if litdata else ""
+            raise_once(TypeError(
+                f"DynamicDataBalancer moves samples between the data-parallel ranks' shares of each global batch, by"
+                f" index, which needs a map-style dataset (__len__ and __getitem__); the training {type(loader).__name__}"
+                f" reads {type(dataset).__name__}, an iterable dataset that yields its samples in its own order{streaming},"
+                " so no share can move. Train it without DynamicDataBalancer (every replica then takes batch_size"
+                " samples a step), or from a map-style dataset."
+            ))
         if loader.batch_size is None:
             raise ValueError(
                 "DynamicDataBalancer needs a DataLoader built with batch_size=...; a custom batch_sampler cannot"

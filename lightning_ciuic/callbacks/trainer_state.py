@@ -83,6 +83,9 @@ def apply_training_state(
     if engine is not None:  # another rank's or layout's state: the engine starts afresh (residuals zero)
         restore_engine_state(engine, state[ENGINE_STATE_KEY] if rank_state else None)
     set_rng_state(state["rng"])
+    check = getattr(trainer.strategy, "batch_check", None)
+    if check is not None:  # the next batch after a restore is compared again (data/check.py)
+        check.arm()
     if rewind_only:
         compat.rewind_step_counters(trainer, state["loops"])
         return

@@ -32,6 +32,9 @@ it returns. Otherwise:
   rank). The exit status is the caller's: 1 in the process the user started (the popen launcher's rank 0), 0 in the
   ranks it launched, so that Lightning's child-process observer does not kill the reporting rank before it reports.
 
+:func:`raise_once` is the same ending for a failure every rank found alike (a collective's result, mid-training): rank 0
+raises it, marked as reported, the others quietly, with exit status 0.
+
 A rank that fails while its peers wait for it in another collective waits in the vote until the process-group
 timeout, like them.
 """
@@ -153,6 +156,17 @@ def agree_on_setup(error: Optional[Exception], group: Optional[dist.ProcessGroup
     if world > 1 and voted and hasattr(error, "add_note"):  # Python >= 3.11
         mine = "the other ranks stopped quietly" if failed == [rank] else f"this is rank {rank}'s error, the others stopped quietly"
         error.add_note(f"(HybridParallelStrategy.setup failed on rank(s) {failed} of {world}; {mine}.)")
+    raise error
+
+
+def raise_once(error: Exception) -> None:
+    """Every rank calls it with the same ``error`` (decided alike from a collective): rank 0 raises it, marked as
+    the reported failure (a launcher hands it to the caller), every other rank a quiet copy (:class:`PeerSetupFailed`,
+    still an instance of the error's type)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank != 0:
+        raise _quiet(error, 0, [0], 0) from None
+    setattr(error, _SETUP_FAILURE, True)
     raise error
 
 

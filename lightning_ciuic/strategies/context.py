@@ -4,7 +4,8 @@ Contract: ``parallel_context(trainer)`` returns a frozen :class:`ParallelContext
 (:class:`~lightning_ciuic.parallel.dims.ParallelDims`), the device mesh (``None`` outside
 ``HybridParallelStrategy``), the data-parallel process group (``None`` where ``dp == 1``; the default group
 under ``DDPStrategy``), the data-parallel engine (``None`` where the strategy has none of ours), the pipeline
-runner (``None`` without pipeline parallelism) and the device of this rank. Under ``HybridParallelStrategy`` it
+runner (``None`` without pipeline parallelism) and the device of this rank; ``dp_rank`` / ``dp_size`` are what
+loaders split data by. Under ``HybridParallelStrategy`` it
 is the strategy's own description; under any other strategy (``DDPStrategy``, one device) every rank is a
 data-parallel replica of the whole model. Callbacks read these fields instead of probing strategy attributes.
 
@@ -46,6 +47,12 @@ class ParallelContext:
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel replicas."""
         return dist.get_rank(self.dp_group) if self.dp_group is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        """The number of data-parallel replicas: with :attr:`dp_rank`, what a loader splits its data by
+        (docs/data.md)."""
+        return self.dims.dp
 
     def axis_of_group(self) -> dict[str, str]:
         """Process-group name -> mesh axis, for the axes with more than one rank."""

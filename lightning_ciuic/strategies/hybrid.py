@@ -25,7 +25,11 @@ Contract:
   which does the backward itself, so the strategy's backward only runs Lightning's hooks and then averages
   the accumulated gradients over ``dp``. The idle fraction of the previous step is logged as
   ``pipeline/bubble``.
-* Samplers split data over the ``dp`` axis only; every ``pp`` and ``tp`` rank of a group sees the same batch.
+* Loaders split data over the ``dp`` axis only; every ``pp`` and ``tp`` rank of a replica sees the same batch:
+  Lightning's samplers by ``distributed_sampler_kwargs``, LitData's streaming datasets, the user's
+  ``DistributedSampler`` s and iterable datasets with ``set_data_parallel(rank, size)`` pointed at the data-parallel
+  world by :mod:`~lightning_ciuic.data.world`. On the first training step and after every restore the ranks of a
+  replica compare a hash of their batch (:mod:`~lightning_ciuic.data.check`) and stop, saying why, where they differ.
 * Gradient clipping by norm uses the global norm across tensor-parallel shards and pipeline stages.
 * Checkpoints are ``torch.distributed.checkpoint`` directories (sharded state, any layout can load
   them, the non-tensor Lightning state inside as one object), or, with ``AsyncCheckpointer`` /
@@ -68,6 +72,8 @@ from lightning_ciuic.comm.sharded import Sharded
 from lightning_ciuic.comm.grad_sync import GradientSynchronizer, check_bucket_size
 from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.config import ParallelismConfig
+from lightning_ciuic.data.check import EqualBatchCheck
+from lightning_ciuic.data.world import DataParallelWorld, point_loader, set_data_parallel_world
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.experts import DispatchCompression
@@ -254,6 +260,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self.told_how_to_read = False  # a sharded checkpoint directory was written and how to read it said (once)
         self._pipeline_grads: list[Optional[torch.Tensor]] = []
         self.data_parallel: Optional[DataParallel] = None  # the engine, once the processes and the model exist
+        self.batch_check = EqualBatchCheck()  # the replica's ranks compare their batches (data/check.py)
         self._logged = (0, 0.0)
         self._sync_timeout = _positive_seconds("sync_timeout", sync_timeout)
         self._timeout = _positive_seconds("timeout", timeout)
@@ -377,6 +384,7 @@ class HybridParallelStrategy(ParallelStrategy):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
         self.parallel_dims = self.parallelism.resolve(self.world_size)
         self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
+        set_data_parallel_world(self.data_parallel_world)
         rank_zero_info(f"HybridParallelStrategy: {self.parallel_dims}, backend {self.process_group_backend}")
         if self.lightning_module is not None:  # set up without a module too (collectives only), as DDPStrategy is
             self.lightning_module._device_mesh = self._device_mesh  # read by LightningModule.device_mesh
@@ -486,6 +494,8 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.batch_check.armed:
+            self.batch_check.run(args[0] if args else kwargs.get("batch"), self.parallel_dims, self.root_device)
         if self.data_parallel is not None:
             self._before_training_step(self.lightning_module.trainer.global_step)
         if self.pipeline is not None:
@@ -633,7 +643,18 @@ class HybridParallelStrategy(ParallelStrategy):
         training = self.lightning_module.trainer.state.stage == RunningStage.TRAINING
         if self.pipeline is not None and training and isinstance(batch_size, int):
             self.pipeline.check_batch_size(batch_size, where=f"the {type(dataloader).__name__}'s batch_size")
+        report = point_loader(dataloader, self.data_parallel_world, DataParallelWorld(self.global_rank, self.world_size))
+        for note in report.notes:
+            rank_zero_info(f"HybridParallelStrategy: {report.description}: {note}.")
+        if training:
+            self.batch_check.arm(report)
         return dataloader
+
+    @property
+    def data_parallel_world(self) -> DataParallelWorld:
+        """This rank's data-parallel rank and size: what every loader must split its data by."""
+        kwargs = self.distributed_sampler_kwargs
+        return DataParallelWorld(kwargs["rank"], kwargs["num_replicas"])
 
     @property
     @override
@@ -726,6 +747,7 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Into the set-up model and optimizers, whatever layout wrote it; see ``checkpointing.load_checkpoint``."""
+        self.batch_check.arm()  # the restored loaders' first batch is compared again
         return checkpointing.load_checkpoint(self, checkpoint_path)
 
     @override
@@ -736,6 +758,7 @@ class HybridParallelStrategy(ParallelStrategy):
     def teardown(self) -> None:
         self._close_data_parallel()
         self.pipeline = None
+        set_data_parallel_world(None)
         module = self.lightning_module
         if module is not None and has_meta_tensors(module):
             # The main process's copy of a meta-built model, after a failed launch: Lightning's teardown moves the

@@ -170,3 +170,18 @@ def test_the_memory_tracker_on_fake_tensors_does_not_count_dtensors_sharding_pro
                 peaks.append(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
                 model.zero_grad(set_to_none=True)
     assert peaks[0] == peaks[1]
+
+
+def test_litdata_distributed_environment_is_where_the_data_world_sets_it():
+    pytest.importorskip("litdata", reason="litdata (test extra) is not installed")
+    from litdata import StreamingDataLoader, StreamingDataset
+    from litdata.utilities.env import _DistributedEnv
+
+    env = compat.litdata_distributed_env(world_size=2, global_rank=1, num_nodes=1)
+    assert (env.world_size, env.global_rank, env.num_nodes) == (2, 1, 1)
+    with compat.litdata_detects(env):
+        assert _DistributedEnv.detect() is env
+    assert _DistributedEnv.detect() is not env
+    # StreamingDataset keeps its world as ``distributed_env``; the loader's load_state_dict detects it again
+    assert "self.distributed_env = _DistributedEnv.detect()" in inspect.getsource(StreamingDataset.__init__)
+    assert "_DistributedEnv.detect()" in inspect.getsource(StreamingDataLoader.load_state_dict)

@@ -1,0 +1,132 @@
+"""The right samples on every rank, once: streaming and iterable loaders under tensor, pipeline and expert parallelism.
+
+Every rank records the samples of each training batch (tests/loaders.py). Under each layout the ranks of one
+data-parallel replica (tp peers, pp stages, ep peers among the tp peers) must have trained on the same batches, and
+the replicas on disjoint shares that together are the epoch, each sample once. A loader split by the global rank is
+stopped at the first step, with the loader named and the remedy; resumes (same layout, another one) see each sample
+of the epoch once.
+"""
+
+from collections import Counter
+
+import pytest
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from examples.deepseek import DeepSeekMini
+from lightning_ciuic import DynamicDataBalancer, HybridParallelStrategy, ParallelDims
+from lightning_ciuic.data.check import BatchMismatchError
+from tests.helpers import TINY_MODEL
+from tests.loaders import BATCH, N, Loaders, SeenSamples, seen_by_rank, write_litdata
+
+LAYOUTS = {
+    "dp2": dict(data_parallel_size=2),
+    "dp4": dict(data_parallel_size=4),
+    "tp2": dict(tensor_parallel_size=2),
+    "dp2xtp2": dict(data_parallel_size=2, tensor_parallel_size=2),
+    "pp2": dict(pipeline_parallel_size=2, num_microbatches=2),
+    "ep-over-tp2": dict(tensor_parallel_size=2, expert_parallel_size=2),
+}
+
+
+def _dims(layout: str) -> ParallelDims:
+    args = LAYOUTS[layout]
+    pp, tp = args.get("pipeline_parallel_size", 1), args.get("tensor_parallel_size", 1)
+    dp = args.get("data_parallel_size", 1)
+    return ParallelDims(pp=pp, dp=dp, tp=tp, world_size=pp * dp * tp)
+
+
+@pytest.fixture(scope="module")
+def litdata_dir(tmp_path_factory):
+    pytest.importorskip("litdata", reason="litdata (test extra) is not installed")
+    path = tmp_path_factory.mktemp("litdata") / "windows"
+    write_litdata(path)
+    return str(path)
+
+
+def _fit(kind: str, layout: str, out, litdata_dir: str = "", ckpt_path=None, **trainer_kwargs) -> Trainer:
+    seed_everything(7)
+    trainer_kwargs.setdefault("enable_checkpointing", False)
+    trainer = Trainer(
+        strategy=HybridParallelStrategy(start_method="forkserver", **LAYOUTS[layout]), accelerator="cpu",
+        devices=_dims(layout).world_size, max_epochs=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=out,
+        **{**trainer_kwargs, "callbacks": [SeenSamples(out), *trainer_kwargs.get("callbacks", [])]},
+    )
+    model = {**TINY_MODEL, "n_routed_experts": 4}  # experts the expert-parallel ranks can share
+    trainer.fit(DeepSeekMini(**model), datamodule=Loaders(kind, litdata_dir), ckpt_path=ckpt_path)
+    return trainer
+
+
+def _per_replica(out, dims: ParallelDims) -> list[list]:
+    """Each replica's batches, after checking that every rank of the replica trained on the same ones."""
+    seen = seen_by_rank(out, dims.world_size)
+    replicas: dict[int, list] = {}
+    for rank, batches in enumerate(seen):
+        first = replicas.setdefault(dims.dp_rank_of(rank), batches)
+        assert batches == first, f"rank {rank} (replica {dims.dp_rank_of(rank)}) trained on {batches}, its peers on {first}"
+    return [replicas[d] for d in range(dims.dp)]
+
+
+def _samples(replicas: list[list]) -> Counter:
+    return Counter(sample for batches in replicas for _, _, samples in batches for sample in samples)
+
+
+CASES = [
+    ("litdata", "tp2"), ("litdata", "dp2xtp2"), ("litdata", "pp2"), ("litdata", "ep-over-tp2"),
+    ("hook", "dp2xtp2"), ("world", "dp2xtp2"), ("world", "pp2"), ("sampler", "dp2xtp2"), ("global", "dp2"),
+]
+
+
+@pytest.mark.parametrize("kind, layout", CASES, ids=[f"{k}-{layout}" for k, layout in CASES])
+def test_each_rank_trains_on_what_the_layout_requires(kind, layout, tmp_path, request):
+    litdata_dir = request.getfixturevalue("litdata_dir") if kind == "litdata" else ""
+    _fit(kind, layout, tmp_path, litdata_dir)
+    dims = _dims(layout)
+    replicas = _per_replica(tmp_path, dims)
+    assert _samples(replicas) == Counter(range(N))  # disjoint, together the epoch, each sample once
+    assert all(len(samples) == BATCH for batches in replicas for _, _, samples in batches)
+    if kind == "litdata" and dims.dp == 1:  # the issue's run: both tp ranks trained on samples 0, 1 / 2, 3 / ...
+        assert [samples for _, _, samples in replicas[0]][:3] == [[0, 1], [2, 3], [4, 5]]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_a_loader_split_by_the_global_rank_is_stopped_naming_it_and_the_remedy(layout, tmp_path):
+    with pytest.raises(BatchMismatchError) as raised:
+        _fit("global", layout, tmp_path)
+    message = str(raised.value)
+    peers = "tensor-parallel peers" if layout == "tp2" else "pipeline stages"
+    assert f"the {peers} of a data-parallel replica must train on the same batch" in message
+    assert "at the first step they hold different ones: replica 0: 2 different batches" in message
+    assert "the DataLoader over ByGlobalRank (an IterableDataset)" in message
+    assert "set_data_parallel(rank, size)" in message and "lightning_ciuic.data_parallel_world()" in message
+    assert message.count("HybridParallelStrategy") == 1  # said once, by rank 0
+    assert not list(tmp_path.glob("rank*.json"))  # stopped before any rank finished training
+
+
+@pytest.mark.parametrize("kind", ["litdata", "world"])
+def test_the_data_balancer_refuses_an_iterable_or_streaming_loader_saying_why(kind, tmp_path, request):
+    litdata_dir = request.getfixturevalue("litdata_dir") if kind == "litdata" else ""
+    with pytest.raises(TypeError) as raised:
+        _fit(kind, "dp2", tmp_path, litdata_dir, callbacks=[DynamicDataBalancer(monitoring_freq=2)])
+    message = str(raised.value)
+    assert "needs a map-style dataset (__len__ and __getitem__)" in message and "so no share can move" in message
+    assert ("LitData's StreamingDataset streams" in message) == (kind == "litdata")
+    assert "Train it without DynamicDataBalancer" in message
+
+
+RESUMES = [("dp2xtp2", "dp2xtp2"), ("dp2", "dp2xtp2"), ("dp4", "dp2")]
+
+
+@pytest.mark.parametrize("first, second", RESUMES, ids=[f"{a}-to-{b}" for a, b in RESUMES])
+def test_a_litdata_resume_sees_each_sample_of_the_epoch_once(first, second, tmp_path, litdata_dir):
+    """Three steps, a checkpoint, then the rest of the epoch in the same layout, with tp 1 -> 2, with dp 4 -> 2."""
+    checkpoints = tmp_path / "ckpt"
+    saving = ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=3, save_top_k=-1, save_last=False)
+    _fit("litdata", first, tmp_path / "first", litdata_dir, max_steps=3, enable_checkpointing=True, callbacks=[saving])
+    (checkpoint,) = checkpoints.iterdir()
+    _fit("litdata", second, tmp_path / "second", litdata_dir, ckpt_path=str(checkpoint))
+    before = _per_replica(tmp_path / "first", _dims(first))
+    after = _per_replica(tmp_path / "second", _dims(second))
+    assert sum(len(batches) for batches in before) == 3 * _dims(first).dp
+    assert _samples(before) + _samples(after) == Counter(range(N))  # none skipped, none repeated
