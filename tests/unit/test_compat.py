@@ -165,3 +165,30 @@ def test_the_memory_tracker_on_fake_tensors_does_not_count_dtensors_sharding_pro
                 peaks.append(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
                 model.zero_grad(set_to_none=True)
     assert peaks[0] == peaks[1]
+
+
+def test_transformers_experts_are_told_by_their_decorators_forward_and_gating():
+    pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+
+    with torch.device("meta"):
+        experts = DeepseekV3Experts(DeepseekV3Config(n_routed_experts=4, hidden_size=16, moe_intermediate_size=8))
+    assert compat.hugging_face_experts_layout(experts) == {
+        "is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True,
+        "has_post_expert_norm": False, "default_gate": True,
+    }
+
+    class OwnGate(DeepseekV3Experts):
+        def _apply_gate(self, gate_up):
+            return gate_up
+
+    class OwnForward(DeepseekV3Experts):
+        def forward(self, hidden, top_k_index, top_k_weights):
+            return hidden
+
+    with torch.device("meta"):
+        config = DeepseekV3Config(n_routed_experts=4, hidden_size=16, moe_intermediate_size=8)
+        assert compat.hugging_face_experts_layout(OwnGate(config))["default_gate"] is False
+        assert compat.hugging_face_experts_layout(OwnForward(config)) is None
+    assert compat.hugging_face_experts_layout(torch.nn.Linear(2, 2)) is None
