@@ -8,21 +8,24 @@ Contract:
   last ``I`` rows of ``gate_up_proj[e] @ hidden``: ``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``, the
   module's ``act_fn``, nothing else (no bias, no norm). :func:`run_local_experts` is that computation on the rows of
   each expert a rank holds; :func:`dispatched_output` the whole of it on one rank that holds every expert.
-* :func:`check_takeover(name, module)` raises ``ValueError`` unless the module's own forward is known to compute
-  exactly that, naming the module (its path and class), why not, and the form that works; ``None`` when it is:
+* :func:`check_takeover(name, module, verdicts)` raises ``ValueError`` unless the module's own forward is known to
+  compute exactly that, naming the module (its path and class), why not, and the form that works; ``None`` when it
+  is (``verdicts`` keeps the answers by class, forward, ``act_fn`` and parameter shapes: a model's layers are checked
+  once):
 
   - a transformers experts module (a class transformers' ``use_experts_implementation`` decorates, its forward not
     replaced) with the layout flags of the form (gate/up concatenated, not transposed, no bias, gated, no norm after
     the experts) and transformers' default gating ``act_fn(gate) * up``: DeepSeek-V3, Qwen3-MoE, Mixtral and most of
     transformers' mixture-of-experts families. Known without running it, on any device (the meta device too).
   - any other module with ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]``: its own forward is run on
-    a check input (:func:`probe`) and must equal :func:`dispatched_output` within its dtype's tolerance. The check
-    substitutes random weights (a fixed seed) for every floating parameter of the module
-    (``torch.func.functional_call``: the module's own are untouched, its hooks do not run), routes ``2E`` random
-    tokens to 2 experts each (every expert gets some) with random weights: float64 on the CPU for a module on the CPU
-    or the meta device, float32 on its device otherwise. The random weights take one layer's experts of memory; past
-    :data:`PROBE_BYTES` the module's own ``gate_up_proj`` and ``down_proj`` are used where it holds them (refused if
-    they give no output to compare: all zero, or not finite), and a module on the meta device is refused.
+    a check input (:func:`probe`) and must equal :func:`dispatched_output` within its dtype's tolerance (1e-6 of the
+    largest output in float64, 1e-2 in float32). The check substitutes random weights (a fixed seed) for every
+    floating parameter of the module (``torch.func.functional_call``: the module's own are untouched, its hooks do
+    not run) and routes ``2E`` random tokens, token ``t`` to experts ``t`` and ``t + 1`` (mod ``E``), with random
+    weights: float64 on the CPU for a module on the CPU or the meta device, float32 on its device otherwise. The
+    random weights take one layer's experts of memory; past :data:`PROBE_BYTES` the module's own ``gate_up_proj``
+    and ``down_proj`` are used where it holds them (refused if they give no output to compare: all zero, or not
+    finite), and a module on the meta device is refused.
 
 No Lightning imports.
 """
@@ -117,14 +120,31 @@ def dispatched_output(experts: Any, hidden: torch.Tensor, top_k_index: torch.Ten
     return combined.index_add(0, source_token, computed * weights).to(hidden.dtype)
 
 
-def check_takeover(name: str, module: nn.Module) -> None:
-    """Raise unless expert parallelism may replace ``module``'s forward (see the module docstring)."""
-    why = _why_not(module)
+def check_takeover(name: str, module: nn.Module, verdicts: Optional[dict] = None) -> None:
+    """Raise unless expert parallelism may replace ``module``'s forward (see the module docstring). ``verdicts``: the
+    answers so far, by module class, forward, ``act_fn`` and parameter shapes (a model's layers are checked once)."""
+    key = _verdict_key(module)
+    if verdicts is not None and key in verdicts:
+        why = verdicts[key]
+    else:
+        why = _why_not(module)
+        if verdicts is not None:
+            verdicts[key] = why
     if why is not None:
         raise ValueError(
             f"{name} ({type(module).__name__}) cannot run expert-parallel: {why}. {FORM}. Give {name} that form, or use"
             " expert_parallel_size=1."
         )
+
+
+def _verdict_key(module: nn.Module) -> tuple:
+    """What the answer of :func:`_why_not` depends on, other than the weights' values."""
+    act_fn = module.act_fn
+    return (
+        type(module), getattr(module.forward, "__func__", module.forward),
+        type(act_fn) if isinstance(act_fn, nn.Module) else act_fn,
+        tuple((n, tuple(p.shape), p.dtype, p.device.type) for n, p in module.named_parameters()),
+    )
 
 
 def _why_not(module: nn.Module) -> Optional[str]:
@@ -187,7 +207,8 @@ def probe(module: nn.Module, limit: int = PROBE_BYTES) -> Optional[str]:
         try:
             own = torch.func.functional_call(_Forward(module), {f"module.{n}": w for n, w in weights.items()}, (hidden, index, routing))
         except Exception as err:  # noqa: BLE001 - any failure of its forward on the form's arguments is the answer
-            return f"its forward(hidden, top_k_index, top_k_weights) raised {type(err).__name__}: {err}"
+            said = (str(err).strip().splitlines() or [""])[0]
+            return f"its forward(hidden, top_k_index, top_k_weights) raised {type(err).__name__}: {said}"
         return _difference(module, experts, own, expected, scale, (hidden, index, routing))
 
 

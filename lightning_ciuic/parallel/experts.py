@@ -199,9 +199,10 @@ def shard_experts(
     existing = getattr(found[0][1], "_expert_layout", None)
     if existing is not None:
         return existing  # applied already (Lightning sets a model up for each of fit, validate, test)
+    verdicts: dict = {}  # a model's layers of one class and shape are checked once
     for name, experts in found:  # every module checked before any is changed
         _check_divisible(name, experts, dims.ep)
-        check_takeover(name, experts)
+        check_takeover(name, experts, verdicts)
     layout = ExpertLayout(dims, dims.build_expert_mesh(mesh), dict(found), dispatch)
     ep_mesh = layout.ep_mesh
     for name, experts in found:

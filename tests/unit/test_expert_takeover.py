@@ -201,3 +201,12 @@ def test_the_dispatchers_formula_is_the_example_experts_forward():
     index = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3]])
     weights = torch.rand(6, 2, dtype=torch.float64)
     torch.testing.assert_close(dispatched_output(experts, hidden, index, weights), experts(hidden, index, weights))
+
+
+def test_a_models_layers_of_one_class_and_shape_are_checked_once(ep2, monkeypatch):
+    checked = []
+    probe = expert_forward.probe
+    monkeypatch.setattr(expert_forward, "probe", lambda module, *a: checked.append(module) or probe(module, *a))
+    model = nn.ModuleList([Holder(PackedExperts(E, H, I)), Holder(PackedExperts(E, H, I)), Holder(PackedExperts(E, 2 * H, I))])
+    layout = ep2(model)
+    assert len(layout.modules) == 3 and len(checked) == 2  # the third's shapes differ
