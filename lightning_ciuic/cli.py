@@ -1,9 +1,12 @@
 """The ``lightning-ciuic`` console script: LightningCLI with every class of the pack available by name.
 
-``lightning-ciuic fit --config examples/configs/demo.yaml`` trains the main job. Any LightningModule and
-LightningDataModule can be named in the YAML (``class_path``); the current directory is put on
-``sys.path`` first (as uvicorn and pytest do) so a project's own modules, such as ``examples.deepseek``,
-resolve without being installed.
+``lightning-ciuic fit --config examples/configs/demo.yaml`` trains the main job (``python -m lightning_ciuic`` is the
+same command). Any LightningModule and LightningDataModule can be named in the config (``class_path``); the current
+directory is put on ``sys.path`` first (as uvicorn and pytest do) so a project's own modules, such as
+``examples.deepseek``, resolve without being installed. A config file is YAML (or JSON), or TOML where its name ends in
+``.toml`` (the same keys and tables: ``[trainer.strategy.init_args]``): :data:`CONFIG_MODE`. ``lightning-ciuic --help``
+lists the pack's commands beside Lightning's. A config whose classes cannot be built from it (a model's constructor
+refusing its arguments, ...) is said as that refusal, one line, and the command exits 2 (:class:`ConfigError`).
 
 ``lightning-ciuic advise RUN_DIR`` prints the CommunicationMonitor's summary and advice again, offline, from the
 ``monitor.json`` it wrote in ``RUN_DIR`` (or any folder below it); ``lightning-ciuic report RUN_DIR`` writes its
@@ -20,7 +23,8 @@ the monitor's report, the checkpoints, the snapshots and how to resume.
 
 ``lightning-ciuic plan --config RUN.yaml --world-size N`` checks the run's layout for N ranks in this one process
 (:mod:`lightning_ciuic.planner`, docs/plan.md): each class of ranks' memory, whether it fits ``--device-memory``,
-uneven shards; ``--json OUT`` writes it; exit 1 when some rank does not fit, 2 when the layout is refused.
+uneven shards; ``--json OUT`` writes it; exit 1 when some rank does not fit, 2 when the config or the layout is
+refused ("the config does not work: ...", "the layout does not work: ...").
 
 ``lightning-ciuic checkpoint ls URL`` lists AsyncCheckpointer checkpoints (name, step, epoch, sizes);
 ``checkpoint verify URL [NAME]`` re-reads and checks every chunk (exit 1 naming the damaged file);
@@ -41,10 +45,64 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional
 
+import jsonargparse
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_ciuic  # noqa: F401  (registers the strategy names and classes)
+
+
+CONFIG_MODE = "yaml_or_toml"  # the parsers' mode: YAML (JSON is YAML), TOML for a file whose name ends in .toml
+
+
+def _toml_loads() -> tuple[Callable[[str], Any], type[Exception]]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import toml as tomllib  # type: ignore[no-redef]
+
+        return tomllib.loads, tomllib.TomlDecodeError
+    return tomllib.loads, tomllib.TOMLDecodeError
+
+
+def load_config_text(text: str, path: Any = "") -> Any:
+    """A config's text as a Python value: TOML where ``path`` ends in ``.toml``, else jsonargparse's YAML loader (every
+    value given on the command line too)."""
+    if str(path).lower().endswith(".toml"):
+        return _toml_loads()[0](text)
+    return jsonargparse.get_loader("yaml")(text)
+
+
+def _register_config_mode() -> None:
+    import yaml
+
+    jsonargparse.set_loader(CONFIG_MODE, load_config_text, (yaml.YAMLError, _toml_loads()[1]))
+
+
+_register_config_mode()
+
+
+class ConfigError(ValueError):
+    """The config's classes could not be built from it: the refusal, as one message (see :func:`instantiation_error`)."""
+
+
+def instantiation_error(message: str) -> str:
+    """jsonargparse's ``message`` about a class it could not build, or, where it wraps one refusal in its list of every
+    type the value could have been ("Does not validate against any of the Union subtypes ... - Expected a <class
+    'NoneType'>"), that refusal alone."""
+    lines = message.splitlines()
+    if "Errors:" not in lines:
+        return message
+    items: list[list[str]] = []
+    for line in lines[lines.index("Errors:") + 1:]:
+        if line.startswith("  - "):
+            items.append([line[4:]])
+        elif line.startswith("    ") and items:
+            items[-1].append(line.strip())
+        else:
+            break
+    refusals = [" ".join(item) for item in items if not item[0].startswith("Expected a <class 'NoneType'>")]
+    return refusals[0] if len(refusals) == 1 else message
 
 
 def _latest_monitor_json(run_dir: str) -> Optional[Path]:
@@ -97,6 +155,9 @@ def checkpoint_command(argv: list[str]) -> int:
     from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO
     from lightning_ciuic.summary import checkpoint_table
 
+    if argv[:1] in (["-h"], ["--help"]):
+        print(CHECKPOINT_USAGE)
+        return 0
     if len(argv) < 2 or argv[0] not in ("ls", "verify", "export"):
         print(CHECKPOINT_USAGE, file=sys.stderr)
         return 2
@@ -210,8 +271,8 @@ def plan_command(argv: list[str]) -> int:
     from lightning_ciuic.planner.estimate import Hardware, parse_flops, parse_links
     from lightning_ciuic.planner.step import StepSpec
 
-    parser = argparse.ArgumentParser(prog="lightning-ciuic plan", usage=PLAN_USAGE, add_help=True)
-    parser.add_argument("--config", help="the LightningCLI YAML that fit would read")
+    parser = argparse.ArgumentParser(prog="lightning-ciuic plan", usage=PLAN_USAGE.removeprefix("usage: "), add_help=True)
+    parser.add_argument("--config", help="the LightningCLI config (YAML, or TOML: a .toml file) that fit would read")
     parser.add_argument("--world-size", type=int, required=True, help="ranks to plan for (any number: no process starts)")
     parser.add_argument("--device-memory", type=parse_bytes, default=parse_bytes("80GiB"), help="memory per device (default 80GiB)")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch: with --sequence-length, runs the step phase")
@@ -251,6 +312,9 @@ def plan_command(argv: list[str]) -> int:
             options.config, world_size=options.world_size, cli_args=overrides, device_memory=options.device_memory,
             step=step, hardware=hardware, processes=options.processes,
         )
+    except ConfigError as err:  # the config's classes, as fit builds them
+        print(f"the config does not work: {err}", file=sys.stderr)
+        return 2
     except (ValueError, TypeError) as err:  # the layout's errors, as fit raises them
         print(f"the layout does not work: {err}", file=sys.stderr)
         return 2
@@ -271,6 +335,9 @@ def _search_command(options: argparse.Namespace, overrides: list[str], step: Any
             options.config, world_size=options.world_size, cli_args=overrides, devices_per_node=options.devices_per_node,
             device_memory=options.device_memory, step=step, hardware=hardware, processes=options.processes,
         )
+    except ConfigError as err:
+        print(f"the config does not work: {err}", file=sys.stderr)
+        return 2
     except (ValueError, TypeError) as err:  # the config itself (not a layout) does not work
         print(f"the run does not work: {err}", file=sys.stderr)
         return 2
@@ -283,11 +350,39 @@ def _search_command(options: argparse.Namespace, overrides: list[str], step: Any
     return 0 if any(c.plan is not None and c.plan.all_fit for c in candidates) else 1
 
 
+DESCRIPTION = (
+    "Lightning's Trainer commands (fit, validate, test, predict), every class of the pack available by name,\n"
+    "and the pack's own commands (plan, checkpoint, advise, report: below)."
+)
+PACK_COMMANDS = """\
+the pack's commands (each with --help):
+  plan                  Check a run's layout for N ranks in this one process (memory per rank,
+                        whether it fits, a step-time estimate): plan --config RUN.yaml --world-size N
+  checkpoint            List, verify or export checkpoints: checkpoint ls URL | verify URL [NAME]
+                        | export URL NAME OUT [--format torch|safetensors|hf]
+  advise                The communication monitor's summary and advice, again: advise RUN_DIR
+  report                Its report.html (and trace.json), again: report RUN_DIR
+
+A config file (--config) is YAML or JSON, or TOML where its name ends in .toml.
+python -m lightning_ciuic is the same command."""
+
+
+class _HelpFormatter(jsonargparse.DefaultHelpFormatter):
+    """jsonargparse's, keeping the description's and the epilog's lines as written (the pack's commands, aligned)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "".join(indent + line for line in text.splitlines(keepends=True))
+
+
 def main(args: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if argv[:1] in (["advise"], ["report"]):
+        usage = f"usage: lightning-ciuic {argv[0]} RUN_DIR"
+        if argv[1:] in (["-h"], ["--help"]):
+            print(usage)
+            raise SystemExit(0)
         if len(argv) != 2:
-            raise SystemExit(f"usage: lightning-ciuic {argv[0]} RUN_DIR")
+            raise SystemExit(usage)
         raise SystemExit((advise_command if argv[0] == "advise" else report_command)(argv[1]))
     if argv[:1] == ["checkpoint"]:
         raise SystemExit(checkpoint_command(argv[1:]))
@@ -295,14 +390,20 @@ def main(args: Optional[list[str]] = None) -> None:
         raise SystemExit(plan_command(argv[1:]))
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    PackCLI(
-        LightningModule,
-        LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        args=args,
-        save_config_kwargs={"overwrite": True},
-    )
+    try:
+        PackCLI(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=args,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={
+                "prog": "lightning-ciuic", "description": DESCRIPTION, "epilog": PACK_COMMANDS, "formatter_class": _HelpFormatter,
+            },
+        )
+    except ConfigError as err:
+        raise SystemExit(f"lightning-ciuic: the config does not work: {err}") from None
 
 
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)":')
@@ -340,7 +441,17 @@ def compression_error(message: str) -> str:
 
 
 class PackArgumentParser(LightningArgumentParser):
-    """Lightning's parser, with the errors about ``communication_compression`` said as :func:`compression_error` says."""
+    """Lightning's parser, reading TOML config files too (:data:`CONFIG_MODE`), with the errors about
+    ``communication_compression`` said as :func:`compression_error` says."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_mode", CONFIG_MODE)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> Any:
+        if "--config" in args and isinstance(kwargs.get("action"), type) and issubclass(kwargs["action"], jsonargparse.ActionConfigFile):
+            kwargs["help"] = "Path to a configuration file: YAML or JSON, or TOML where its name ends in .toml."
+        return super().add_argument(*args, **kwargs)
 
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
         # Only where the message is printed: a class's own parser (exit_on_error=False) raises it to the outer one,
@@ -353,6 +464,13 @@ class PackCLI(LightningCLI):
 
     def __init__(self, *args: Any, parser_class: type[LightningArgumentParser] = PackArgumentParser, **kwargs: Any) -> None:
         super().__init__(*args, parser_class=parser_class, **kwargs)
+
+    def instantiate_classes(self) -> None:
+        """Lightning's; a class that refuses the config's arguments is a :class:`ConfigError` saying that refusal."""
+        try:
+            super().instantiate_classes()
+        except ValueError as err:
+            raise ConfigError(instantiation_error(str(err))) from err
 
     def after_fit(self) -> None:
         from lightning_ciuic.summary import run_summary

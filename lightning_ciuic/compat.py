@@ -32,6 +32,9 @@ Touch points:
 * LitData (optional): its ``_DistributedEnv`` (the world a ``StreamingDataset`` splits its chunks over, kept as the
   dataset's ``distributed_env``; ``StreamingDataLoader.load_state_dict`` asks ``_DistributedEnv.detect()`` for it
   again), set to the data-parallel world by :mod:`lightning_ciuic.data.world`.
+* transformers: the forward its ``use_experts_implementation`` gives an experts class, and its default gating
+  (``integrations.moe._default_apply_gate``) against a class's own ``_apply_gate``
+  (:func:`hugging_face_experts_layout`: which experts expert parallelism may take over without running them).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.metadata
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -66,6 +70,7 @@ __all__ = [
     "epoch_position",
     "flatten_mesh",
     "forward_hooks_suspended",
+    "hugging_face_experts_layout",
     "in_backward",
     "fsdp_mesh",
     "launchers",
@@ -267,6 +272,37 @@ def forward_hooks_suspended(module: Any) -> Iterator[None]:
         yield
     finally:
         module._forward_pre_hooks, module._forward_hooks = saved
+
+
+@functools.cache
+def _hugging_face_experts_forward() -> Any:
+    """The code of the forward transformers' ``use_experts_implementation`` gives every experts class it decorates
+    (one function, defined once in the decorator), and transformers' default gating; ``None`` without them."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return None
+    decorated = moe.use_experts_implementation(type("_Experts", (torch.nn.Module,), {"forward": lambda self: None}))
+    return decorated.forward.__code__, moe._default_apply_gate
+
+
+HUGGING_FACE_EXPERTS_FLAGS = ("is_concatenated", "is_transposed", "has_bias", "has_gate", "has_post_expert_norm")
+
+
+def hugging_face_experts_layout(module: Any) -> Any:
+    """For a transformers experts module (its class decorated by ``use_experts_implementation``, its forward that
+    decorator's: not replaced by a subclass or on the instance), ``{flag: value}`` of the decorator's layout flags
+    (:data:`HUGGING_FACE_EXPERTS_FLAGS`) and ``default_gate``: whether it gates as transformers does by default,
+    ``act_fn(gate) * up`` (its class has no ``_apply_gate`` of its own). ``None`` for any other module."""
+    if "transformers" not in sys.modules:
+        return None  # nothing was built from a transformers class
+    found = _hugging_face_experts_forward()
+    forward = getattr(getattr(type(module), "forward", None), "__code__", None)
+    if found is None or forward is not found[0] or "forward" in vars(module):
+        return None
+    layout = {flag: getattr(module, flag, None) for flag in HUGGING_FACE_EXPERTS_FLAGS}
+    layout["default_gate"] = getattr(type(module), "_apply_gate", None) is found[1]
+    return layout
 
 
 def mesh_coordinates(mesh: Any) -> dict[int, tuple[int, ...]]:

@@ -18,12 +18,19 @@ checkpoint's weights. Under :class:`HybridParallelStrategy` it needs no code of 
   replicated. Where attention is sharded, attention and key/value head counts must divide by
   ``tensor_parallel_size``.
 
+Only causal decoders are trained, the LM's position ``t`` predicting token ``t + 1`` from tokens ``<= t``: a
+``model_type`` transformers does not know is refused with the nearest causal-LM types, one without a causal-LM class
+(T5, ViT, ...) or whose causal-LM class attends both ways (BERT-style encoders unless ``is_decoder=True``, XLM unless
+``causal=True``: :func:`check_causal_decoder`) is refused saying what works, before any step. A model transformers
+gives no ``_pp_plan`` (BERT) runs without pipeline stages or activation checkpointing, and is refused with them.
+
 Requires ``transformers`` (``pip install lightning-ciuic[hf]``); padding masks are not supported (every
 sequence of a batch is full length, as in packed pre-training data).
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -49,6 +56,56 @@ def _import_transformers() -> Any:
             "HuggingFaceCausalLM needs the 'transformers' package: pip install 'lightning-ciuic[hf]'."
         ) from err
     return transformers
+
+
+DECODERS = "a decoder-only model type (llama, qwen2, mistral, gemma, deepseek_v3, ...)"
+
+
+def check_causal_lm_type(model_type: str) -> None:
+    """Raise unless transformers builds a causal LM for ``model_type``: a name it does not know is told the nearest
+    causal-LM types (by spelling), one it knows without a causal-LM class (T5, ViT, ...) what works."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING:
+        causal = {name.lower(): name for name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES}
+        nearest = [causal[n] for n in difflib.get_close_matches(model_type.lower(), list(causal), n=4, cutoff=0.5)]
+        said = f"; the nearest causal-LM types: {', '.join(nearest)}" if nearest else f"; use {DECODERS}"
+        raise ValueError(f"model_type={model_type!r} is not a transformers model type{said}.")
+    if CONFIG_MAPPING[model_type] not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(
+            f"model_type={model_type!r} has no causal language model in transformers (AutoModelForCausalLM builds none"
+            f" for it): HuggingFaceCausalLM trains causal decoders; use {DECODERS}."
+        )
+
+
+def check_causal_decoder(model_type: str, config: Any, model: Optional[nn.Module] = None) -> None:
+    """Raise if the causal-LM class transformers builds for ``config`` (``model``, once built) attends both ways,
+    every position seeing the tokens it is trained to predict, saying what would make it causal.
+
+    BERT-style encoders (BERT, RoBERTa, ELECTRA, ...: a masked-LM type, not an encoder-decoder one, whose classes
+    BART, mBART, MVP make their decoder causal themselves) have a causal-LM head that is causal only with
+    ``is_decoder=True``, known from the config; with ``model``, any whose config says ``is_decoder=False`` while an
+    attention module of it says ``is_causal=False`` (BertGeneration); XLM only with ``causal=True``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    fix = None
+    if getattr(config, "causal", None) is False:  # XLM, FlauBERT
+        fix = "config={'causal': True}"
+    elif getattr(config, "is_decoder", None) is False:
+        encoder = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_encoder_decoder", False)
+        both_ways = model is not None and any(getattr(m, "is_causal", None) is False for m in model.modules())
+        if encoder or both_ways:
+            fix = "config={'is_decoder': True}, which makes its attention causal"
+    if fix is not None:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        built = type(model).__name__ if model is not None else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "a model")
+        raise ValueError(
+            f"model_type={model_type!r} builds {built}, which attends both ways with this config: every position would"
+            f" see the tokens it is trained to predict. HuggingFaceCausalLM trains causal decoders: use {DECODERS}, or"
+            f" {fix}."
+        )
 
 
 class _DecoderLayerCall:
@@ -98,16 +155,19 @@ class HuggingFaceCausalLM(PipelineModule, LightningModule):
         )
         self._pretrained_loaded = False
         transformers = _import_transformers()
+        check_causal_lm_type(model_type)
         try:
             hf_config = transformers.AutoConfig.for_model(model_type, **(config or {}))
         except ValueError as err:
-            raise ValueError(f"model_type={model_type!r} is not a transformers model type: {err}") from err
+            raise ValueError(f"model_type={model_type!r} with config={config!r}: transformers refuses it: {err}") from err
+        check_causal_decoder(model_type, hf_config)
         if getattr(hf_config, "tie_word_embeddings", False):
             raise ValueError(
                 f"{model_type} with tie_word_embeddings=True shares the embedding with the LM head, which pipeline"
                 " stages cannot split; pass config={'tie_word_embeddings': False, ...}."
             )
         self.model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+        check_causal_decoder(model_type, hf_config, self.model)
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> "HuggingFaceCausalLM":
@@ -153,8 +213,15 @@ class HuggingFaceCausalLM(PipelineModule, LightningModule):
 
     # -- the PipelineModule protocol -----------------------------------------------------------------
     def pipeline_blocks(self) -> list[str]:
-        """The model's ``_pp_plan`` in forward order (base model's entries, then the head), layer lists expanded."""
+        """The model's ``_pp_plan`` in forward order (base model's entries, then the head), layer lists expanded.
+        A model transformers gives no ``_pp_plan`` is refused (pipeline stages and activation checkpointing cut by it)."""
         plan = list(self.model._pp_plan or {})
+        if not plan:
+            raise ValueError(
+                f"model_type={self.hparams.model_type!r} ({type(self.model).__name__}) has no pipeline plan in"
+                " transformers (_pp_plan: its blocks in order), which pipeline stages and activation checkpointing cut"
+                f" it by: use pipeline_parallel_size=1 and gradient_checkpointing=False, or {DECODERS}."
+            )
         base_first = sorted(plan, key=lambda name: not name.startswith(self.model.base_model_prefix + "."))
         names = []
         for name in base_first:

@@ -7,10 +7,14 @@ Contract:
   parameters, ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows) and ``down_proj`` ``[E, H, I]``, an
   ``act_fn``, and compute ``forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``: each token
   the weighted sum of its ``k`` experts' SwiGLU outputs. transformers' DeepSeek-V3, Qwen3-MoE and Mixtral experts are
-  such modules, and so is the pack's example model's. The router stays outside, replicated.
+  such modules, and so is the pack's example model's. The router stays outside, replicated. :func:`packed_experts`
+  finds them by their parameters' and ``act_fn``'s names and ranks (what the balance callbacks and the monitor count).
 * :func:`shard_experts(module, dims, mesh, dispatch)`: every packed-experts module's two parameters become DTensors
   ``Shard(0)`` over ``ep`` (global shapes: DCP checkpoints and Hugging Face loading keep working), rank ``j`` holding
-  experts ``[j E/ep, (j+1) E/ep)``, and its forward becomes the expert-parallel one below. ``E % ep`` must be 0.
+  experts ``[j E/ep, (j+1) E/ep)``, and its forward becomes the expert-parallel one below. First, before any module
+  is changed, each must have ``E % ep == 0`` and a forward known to compute what the expert-parallel one computes
+  (:func:`~lightning_ciuic.parallel.expert_forward.check_takeover`: transformers' experts of that form, or a check
+  of its own forward on a small input); any other is refused, naming it and the form that works.
   Returns an :class:`ExpertLayout` (``None`` if ``dims.ep == 1``); applying it twice changes nothing.
 * **The forward** (:func:`expert_parallel_forward`): the ``T k`` (token, expert) pairs sorted by expert, the counts
   exchanged (one small all-to-all), the rows sent to their experts' ranks (``all_to_all_single``, uneven splits), the
@@ -46,7 +50,6 @@ No Lightning imports.
 from __future__ import annotations
 
 import functools
-import itertools
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -63,6 +66,7 @@ from lightning_ciuic.comm.codecs import BlockFP8, BlockInt8, Codec, HalfPrecisio
 from lightning_ciuic.comm.timing import DeviceClock
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.parallel.expert_forward import FORM, check_takeover, run_local_experts
 from lightning_ciuic.parallel.tensor import sum_grad_over
 from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.timeline import timeline
@@ -70,7 +74,6 @@ from lightning_ciuic.timeline import timeline
 DispatchCompression = Literal["none", "bf16", "fp8", "int8"]
 DISPATCH_COMPRESSIONS = ("none", "bf16", "fp8", "int8")
 DISPATCH_BLOCK = 128  # values per scale of the fp8/int8 dispatch (DeepSeek-V3's 1x128 activation tiles)
-_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def dispatch_codec(name: str) -> Optional[Codec]:
@@ -190,18 +193,19 @@ def shard_experts(
     found = packed_experts(module)
     if not found:
         raise ValueError(
-            f"expert_parallel_size={dims.ep}, but {type(module).__name__} has no packed mixture-of-experts module"
-            " (gate_up_proj [E, 2I, H] and down_proj [E, H, I] parameters, an act_fn, forward(hidden, top_k_index,"
-            " top_k_weights), as transformers' DeepSeek-V3, Qwen3-MoE and Mixtral experts): give its experts that"
-            " form, or use expert_parallel_size=1."
+            f"expert_parallel_size={dims.ep}, but {type(module).__name__} has no packed mixture-of-experts module."
+            f" {FORM}. Give its experts that form, or use expert_parallel_size=1."
         )
     existing = getattr(found[0][1], "_expert_layout", None)
     if existing is not None:
         return existing  # applied already (Lightning sets a model up for each of fit, validate, test)
+    verdicts: dict = {}  # a model's layers of one class and shape are checked once
+    for name, experts in found:  # every module checked before any is changed
+        _check_divisible(name, experts, dims.ep)
+        check_takeover(name, experts, verdicts)
     layout = ExpertLayout(dims, dims.build_expert_mesh(mesh), dict(found), dispatch)
     ep_mesh = layout.ep_mesh
     for name, experts in found:
-        _check_shardable(name, experts, dims.ep)
         for attr in ("gate_up_proj", "down_proj"):
             param = getattr(experts, attr)
             setattr(experts, attr, nn.Parameter(_shard_rows(param.data, ep_mesh), requires_grad=param.requires_grad))
@@ -210,19 +214,13 @@ def shard_experts(
     return layout
 
 
-def _check_shardable(name: str, experts: nn.Module, ep: int) -> None:
+def _check_divisible(name: str, experts: nn.Module, ep: int) -> None:
     n = experts.gate_up_proj.shape[0]
     if n % ep:
         raise ValueError(
             f"{name} has {n} experts, which expert_parallel_size={ep} does not divide: use one of"
             f" {[d for d in range(1, n + 1) if n % d == 0]}."
         )
-    for flag, expected in (("has_bias", False), ("is_transposed", False), ("has_gate", True), ("is_concatenated", True)):
-        if getattr(experts, flag, expected) != expected:
-            raise ValueError(
-                f"{name} ({type(experts).__name__}) has {flag}={not expected}; expert parallelism runs concatenated"
-                " gate/up SwiGLU experts without bias (DeepSeek-V3, Qwen3-MoE, Mixtral): use expert_parallel_size=1."
-            )
 
 
 def _shard_rows(tensor: torch.Tensor, ep_mesh: DeviceMesh) -> DTensor:
@@ -232,19 +230,6 @@ def _shard_rows(tensor: torch.Tensor, ep_mesh: DeviceMesh) -> DTensor:
         local = torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype, device="meta")
         return DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
     return distribute_tensor(tensor, ep_mesh, [Shard(0)], src_data_rank=None)
-
-
-class _ScaleGradient(torch.autograd.Function):
-    """Identity forward; the gradient times ``scale`` backward."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.scale = scale
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad * ctx.scale, None
 
 
 def all_to_all_timed(received: torch.Tensor, send: torch.Tensor, recv_splits: list[int], send_splits: list[int], layout: "ExpertLayout", name: str) -> torch.Tensor:
@@ -302,30 +287,6 @@ class _Exchange(torch.autograd.Function):
         send_bytes, recv_bytes = [n * row_bytes for n in ctx.recv_rows], [n * row_bytes for n in ctx.send_rows]
         back = _all_to_all_bytes(_flat_bytes(grad), send_bytes, recv_bytes, ctx.layout, f"{ctx.direction} gradient")
         return back.view(grad.dtype).view(-1, width), None, None, None, None, None
-
-
-def run_local_experts(experts: nn.Module, rows: torch.Tensor, counts: Sequence[int], grad_scale: float) -> torch.Tensor:
-    """This rank's experts on ``rows`` sorted by local expert (``counts[e]`` rows each): SwiGLU per expert."""
-    gate_up = _ScaleGradient.apply(local_tensor(experts.gate_up_proj), grad_scale)
-    down = _ScaleGradient.apply(local_tensor(experts.down_proj), grad_scale)
-    if _grouped_mm_fits(rows, gate_up, down):
-        offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows.device)
-        hidden = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offsets)
-        gate, up = hidden.chunk(2, dim=-1)
-        return torch._grouped_mm((experts.act_fn(gate) * up).contiguous(), down.transpose(-2, -1), offs=offsets)
-    outputs = []
-    for e, chunk in enumerate(rows.split(list(counts))):
-        gate, up = nn.functional.linear(chunk, gate_up[e]).chunk(2, dim=-1)
-        outputs.append(nn.functional.linear(experts.act_fn(gate) * up, down[e]))
-    return torch.cat(outputs) if outputs else rows.new_empty((0, down.shape[1]))
-
-
-def _grouped_mm_fits(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """torch's grouped GEMM: float32/bf16/fp16, every row a multiple of 16 bytes."""
-    if not hasattr(torch, "_grouped_mm") or rows.dtype not in _GROUPED_MM_DTYPES or gate_up.dtype != rows.dtype:
-        return False
-    size = rows.element_size()
-    return all((d * size) % 16 == 0 for d in (gate_up.shape[-1], gate_up.shape[-2] // 2, down.shape[-2]))
 
 
 def expert_parallel_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

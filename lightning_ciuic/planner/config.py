@@ -5,9 +5,11 @@ Contract: :func:`from_config` parses ``RUN.yaml`` (and command-line overrides su
 instantiates the model on the meta device (nothing allocated, whatever its size) and the strategy, and returns a
 :class:`RunConfig`. No Trainer is built, so a config for GPUs plans on a machine without any. The strategy must be a
 :class:`~lightning_ciuic.HybridParallelStrategy` (its layout is what is planned); anything else is refused, saying
-what to write. :func:`module_factory` gives, for each rank the planner builds, a fresh copy of the module with the
-mesh set and ``configure_model()`` run, as the strategy's set-up does; :func:`optimizers_of` the module's optimizers
-as ``configure_optimizers()`` returns them, in any of Lightning's forms.
+what to write; that refusal, and a class of the config refusing its arguments, are
+:class:`~lightning_ciuic.cli.ConfigError` s (``ValueError`` s). :func:`module_factory` gives, for each rank the
+planner builds, a fresh copy of the module with the mesh set and ``configure_model()`` run, as the strategy's set-up
+does; :func:`optimizers_of` the module's optimizers as ``configure_optimizers()`` returns them, in any of Lightning's
+forms.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class RunConfig:
 def from_config(config: Optional[str], cli_args: Sequence[str] = ()) -> RunConfig:
     """Parse a LightningCLI config (see the module docstring)."""
     from lightning_ciuic import HybridParallelStrategy
-    from lightning_ciuic.cli import PackCLI
+    from lightning_ciuic.cli import ConfigError, PackCLI
 
     class PlanCLI(PackCLI):
         def add_arguments_to_parser(self, parser: Any) -> None:
@@ -64,7 +66,7 @@ def from_config(config: Optional[str], cli_args: Sequence[str] = ()) -> RunConfi
     trainer = cli.config_init["trainer"]
     strategy = trainer.get("strategy")
     if not isinstance(strategy, HybridParallelStrategy):
-        raise ValueError(
+        raise ConfigError(
             f"plan reads the layout of lightning_ciuic.HybridParallelStrategy, and this config's trainer.strategy is"
             f" {strategy!r}: set trainer.strategy.class_path: lightning_ciuic.HybridParallelStrategy with the degrees"
             " in its init_args (pipeline_parallel_size, tensor_parallel_size, data_parallel_shard_size, ...)."

@@ -125,3 +125,67 @@ def test_shipped_experts_config_parses():
     )
     assert any(isinstance(c, ExpertLoadBalancer) for c in cli.trainer.callbacks)
     assert cli.model.hparams.n_routed_experts == 8
+
+
+TOML_RUN = """
+seed_everything = 3
+
+[trainer]
+accelerator = "cpu"
+devices = 2
+max_steps = 2
+limit_val_batches = 0
+logger = false
+enable_checkpointing = false
+enable_progress_bar = false
+
+[trainer.strategy]
+class_path = "lightning_ciuic.HybridParallelStrategy"
+
+[trainer.strategy.init_args]
+data_parallel_size = 2
+sync_timeout = 60
+
+[model]
+class_path = "examples.deepseek.DeepSeekMini"
+
+[model.init_args]
+dim = 32
+n_layers = 2
+n_heads = 2
+n_routed_experts = 2
+moe_inter_dim = 16
+dense_inter_dim = 32
+max_seq_len = 16
+
+[data]
+class_path = "examples.data.ByteCorpusDataModule"
+
+[data.init_args]
+seq_len = 16
+batch_size = 4
+"""
+
+
+def test_a_toml_config_trains_from_python_dash_m(tmp_path):
+    """torchtitan's users write TOML: ``python -m lightning_ciuic fit --config run.toml`` (2 processes, 2 steps) reads
+    it as fit reads YAML (before: ``Unexpected config: <the whole file>``), and its ranks start as ``python -m`` too."""
+    config = tmp_path / "run.toml"
+    config.write_text(TOML_RUN)
+    cli = _pack_cli(["--config", str(config)])
+    assert cli.trainer.strategy.parallelism.degrees["data_parallel_size"] == 2 and cli.model.hparams.dim == 32
+    assert cli.datamodule.batch_size == 4 and cli.trainer.max_steps == 2
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_ciuic", "fit", "--config", str(config)], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Summary: 2 optimizer steps." in done.stdout, done.stdout[-2000:]
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["data"]["init_args"]["batch_size"] == 4  # saved as YAML
+
+
+def _pack_cli(args):
+    from lightning_ciuic.cli import PackCLI
+
+    return PackCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False, args=args)

@@ -61,3 +61,57 @@ def test_the_good_forms_still_parse(args, mode, tmp_path):
     cli = PackCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
                   args=["--config", DEMO, *args])
     assert cli.trainer.strategy.compression_config.mode == mode
+
+
+def test_the_top_level_help_lists_the_packs_commands(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("usage: lightning-ciuic ")
+    for command in ("  plan ", "  checkpoint ", "  advise ", "  report ", "    fit "):
+        assert command in printed, printed
+    assert "TOML" in printed and "python -m lightning_ciuic" in printed
+
+
+@pytest.mark.parametrize("command", [["plan", "--help"], ["checkpoint", "--help"], ["advise", "--help"]])
+def test_each_packs_commands_help_says_usage_once(command, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(command)
+    assert done.value.code == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"usage: lightning-ciuic {command[0]} ") and printed.count("usage:") == 1, printed
+
+
+HF_LLAMA = str(ROOT / "examples/configs/hf_llama.yaml")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--model.init_args.model_type", "lamma"],
+         "model_type='lamma' is not a transformers model type; the nearest causal-LM types: llama, mllama, llama4, zamba."),
+        (["--model.init_args.model_type", "bert"],  # pp 2 x tp 2: before, "use at most 0 stages"
+         "model_type='bert' builds BertLMHeadModel, which attends both ways with this config"),
+    ],
+)
+def test_plan_says_a_model_the_config_cannot_build_in_one_line(overrides, message, capsys):
+    from lightning_ciuic.cli import plan_command
+
+    pytest.importorskip("transformers")
+    assert plan_command(["--config", HF_LLAMA, "--world-size", "4", *overrides]) == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.startswith(f"the config does not work: {message}") and len(said) < 600, said
+    with pytest.raises(SystemExit, match="^lightning-ciuic: the config does not work: " + message.replace("(", r"\(").replace(")", r"\)")):
+        main(["fit", "--config", HF_LLAMA, *overrides])
+
+
+def test_instantiation_errors_keep_the_one_refusal_jsonargparse_wraps():
+    from lightning_ciuic.cli import instantiation_error
+
+    wrapped = (
+        "Does not validate against any of the Union subtypes\nSubtypes: [LightningModule, NoneType]\nErrors:\n"
+        "  - model_type='x' is refused\n  - Expected a <class 'NoneType'>\nGiven value type: Namespace\nGiven value: ..."
+    )
+    assert instantiation_error(wrapped) == "model_type='x' is refused"
+    assert instantiation_error("plain") == "plain"

@@ -258,3 +258,31 @@ def test_the_example_experts_train_under_bf16_autocast():
     module = _tiny().float()
     trainer.fit(module, loader(4, 2))
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
+
+
+class BiasedExpertsModel(DeepSeekMini):
+    """The example model with a bias on every routed expert's gate/up projection, in the experts' own forward: the
+    expert-parallel forward would have left it unused (at ep=2 it trained another model, silently: 2.077 against
+    2.098 at step 4)."""
+
+    def __init__(self, **kwargs) -> None:
+        from tests.unit.test_expert_takeover import BiasedExperts
+
+        super().__init__(**kwargs)
+        for name, experts in list(self.named_modules()):
+            if name.endswith("ffn.experts"):
+                parent = self.get_submodule(name.rsplit(".", 1)[0])
+                parent.experts = BiasedExperts(*experts.gate_up_proj.shape[:1], experts.gate_up_proj.shape[2], experts.down_proj.shape[2])
+
+
+def test_experts_whose_forward_is_not_the_dispatchers_are_refused_before_any_step(tmp_path):
+    strategy = HybridParallelStrategy(data_parallel_size=2, expert_parallel_size=2, start_method="forkserver")
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )
+    seed_everything(7)
+    module = BiasedExpertsModel(**MOE_MODEL)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.ffn\.experts \(BiasedExperts\) cannot run expert-parallel: .*\['gate_up_bias'\]"):
+        trainer.fit(module, loader(8, PER_RANK_BATCH))
+    assert trainer.global_step == 0

@@ -107,8 +107,50 @@ def test_tensor_parallel_plan_translation():
 def test_bad_model_arguments():
     with pytest.raises(ValueError, match="model_type='gpt9' is not a transformers model type"):
         HuggingFaceCausalLM("gpt9", {})
+    with pytest.raises(ValueError, match=r"^model_type='lamma' is not a transformers model type; the nearest causal-LM types: llama, "):
+        HuggingFaceCausalLM("lamma", {})
+    with pytest.raises(ValueError, match=r"model_type='t5' has no causal language model in transformers .* use a decoder-only model type \(llama"):
+        HuggingFaceCausalLM("t5", {})
     with pytest.raises(ValueError, match="tie_word_embeddings=True shares the embedding with the LM head"):
         HuggingFaceCausalLM("llama", dict(CONFIGS["llama"], tie_word_embeddings=True))
+
+
+TINY_ENCODER = dict(COMMON, num_attention_heads=2, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize(
+    "model_type, config, fix",
+    [
+        ("bert", {}, "is_decoder"), ("roberta", {}, "is_decoder"), ("bert-generation", {}, "is_decoder"),
+        ("xlm", dict(emb_dim=32, n_layers=1, n_heads=2), "causal"),
+    ],
+)
+def test_a_model_whose_attention_sees_the_tokens_it_predicts_is_refused(model_type, config, fix):
+    """Before, ``model_type: bert`` trained BertLMHeadModel with every position seeing the tokens it predicts, exit 0."""
+    with pytest.raises(ValueError, match=rf"model_type='{model_type}' builds \w+, which attends both ways .* or config=\{{'{fix}': True\}}"):
+        HuggingFaceCausalLM(model_type, dict(TINY_ENCODER, **config))
+
+
+@pytest.mark.parametrize(
+    "model_type, config",
+    [("bert", dict(is_decoder=True)), ("gpt_neox", {}), ("llama", dict(num_key_value_heads=2))],
+)
+def test_the_models_it_accepts_are_causal(model_type, config):
+    """A later token changes no earlier position's logits (GPT-NeoX says is_decoder=False and is causal all the same)."""
+    import torch
+
+    module = HuggingFaceCausalLM(model_type, dict(TINY_ENCODER, **config)).eval()
+    ids = torch.randint(3, 60, (1, 8), generator=torch.Generator().manual_seed(0))
+    changed = ids.clone()
+    changed[0, -1] = (ids[0, -1] + 7) % 57 + 3
+    with torch.no_grad():
+        torch.testing.assert_close(module(changed)[0, :-1], module(ids)[0, :-1])
+
+
+def test_a_model_transformers_gives_no_pipeline_plan_is_refused_pipelined_naming_what_works():
+    module = HuggingFaceCausalLM("bert", dict(TINY_ENCODER, is_decoder=True))
+    with pytest.raises(ValueError, match=r"model_type='bert' \(BertLMHeadModel\) has no pipeline plan in transformers .* use pipeline_parallel_size=1"):
+        module.pipeline_blocks()
 
 
 PP2_TP2 = dict(pipeline_parallel_size=2, tensor_parallel_size=2)

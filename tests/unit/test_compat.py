@@ -185,3 +185,30 @@ def test_litdata_distributed_environment_is_where_the_data_world_sets_it():
     # StreamingDataset keeps its world as ``distributed_env``; the loader's load_state_dict detects it again
     assert "self.distributed_env = _DistributedEnv.detect()" in inspect.getsource(StreamingDataset.__init__)
     assert "_DistributedEnv.detect()" in inspect.getsource(StreamingDataLoader.load_state_dict)
+
+
+def test_transformers_experts_are_told_by_their_decorators_forward_and_gating():
+    pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+
+    with torch.device("meta"):
+        experts = DeepseekV3Experts(DeepseekV3Config(n_routed_experts=4, hidden_size=16, moe_intermediate_size=8))
+    assert compat.hugging_face_experts_layout(experts) == {
+        "is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True,
+        "has_post_expert_norm": False, "default_gate": True,
+    }
+
+    class OwnGate(DeepseekV3Experts):
+        def _apply_gate(self, gate_up):
+            return gate_up
+
+    class OwnForward(DeepseekV3Experts):
+        def forward(self, hidden, top_k_index, top_k_weights):
+            return hidden
+
+    with torch.device("meta"):
+        config = DeepseekV3Config(n_routed_experts=4, hidden_size=16, moe_intermediate_size=8)
+        assert compat.hugging_face_experts_layout(OwnGate(config))["default_gate"] is False
+        assert compat.hugging_face_experts_layout(OwnForward(config)) is None
+    assert compat.hugging_face_experts_layout(torch.nn.Linear(2, 2)) is None
