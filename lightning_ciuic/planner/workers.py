@@ -20,7 +20,8 @@ stages are stepped here, one at a time, with a warning saying what did not pickl
 A failure in a worker reaches the caller as one :class:`StageStepFailed`, one line: the stage, its rank, and the
 error's type and first line (with its root cause's, where it wraps one); the worker's traceback is kept on it
 (``worker_traceback``). A worker that dies (killed, out of memory) fails the same way, naming the first stage it left
-unstepped.
+unstepped. The warnings a worker's step raises are shown by the caller's process, as if raised there (its filters,
+each once per place it is raised from, stage 0's included), not by each worker again.
 
 No Lightning imports at import time.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import re
+import sys
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
@@ -89,16 +91,40 @@ def _install(pickled: bytes) -> None:
     _PICKLED_STEP = pickled
 
 
-def _step_in_worker(stage: int) -> Any:
+Warned = tuple[str, type, str, int]  # a warning's message, category, file and line
+
+
+def _step_in_worker(stage: int) -> tuple[Any, list[Warned]]:
+    """``stage``'s figures, and the warnings its step raised (each once), for the planner's process to show."""
     global _STEP
     try:
-        if _STEP is None:
-            assert _PICKLED_STEP is not None
-            _STEP = pickle.loads(_PICKLED_STEP)
-        return _STEP(stage)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if _STEP is None:
+                assert _PICKLED_STEP is not None
+                _STEP = pickle.loads(_PICKLED_STEP)
+            figures = _STEP(stage)
+        warned = {(str(w.message), w.category, w.filename, w.lineno): None for w in caught}
+        return figures, list(warned)
     except Exception as err:  # noqa: BLE001 - every failure goes back as one picklable line, with its traceback
         rank = _rank_of(_STEP, stage) if _STEP is not None else None
         raise StageStepFailed(stage, rank, one_line(err), traceback.format_exc()) from None
+
+
+def _show(warned: list[Warned]) -> None:
+    """Warnings a worker's step raised, shown here as if raised here: under this process's filters, each once per
+    place it was raised from (the place's module's registry, which also holds what stage 0's step showed here)."""
+    modules = {getattr(m, "__file__", None): m for m in list(sys.modules.values())}
+    for message, category, filename, lineno in warned:
+        module = modules.get(filename)
+        if module is None:
+            warnings.warn_explicit(message, category, filename, lineno, registry=_ELSEWHERE)
+        else:
+            registry = vars(module).setdefault("__warningregistry__", {})
+            warnings.warn_explicit(message, category, filename, lineno, module=module.__name__, registry=registry)
+
+
+_ELSEWHERE: dict = {}  # the registry of warnings raised in files no module of this process was loaded from
 
 
 def _pickled(step: Step) -> Optional[bytes]:
@@ -139,7 +165,7 @@ def step_stages(stages: Sequence[int], step: Step, processes: int) -> dict[int, 
         try:
             for stage, future in futures.items():
                 try:
-                    figures[stage] = future.result()
+                    figures[stage], warned = future.result()
                 except StageStepFailed as err:
                     raise err from None  # without the worker's traceback chained to it (err.worker_traceback has it)
                 except BrokenProcessPool as err:
@@ -148,6 +174,9 @@ def step_stages(stages: Sequence[int], step: Step, processes: int) -> dict[int, 
                         f"a worker process ended abruptly (killed, out of memory?) before this stage's step was done"
                         f" ({_first_line(err)}); processes=1 (--processes 1) steps every stage in this process.",
                     ) from None
+                except Exception as err:  # noqa: BLE001 - e.g. figures that did not pickle back: one line too
+                    raise StageStepFailed(stage, _rank_of(step, stage), one_line(err)) from None
+                _show(warned)
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)
             for worker in set(multiprocessing.active_children()) - before:  # the stages still stepping: not waited for

@@ -69,7 +69,7 @@ def test_a_pipeline_steps_its_stages_in_workers_after_autograds_threads_started_
     stage here."""
     _start_autograds_threads()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # stepped in the workers, not here for want of pickling
+        warnings.filterwarnings("error", message="the step phase steps its pipeline stages one at a time")  # workers
         in_workers = plan_layout(BUILD, PIPELINE, 3, optimizers=optimizers_of, step=STEP, processes=2)
     here = plan_layout(BUILD, PIPELINE, 3, optimizers=optimizers_of, step=STEP)
     assert sorted(in_workers.steps) == [0, 1, 2]
@@ -93,6 +93,18 @@ def test_a_failure_in_a_worker_is_one_line_naming_the_stage_its_rank_and_the_err
         "pipeline stage 1 (rank 1) failed in its step worker process: RuntimeError: no module in a worker"
     ), str(failed)
     assert failed.__cause__ is None and "_build_failing_in_workers" in failed.worker_traceback  # the rest, kept
+
+
+def _build_warning_in_workers(mesh):
+    if multiprocessing.parent_process() is not None:
+        warnings.warn("built in a worker", UserWarning)
+    return BUILD(mesh)
+
+
+def test_a_warning_raised_in_a_worker_is_shown_by_the_planners_process():
+    with pytest.warns(UserWarning, match="built in a worker") as warned:
+        plan_layout(_build_warning_in_workers, PIPELINE, 3, optimizers=optimizers_of, step=STEP, processes=2)
+    assert {w.filename for w in warned if "built in a worker" in str(w.message)} == {__file__}
 
 
 def test_one_line_of_a_wrapped_error_is_its_first_line_and_its_root_causes():
