@@ -266,10 +266,12 @@ def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def plan_command(argv: list[str]) -> int:
-    """``lightning-ciuic plan``: the plan's table, and its JSON with ``--json``; exit 1 when a rank class does not fit."""
+    """``lightning-ciuic plan``: the plan's table, and its JSON with ``--json``; exit 1 when a rank class does not fit,
+    2 when the layout does not work, 3 when a pipeline stage's step failed in a worker process (one line)."""
     from lightning_ciuic.planner import plan
     from lightning_ciuic.planner.estimate import Hardware, parse_flops, parse_links
     from lightning_ciuic.planner.step import StepSpec
+    from lightning_ciuic.planner.workers import StageStepFailed
 
     parser = argparse.ArgumentParser(prog="lightning-ciuic plan", usage=PLAN_USAGE.removeprefix("usage: "), add_help=True)
     parser.add_argument("--config", help="the LightningCLI config (YAML, or TOML: a .toml file) that fit would read")
@@ -285,7 +287,7 @@ def plan_command(argv: list[str]) -> int:
     parser.add_argument(
         "--processes", type=int,
         default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
-        help="pipeline stages the step phase steps at once, in forked processes (default: the CPUs this process may use)",
+        help="pipeline stages the step phase steps at once, in worker processes (default: the CPUs this process may use)",
     )
     options, overrides = parser.parse_known_args(argv)
     if (options.micro_batch_size is None) != (options.sequence_length is None):
@@ -318,6 +320,9 @@ def plan_command(argv: list[str]) -> int:
     except (ValueError, TypeError) as err:  # the layout's errors, as fit raises them
         print(f"the layout does not work: {err}", file=sys.stderr)
         return 2
+    except StageStepFailed as err:  # one line: the stage, its rank, what failed
+        print(f"the step phase failed: {err}", file=sys.stderr)
+        return 3
     print(result.table())
     if options.json:
         Path(options.json).write_text(json.dumps(result.to_json(), indent=1))
@@ -329,6 +334,7 @@ def _search_command(options: argparse.Namespace, overrides: list[str], step: Any
     """``plan --search``: the ranked layouts; exit 1 when none fits."""
     from lightning_ciuic.planner import search_layouts
     from lightning_ciuic.planner.search import search_table
+    from lightning_ciuic.planner.workers import StageStepFailed
 
     try:
         candidates = search_layouts(
@@ -341,6 +347,9 @@ def _search_command(options: argparse.Namespace, overrides: list[str], step: Any
     except (ValueError, TypeError) as err:  # the config itself (not a layout) does not work
         print(f"the run does not work: {err}", file=sys.stderr)
         return 2
+    except StageStepFailed as err:
+        print(f"the step phase failed: {err}", file=sys.stderr)
+        return 3
     print(search_table(candidates))
     if options.json:
         Path(options.json).write_text(json.dumps(

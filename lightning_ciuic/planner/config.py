@@ -78,11 +78,20 @@ def from_config(config: Optional[str], cli_args: Sequence[str] = ()) -> RunConfi
 
 def module_factory(run: RunConfig) -> ModuleFactory:
     """A fresh copy of the run's module for each rank: dtype of a ``*-true`` precision, the mesh set,
-    ``configure_model()`` run on the meta device (what the strategy's set-up does before parallelizing)."""
+    ``configure_model()`` run on the meta device (what the strategy's set-up does before parallelizing). It pickles
+    (the module on the meta device: no weights), for the step phase's worker processes."""
+    return ModuleCopies(run)
 
-    def build(mesh: Any) -> nn.Module:
-        module = copy.deepcopy(run.module)
-        dtype = PRECISION_DTYPES.get(run.precision)
+
+@dataclass
+class ModuleCopies:
+    """:func:`module_factory`'s factory: ``ModuleCopies(run)(mesh)`` is a fresh copy of ``run.module`` for one rank."""
+
+    run: RunConfig
+
+    def __call__(self, mesh: Any) -> nn.Module:
+        module = copy.deepcopy(self.run.module)
+        dtype = PRECISION_DTYPES.get(self.run.precision)
         if dtype is not None:
             module = module.to(dtype)
         if isinstance(module, LightningModule):
@@ -90,8 +99,6 @@ def module_factory(run: RunConfig) -> ModuleFactory:
             with torch.device("meta"):
                 module.configure_model()
         return module
-
-    return build
 
 
 def optimizers_of(module: nn.Module) -> list[torch.optim.Optimizer]:

@@ -32,7 +32,9 @@ one more for each stage after it), and each micro-batch in flight holds the same
 therefore on a line in that number, and their FLOPs and bytes per collective equal: the first and last stage of each
 group are stepped and the others put on the line through them, their groups' ranks moved by the stages between
 (:func:`run_step_phase`; the tests compare it with stepping every stage, to the byte). DeepSeek-V3's 16 stages over
-2048 ranks step 6 stages instead of 16.
+2048 ranks step 6 stages instead of 16. The stages left after stage 0 are stepped ``processes`` at a time in worker
+processes that inherit nothing of the planner's (:mod:`~lightning_ciuic.planner.workers`), each given a
+:class:`StageStep`.
 
 A deep model is not stepped whole: when its pipeline blocks (``pipeline_blocks()``) are one ``nn.ModuleList`` of
 alike layers (same parameter names, shapes and dtypes) longer than ``2 * EXTRAPOLATION_DEPTH`` per stage, the step
@@ -59,9 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -357,9 +357,10 @@ def _empty_like(tensor: torch.Tensor, device: str) -> torch.Tensor:
 def stage_boundaries(
     plan: Any, build: ModuleFactory, config: ParallelismConfig, spec: StepSpec, depth: Optional[int],
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Each pipeline stage's input and output for one micro-batch, as meta tensors (shape, stride, dtype,
-    ``requires_grad``): stage by stage, a fake forward of the stage (on a rank that holds it) of the previous one's
-    output, the first's input being ``spec``'s token ids. What a real run's stages exchange on their first step."""
+    """Each pipeline stage's input and output for one micro-batch, as meta tensors, not fake ones (shape, stride,
+    dtype, ``requires_grad``): stage by stage, a fake forward of the stage (on a rank that holds it) of the previous
+    one's output, the first's input being ``spec``'s token ids. What a real run's stages exchange on their first
+    step."""
     dims = config.resolve(plan.world_size)
     per_stage, local = plan.world_size // dims.pp, config.pipeline.local_stages
     holder = {
@@ -381,8 +382,9 @@ def stage_boundaries(
                     f"pipeline stage {stage} returns {type(outputs).__name__}; the step phase passes one tensor between"
                     " stages (the PipelineModule protocol): plan it without --micro-batch-size/--sequence-length."
                 )
-            boundaries[stage] = (_empty_like(inputs, "meta"), _empty_like(outputs, "meta"))
-            previous = boundaries[stage][1]
+        # made here, out of the fake mode: meta tensors, which pickle (fake ones do not) for the step's workers
+        boundaries[stage] = (_empty_like(inputs, "meta"), _empty_like(outputs, "meta"))
+        previous = boundaries[stage][1]
     return boundaries
 
 
@@ -496,28 +498,37 @@ def _between(low: tuple[int, StepFigures], high: tuple[int, StepFigures], stage:
     return dataclasses.replace(low_figures, activations=activations, axis_ranks=axis_ranks)
 
 
-_FORKED_STEP: Optional[Callable[[int], StepFigures]] = None  # what a forked worker of _step_stages runs
+@dataclass
+class StageStep:
+    """One pipeline stage's step (:func:`step_figures` on the stage's first rank) as a callable that pickles: what a
+    worker process of :func:`~lightning_ciuic.planner.workers.step_stages` is given, and all it is given.
+    ``known_boundaries`` is filled in by the first stage stepped (see :func:`_measure`); ``depth`` is fixed here, in
+    the planner's process (a worker reads nothing of it, ``EXTRAPOLATION_DEPTH`` included)."""
+
+    representatives: list[int]  # each stage's first rank
+    world_size: int
+    build: ModuleFactory
+    config: ParallelismConfig
+    optimizers: OptimizerFactory
+    spec: StepSpec
+    depth: int
+    known_boundaries: dict = dataclasses.field(default_factory=dict)
+
+    def rank(self, stage: int) -> int:
+        return self.representatives[stage]
+
+    def __call__(self, stage: int) -> StepFigures:
+        return step_figures(
+            self.rank(stage), _World(self.world_size), self.build, self.config, self.optimizers, self.spec,
+            depth=self.depth, known_boundaries=self.known_boundaries,
+        )
 
 
-def _step_forked(stage: int) -> StepFigures:
-    assert _FORKED_STEP is not None
-    return _FORKED_STEP(stage)
+@dataclass(frozen=True)
+class _World:
+    """What :func:`step_figures` reads of a plan: its world size."""
 
-
-def _step_stages(stages: Sequence[int], step: Callable[[int], StepFigures], processes: int) -> dict[int, StepFigures]:
-    """``step(stage)`` for each of ``stages``: here, or, with ``processes > 1``, in that many forked processes, each
-    inheriting this one's state (as a ``DataLoader``'s workers do), so that nothing but stage numbers and figures is
-    pickled. Where processes cannot fork (Windows), every stage is stepped here."""
-    global _FORKED_STEP
-    if processes <= 1 or len(stages) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return {stage: step(stage) for stage in stages}
-    _FORKED_STEP = step
-    try:
-        workers = min(processes, len(stages))
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:  # a killed worker raises
-            return dict(zip(stages, pool.map(_step_forked, stages)))
-    finally:
-        _FORKED_STEP = None
+    world_size: int
 
 
 def run_step_phase(
@@ -527,18 +538,17 @@ def run_step_phase(
     """Fill in each rank class's activations and peak, and each pipeline stage's step figures (see the module
     docstring). ``structures``: each stage's ``StageLayout.structure()``, to step only the first and last of alike
     stages (:func:`alike_stages`); without it every stage is stepped. ``processes``: how many stages to step at once,
-    in forked processes (the first stage is stepped first, here: it finds every stage's inputs and outputs)."""
+    in worker processes that inherit nothing of this one (:mod:`~lightning_ciuic.planner.workers`; the first stage is
+    stepped first, here: it finds every stage's inputs and outputs)."""
+    from lightning_ciuic.planner.workers import step_stages
+
     representatives = stage_representatives(config.resolve(plan.world_size))
     per_stage, stages = plan.world_size // len(representatives), len(representatives)
-    known_boundaries: dict = {}
-
-    def step(stage: int) -> StepFigures:
-        return step_figures(representatives[stage], plan, build, config, optimizers, spec, known_boundaries=known_boundaries)
-
-    figures = {0: step(0)}  # fills known_boundaries with every configuration the stages step
-    groups = alike_stages(structures, known_boundaries, config, stages) if structures is not None else []
+    step = StageStep(list(representatives), plan.world_size, build, config, optimizers, spec, EXTRAPOLATION_DEPTH)
+    figures = {0: step(0)}  # fills step.known_boundaries with every configuration the stages step
+    groups = alike_stages(structures, step.known_boundaries, config, stages) if structures is not None else []
     between = {stage: group for group in groups if len(group) > 2 for stage in group[1:-1]}
-    figures.update(_step_stages([s for s in range(1, stages) if s not in between], step, processes))
+    figures.update(step_stages([s for s in range(1, stages) if s not in between], step, processes))
     for stage, group in between.items():
         figures[stage] = _between((group[0], figures[group[0]]), (group[-1], figures[group[-1]]), stage, config, per_stage)
     for stage in range(stages):

@@ -373,8 +373,8 @@ def test_alike_middle_stages_step_at_their_ends_and_the_rest_equals_stepping_eve
     )
     planned = plan_layout(build, config, world, optimizers=optimizers_of, step=STEP)
     assert stepped == [0, 1, 4, 5]
-    forked = plan_layout(build, config, world, optimizers=optimizers_of, step=STEP, processes=2)  # stages 1, 4, 5 at once
-    assert forked.steps == planned.steps and stepped == [0, 1, 4, 5, 0]
+    in_workers = plan_layout(build, config, world, optimizers=optimizers_of, step=STEP, processes=2)  # 1, 4, 5 in two workers
+    assert in_workers.steps == planned.steps and stepped == [0, 1, 4, 5, 0]  # stage 0 here, the others in the workers
     every = plan_layout(build, config, world, optimizers=optimizers_of)
     step_phase.run_step_phase(every, build, config, optimizers_of, STEP)  # no structures: every stage stepped
     assert stepped == [0, 1, 4, 5, 0, 0, 1, 2, 3, 4, 5]
