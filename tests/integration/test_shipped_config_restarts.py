@@ -40,20 +40,25 @@ class StepLosses(Callback):
 
 
 def _shortened(name: str, out: Path, steps: int) -> Path:
-    """``examples/configs/<name>.yaml`` with ``steps`` steps, no validation, its files under ``out``, a checkpoint
-    every 3 steps, and the kill and the loss log appended to its callbacks."""
+    """``examples/configs/<name>.yaml`` with ``steps`` steps, no validation, its files under ``out``, a checkpoint or a
+    kept snapshot every 3 steps (the step-3 one is the last before the kill: a checkpoint waits until it is
+    committed), and the kill and the loss log appended to its callbacks."""
     config = yaml.safe_load((REPO / "examples" / "configs" / f"{name}.yaml").read_text())
     trainer = config["trainer"]
     trainer.update(max_steps=steps, limit_train_batches=steps, limit_val_batches=0, log_every_n_steps=1)
     trainer.pop("val_check_interval", None)
     trainer["logger"]["init_args"]["save_dir"] = str(out / "logs")
+    added = []
     for callback in trainer["callbacks"]:
         if callback["class_path"].endswith("AsyncCheckpointer"):
             callback["init_args"].update(dirpath=str(out / "checkpoints"), every_n_train_steps=3)
+            added.append({"class_path": "tests.integration.restart_job.SavesCommittedBefore", "init_args": {"step": KILL_STEP}})
         if callback["class_path"].endswith("CommunicationMonitor"):
             callback["init_args"]["dirpath"] = str(out / "monitor")
+        if callback["class_path"].endswith("SnapshotRecovery") and callback["init_args"].get("store") != "memory":
+            callback["init_args"]["snapshot_freq"] = 3  # kept across a restart: the step-3 snapshot is the last
     trainer["callbacks"] += [
-        {"class_path": "tests.integration.restart_job.SavesCommittedBefore", "init_args": {"step": KILL_STEP}},
+        *added,
         {"class_path": "lightning_ciuic.testing.FailAt", "init_args": {"step": KILL_STEP, "fault": "kill", "ranks": [1]}},
         {"class_path": f"{__name__}.StepLosses", "init_args": {"path": str(out / "losses.jsonl")}},
     ]
@@ -74,7 +79,7 @@ def _torchrun_fit(config: Path, out: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=env, cwd=out, capture_output=True, text=True, timeout=420)
 
 
-@pytest.mark.parametrize("name", ["demo"])
+@pytest.mark.parametrize("name", ["demo", "pipeline", "sharded", "experts", "hf_llama"])
 def test_a_shipped_config_killed_mid_run_restarts_and_resumes_exactly(tmp_path, name):
     steps = KILL_STEP + 2
     result = _torchrun_fit(_shortened(name, tmp_path, steps), tmp_path)
@@ -84,6 +89,6 @@ def test_a_shipped_config_killed_mid_run_restarts_and_resumes_exactly(tmp_path, 
     first = {r["step"]: r["loss"] for r in records if r["attempt"] == 0}
     second = {r["step"]: r["loss"] for r in records if r["attempt"] == 1}
     assert sorted(first) == list(range(1, KILL_STEP)), "the first attempt was killed in step 5"
-    assert sorted(second) == list(range(4, steps + 1)), "the restart resumed from the step-3 checkpoint"
+    assert sorted(second) == list(range(4, steps + 1)), "the restart resumed from step 3"
     assert [line for line in log.splitlines() if "SnapshotRecovery: resumed from " in line][:1], log[-4000:]
     assert {step: second[step] for step in first if step in second} == {step: first[step] for step in second if step in first}
