@@ -469,7 +469,8 @@ class PackArgumentParser(LightningArgumentParser):
 
 
 class PackCLI(LightningCLI):
-    """LightningCLI that ends ``fit`` with the pack's summary (rank 0); its parser is :class:`PackArgumentParser`."""
+    """LightningCLI whose progress bar counts to ``max_steps`` (:mod:`lightning_ciuic.progress`) and that ends ``fit``
+    with the pack's summary (rank 0); its parser is :class:`PackArgumentParser`."""
 
     def __init__(self, *args: Any, parser_class: type[LightningArgumentParser] = PackArgumentParser, **kwargs: Any) -> None:
         super().__init__(*args, parser_class=parser_class, **kwargs)
@@ -480,6 +481,11 @@ class PackCLI(LightningCLI):
             super().instantiate_classes()
         except ValueError as err:
             raise ConfigError(instantiation_error(str(err))) from err
+
+    def before_fit(self) -> None:
+        from lightning_ciuic.progress import bound_to_max_steps
+
+        bound_to_max_steps(self.trainer.progress_bar_callback)
 
     def after_fit(self) -> None:
         from lightning_ciuic.summary import run_summary
