@@ -66,7 +66,8 @@ class ElasticResourceManager(Callback):
         max_nodes, min_nodes: bounds of every decision (1 <= min_nodes <= max_nodes).
         global_batch_size: samples per optimizer step to keep across membership changes (default: the first run's).
         on_decision: called with each :class:`~lightning_ciuic.parallel.scaling.ScaleDecision` on global rank 0.
-        decisions_file: JSON lines of decisions (relative paths go under ``trainer.default_root_dir``).
+        decisions_file: JSON lines of decisions (a relative path goes beside the run's logs, ``trainer.log_dir``, or
+            under ``trainer.default_root_dir`` without a logger).
     """
 
     def __init__(
@@ -233,13 +234,18 @@ class ElasticResourceManager(Callback):
             return
         rank_zero_info(f"ElasticResourceManager: step {trainer.global_step}: {decision.action} ({decision.reason}).")
         record = dict(decision.as_dict(), step=trainer.global_step, time=time.time())
-        path = Path(self.decisions_file)
-        path = path if path.is_absolute() else Path(trainer.default_root_dir) / path
+        path = self.decisions_path(trainer)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as file:
             file.write(json.dumps(record) + "\n")
         if self.on_decision is not None:
             self.on_decision(decision)
+
+    def decisions_path(self, trainer: Trainer) -> Path:
+        """``decisions_file``; a relative one beside the run's logs (the logger's ``log_dir``), or under
+        ``default_root_dir`` without a logger: never the current directory by default (a user's source tree)."""
+        path = Path(self.decisions_file)
+        return path if path.is_absolute() else Path(trainer.log_dir or trainer.default_root_dir) / path
 
     # -- teardown and state ------------------------------------------------------------------------------
     @override

@@ -116,3 +116,16 @@ def test_global_batch_is_kept_through_accumulation_and_the_lr_follows_when_it_ca
     back = _stub_trainer(per_rank=4, dp=4, lr=0.075)  # whole again: the scaling is undone
     manager._keep_global_batch(back)
     assert back.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1) and manager.lr_scale == 1.0
+
+
+def test_decisions_go_beside_the_runs_logs_not_the_current_directory(tmp_path):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_ciuic import ElasticResourceManager
+
+    manager = ElasticResourceManager()
+    logged = Trainer(accelerator="cpu", devices=1, logger=CSVLogger(tmp_path / "logs", name="run"), default_root_dir=tmp_path / "root")
+    assert manager.decisions_path(logged) == tmp_path / "logs" / "run" / "version_0" / "elastic_decisions.jsonl"
+    unlogged = Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path / "root")
+    assert manager.decisions_path(unlogged) == tmp_path / "root" / "elastic_decisions.jsonl"
