@@ -109,11 +109,12 @@ class PipelineConfig:
     def check_layout(self, pp: int) -> None:
         """Raise before any process starts if the schedule cannot run on ``pp`` ranks."""
         stages = pp * self.local_stages
-        if self.schedule == "dualpipev" and self.num_microbatches < stages:
+        if self.schedule in ("1f1b", "dualpipev") and self.num_microbatches < stages:  # torch's schedules refuse fewer
+            count = f"pipeline_parallel_size {pp}" + (f" x {self.local_stages}" if self.local_stages > 1 else "")
             raise ValueError(
-                f"pipeline_schedule='dualpipev' needs at least as many micro-batches as stages: num_microbatches="
-                f"{self.num_microbatches}, stages = pipeline_parallel_size {pp} x 2 = {stages}; use num_microbatches"
-                f" >= {stages}."
+                f"pipeline_schedule={self.schedule!r} needs at least as many micro-batches as stages: num_microbatches="
+                f"{self.num_microbatches}, stages = {count} = {stages}; use num_microbatches >= {stages}, or"
+                f" pipeline_schedule='gpipe' (any number of micro-batches)."
             )
 
 

@@ -98,10 +98,15 @@ def test_layout_that_cannot_fit_the_world_fails_before_processes_start():
         Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
 
 
-def test_dualpipev_with_too_few_microbatches_fails_before_processes_start():
-    strategy = HybridParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="dualpipev", num_microbatches=2)
-    with pytest.raises(ValueError, match=r"'dualpipev' needs at least as many micro-batches as stages: num_microbatches=2, stages = pipeline_parallel_size 2 x 2 = 4"):
-        Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+@pytest.mark.parametrize(
+    ("schedule", "pp", "stages"), [("dualpipev", 2, "pipeline_parallel_size 2 x 2 = 4"), ("1f1b", 4, "pipeline_parallel_size 4 = 4")]
+)
+def test_a_schedule_with_too_few_microbatches_fails_before_processes_start(schedule, pp, stages):
+    """Said as the fix (more micro-batches, or GPipe), not as torch's "use batch sizes divisible by" at step 1."""
+    strategy = HybridParallelStrategy(pipeline_parallel_size=pp, pipeline_schedule=schedule, num_microbatches=2)
+    expected = rf"'{schedule}' needs at least as many micro-batches as stages: num_microbatches=2, stages = {stages}; use num_microbatches >= \d, or pipeline_schedule='gpipe'"
+    with pytest.raises(ValueError, match=expected):
+        Trainer(strategy=strategy, accelerator="cpu", devices=pp, logger=False)
 
 
 def test_shard_size_that_does_not_divide_the_data_parallel_size_fails_before_processes_start():
