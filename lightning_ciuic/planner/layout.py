@@ -280,10 +280,20 @@ def imbalance(layouts: Sequence[StageLayout], threshold: float = 0.10) -> Option
     )
     high = layout.figures(high_rank).parameter_bytes
     low = layout.figures(low_rank).parameter_bytes
-    ratio = f"{high / low:.0f}x" if low else "all of it"
+    ratio = f"{high / low:.2f}x" if low else "all of it"
+    shown_specs = [(spec, holders) for _, spec, holders in uneven[:3]]
+    some_ranks_hold_none = any(len(holders) < len(layout.ranks) for _, holders in shown_specs)
+    why = (
+        "Their first dimension is smaller than the ranks sharding it (some ranks hold none of it)" if some_ranks_hold_none
+        else "Their first dimension is not a multiple of the ranks sharding it (each rank holds a ceiling share of its"
+        " rows, the last ranks fewer)"
+    )
+    remedies = ["a data_parallel_shard_size that divides it", "fewer data_parallel_shard_size ranks (HSDP)",
+                "fsdp_units that keep such tensors whole"]
+    if any("expert" in spec.name for spec, _ in shown_specs):
+        remedies.insert(0, "shard the experts with expert_parallel_size")
     return (
         f"uneven shards: in pipeline stage {layout.stage}, rank {high_rank} holds {high} parameter bytes and rank"
         f" {low_rank} {low} ({ratio}); the parameters that differ most: {shown}{' and more' if len(uneven) > 3 else ''}."
-        " Their first dimension is smaller than the ranks sharding it: shard the experts with expert_parallel_size,"
-        " fewer data_parallel_shard_size ranks (HSDP), or fsdp_units that keep such tensors whole."
+        f" {why}: {', '.join(remedies[:-1])}, or {remedies[-1]}."
     )

@@ -62,3 +62,25 @@ def test_a_tensor_parallel_matmul_counts_the_ranks_shard_not_the_global_product(
                 layer(x).sum().backward()
     forward = 2 * 8 * 64 * (128 // 4)
     assert counted.total == 3 * forward  # forward, the weight's gradient and the input's
+
+
+def _sharded_layout(name: str, rows: int, cols: int, ranks: int):
+    """A stage's one parameter sharded on its rows over ``ranks`` as FSDP2 shards it (a ceiling share each)."""
+    from types import SimpleNamespace
+
+    chunk = -(-rows // ranks)
+    local = {r: max(0, min(chunk, rows - chunk * r)) * cols for r in range(ranks)}
+    spec = SimpleNamespace(name=name, global_shape=(rows, cols), element_size=2, local_numel=local.__getitem__)
+    figures = {r: SimpleNamespace(parameter_bytes=2 * local[r]) for r in range(ranks)}
+    return SimpleNamespace(stage=0, ranks=list(range(ranks)), tensors=[spec], figures=figures.__getitem__)
+
+
+def test_the_uneven_shards_warning_says_the_ratio_the_cause_and_remedies_that_fit_the_model():
+    from lightning_ciuic.planner.layout import imbalance
+
+    dense = imbalance([_sharded_layout("model.layers.3.mlp.down_proj.weight", 2048, 64, 48)])
+    assert "(1.59x)" in dense and "not a multiple of the ranks sharding it" in dense  # 43 rows against 27
+    assert "smaller than" not in dense and "expert_parallel_size" not in dense  # a dense weight
+    experts = imbalance([_sharded_layout("model.layers.3.mlp.experts.gate_up_proj", 8, 64, 48)])
+    assert "all of it" in experts and "smaller than the ranks sharding it" in experts
+    assert "shard the experts with expert_parallel_size" in experts
