@@ -42,7 +42,8 @@ class _Nested(torch.autograd.Function):
 def _start_autograds_threads():
     """Leave autograd's threads started in this process, as the first backward of a CUDA build of torch with a GPU
     does (its device threads): a backward nested deeper than autograd's limit for re-entrant backwards (60) goes on
-    in a thread of autograd's pool. From then on, autograd refuses to run in a process forked from this one."""
+    in a thread of autograd's pool. From then on, autograd refuses to run in a process forked from this one (for the
+    rest of the session, as under CUDA: nothing in the suite forks and then runs autograd)."""
     x = torch.ones(1, requires_grad=True)
     _Nested.apply(x, 70).sum().backward()
 
