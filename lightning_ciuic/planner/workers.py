@@ -168,11 +168,11 @@ def step_stages(stages: Sequence[int], step: Step, processes: int) -> dict[int, 
                     figures[stage], warned = future.result()
                 except StageStepFailed as err:
                     raise err from None  # without the worker's traceback chained to it (err.worker_traceback has it)
-                except BrokenProcessPool as err:
+                except BrokenProcessPool:
                     raise StageStepFailed(
                         stage, _rank_of(step, stage),
-                        f"a worker process ended abruptly (killed, out of memory?) before this stage's step was done"
-                        f" ({_first_line(err)}); processes=1 (--processes 1) steps every stage in this process.",
+                        "a worker process ended abruptly (killed? out of memory?) before this stage's step was done;"
+                        " processes=1 (--processes 1) steps every stage in this process.",
                     ) from None
                 except Exception as err:  # noqa: BLE001 - e.g. figures that did not pickle back: one line too
                     raise StageStepFailed(stage, _rank_of(step, stage), one_line(err)) from None

@@ -4,6 +4,7 @@ process's ``sys.excepthook`` as it found it."""
 
 import functools
 import multiprocessing
+import os
 import sys
 import warnings
 
@@ -41,7 +42,8 @@ class _Nested(torch.autograd.Function):
 def _start_autograds_threads():
     """Leave autograd's threads started in this process, as the first backward of a CUDA build of torch with a GPU
     does (its device threads): a backward nested deeper than autograd's limit for re-entrant backwards (60) goes on
-    in a thread of autograd's pool. From then on, autograd refuses to run in a process forked from this one."""
+    in a thread of autograd's pool. From then on, autograd refuses to run in a process forked from this one (for the
+    rest of the session, as under CUDA: nothing in the suite forks and then runs autograd)."""
     x = torch.ones(1, requires_grad=True)
     _Nested.apply(x, 70).sum().backward()
 
@@ -93,6 +95,23 @@ def test_a_failure_in_a_worker_is_one_line_naming_the_stage_its_rank_and_the_err
         "pipeline stage 1 (rank 1) failed in its step worker process: RuntimeError: no module in a worker"
     ), str(failed)
     assert failed.__cause__ is None and "_build_failing_in_workers" in failed.worker_traceback  # the rest, kept
+
+
+def _build_dying_in_workers(mesh):
+    if multiprocessing.parent_process() is not None:
+        os._exit(9)  # as the kernel's OOM killer ends a process: no exception, no clean-up
+    return BUILD(mesh)
+
+
+def test_a_worker_that_dies_is_one_line_too():
+    from lightning_ciuic.planner.workers import StageStepFailed
+
+    with pytest.raises(StageStepFailed) as caught:
+        plan_layout(_build_dying_in_workers, PIPELINE, 3, optimizers=optimizers_of, step=STEP, processes=2)
+    said = str(caught.value)
+    assert "\n" not in said and said.startswith(
+        "pipeline stage 1 (rank 1) failed in its step worker process: a worker process ended abruptly"
+    ) and said.endswith("processes=1 (--processes 1) steps every stage in this process."), said
 
 
 def _build_warning_in_workers(mesh):
