@@ -156,3 +156,24 @@ def test_console_script_says_a_damaged_only_checkpoint_once(tmp_path):
     assert "[rank0]: lightning_ciuic.checkpoint.incremental.CorruptCheckpointError: checkpoint 'epoch=" in output
     assert output.count("Traceback") == 1 and "[rank1]" not in output and "GLHF" not in output, output
     assert len(output.splitlines()) < 80, output
+
+
+class NoRouterBias(DeepSeekMini):
+    """DeepSeekMini whose routers lack ``e_score_correction_bias`` (as Mixtral's do): ExpertLoadBalancer refuses it."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        for module in self.modules():
+            module._buffers.pop("e_score_correction_bias", None)
+
+
+def test_console_script_says_expert_load_balancers_refusal_once(tmp_path):
+    """Was: the refusal twice, once per rank."""
+    done, output = _console_script(
+        tmp_path, "--model=tests.integration.test_restore_errors.NoRouterBias",
+        "--trainer.callbacks+=lightning_ciuic.ExpertLoadBalancer", "--trainer.max_steps=2",
+    )
+    assert done.returncode == 1, output[-3000:]
+    assert output.count("ExpertLoadBalancer moves each router's e_score_correction_bias") == 1, output
+    assert output.count("Traceback") == 1 and "[rank1]" not in output and "GLHF" not in output, output
+    assert "(ExpertLoadBalancer.on_fit_start failed on rank(s) [0, 1] of 2;" in output, output
