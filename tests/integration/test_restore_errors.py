@@ -177,3 +177,24 @@ def test_console_script_says_expert_load_balancers_refusal_once(tmp_path):
     assert output.count("ExpertLoadBalancer moves each router's e_score_correction_bias") == 1, output
     assert output.count("Traceback") == 1 and "[rank1]" not in output and "GLHF" not in output, output
     assert "(ExpertLoadBalancer.on_fit_start failed on rank(s) [0, 1] of 2;" in output, output
+
+
+def test_console_script_says_a_missing_bucket_once(tmp_path, moto_endpoint):
+    """Only rank 0 checks the storage: it reports, exit status 1, one traceback (not s3fs's and botocore's chained before
+    it); rank 1 stops quietly (was: rank 0's tracebacks, then rank 1's gloo "Connection closed by peer ... GLHF!" from
+    the barrier after the check)."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "examples/configs/demo.yaml").read_text())
+    (checkpointer,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("AsyncCheckpointer")]
+    checkpointer["init_args"].update(dirpath="s3://no-such-bucket/run", storage_options={"key": "test", "secret": "test", **moto_endpoint})
+    (tmp_path / "s3.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_ciuic.cli", "fit", "--config", str(tmp_path / "s3.yaml"), "--trainer.devices=2",
+         "--trainer.strategy.data_parallel_size=auto", "--trainer.enable_progress_bar=false", "--trainer.max_steps=2"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-3000:]
+    assert output.count("[rank0]: PermissionError: ") == 1 and output.count("does not exist (or these") == 1, output
+    assert output.count("Traceback") == 1 and "[rank1]" not in output and "GLHF" not in output, output
