@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from lightning.pytorch import LightningModule, Trainer
 
 from examples.deepseek import DeepSeekMini
@@ -37,7 +38,7 @@ def _trainer(callbacks=(), steps: int = 2) -> Trainer:
 def _damage_every_chunk(url: Path) -> int:
     """Flip the first byte of every chunk of the store at ``url`` (each fails its checksum); how many were damaged."""
     store = ChunkStore(Storage(str(url)), "zstd")
-    chunks = [p for p in store.storage.fs.find(str(url / "chunks"))]
+    chunks = store.storage.fs.find(str(url / "chunks"))
     for path in chunks:
         data = store.storage.fs.cat_file(path)
         with store.storage.fs.open(path, "wb") as f:
@@ -98,16 +99,12 @@ class NoExperts(LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        import torch
-
         self.layer = torch.nn.Linear(4, 4)
 
     def training_step(self, batch, batch_idx):
         return self.layer(batch.float()[:, :4]).sum()
 
     def configure_optimizers(self):
-        import torch
-
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
