@@ -15,8 +15,10 @@ refusing its arguments, ...) is said as that refusal, one line, and the command 
 A bad ``communication_compression`` (``--trainer.strategy.communication_compression int9``, or the same in YAML) is
 said as the choices and what was given, instead of jsonargparse's error for each member of the argument's
 ``Union[CompressionMode, GradientQuantizer]`` ("Expected a path", "dot import path", ...): :class:`PackArgumentParser`.
-A set-up error of the strategy (a tensor-parallel plan that does not fit, ...) is printed once, by the lowest rank that
-had it, and the command exits 1 (:func:`~lightning_ciuic.parallel.shutdown.agree_on_setup`).
+A set-up error of the strategy (a tensor-parallel plan that does not fit, ...), of a checkpoint restore (a damaged
+checkpoint, a missing bucket, strict loading) or a pack callback's refusal at fit start is printed once, by the lowest
+rank that had it, and the command exits 1 (:func:`~lightning_ciuic.parallel.shutdown.agree_on_setup`,
+:func:`~lightning_ciuic.parallel.shutdown.reported_once`).
 
 After ``fit``, the console script ends with a short summary of what the pack did (:mod:`lightning_ciuic.summary`):
 the monitor's report, the checkpoints, the snapshots and how to resume.

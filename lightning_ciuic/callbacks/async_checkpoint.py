@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ciuic.comm.vote import StepVote
+from lightning_ciuic.parallel.shutdown import reported_once
 from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO, Compression
 from lightning_ciuic.strategies.context import batch_end_vote, step_vote
 from lightning_ciuic.validation import check_int
@@ -82,11 +83,12 @@ class AsyncCheckpointer(ModelCheckpoint):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if trainer.strategy.checkpoint_io is not self.io:
             trainer.strategy.checkpoint_io = self.io
-        if trainer.is_global_zero:
-            self.io.store.storage.check_writable()
-            removed = self.io.catalog.sweep_orphans()
-            if removed:
-                rank_zero_info(f"AsyncCheckpointer: removed {removed} chunks of saves that never committed.")
+        with reported_once("AsyncCheckpointer.setup"):  # rank 0's storage error is said once, the others stop quietly
+            if trainer.is_global_zero:
+                self.io.store.storage.check_writable()
+                removed = self.io.catalog.sweep_orphans()
+                if removed:
+                    rank_zero_info(f"AsyncCheckpointer: removed {removed} chunks of saves that never committed.")
         trainer.strategy.barrier("async-checkpointer-setup")
         self._vote = step_vote(trainer)
         self._vote.register(_VOTE, 2, self._local_flags)

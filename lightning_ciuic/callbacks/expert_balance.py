@@ -20,6 +20,9 @@ Contract:
   of an optimizer step (``accumulate_grad_batches`` x pipeline micro-batches). The loss the training step returns is
   unchanged; the balance loss is logged as ``moe/sequence_balance_loss`` (this rank's, summed over its layers, per
   step). A GradScaler (``precision="16-mixed"``) would not scale the added gradient: it is refused.
+* A refusal at fit start is raised once, by the lowest refusing rank, the others stopping quietly, under
+  ``HybridParallelStrategy`` (:func:`~lightning_ciuic.parallel.shutdown.reported_once`); under another strategy by
+  every rank, as it came.
 
 Works with any strategy (the data-parallel group of ``HybridParallelStrategy``, or the world of another).
 """
@@ -35,6 +38,7 @@ from torch import nn
 
 from lightning_ciuic.parallel.balance_loss import SequenceBalanceLoss
 from lightning_ciuic.parallel.experts import RoutedTokens, packed_experts
+from lightning_ciuic.parallel.shutdown import reported_once
 from lightning_ciuic.strategies.context import parallel_context
 from lightning_ciuic.tensors import local_tensor
 
@@ -82,6 +86,10 @@ class ExpertLoadBalancer(Callback):
         self.group: Optional[dist.ProcessGroup] = None
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        with reported_once("ExpertLoadBalancer.on_fit_start"):  # a refusal is said once, by the lowest refusing rank
+            self._start(trainer, pl_module)
+
+    def _start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         context = parallel_context(trainer)
         layers = [name for name, _ in packed_experts(pl_module)]
         if not layers and not context.dims.pp_enabled:

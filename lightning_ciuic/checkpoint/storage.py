@@ -186,7 +186,7 @@ class Storage:
             raise PermissionError(
                 f"checkpoint storage {self.url!r} is not writable: bucket {self.bucket!r} does not exist (or these"
                 f" credentials cannot see it): {err}. Create the bucket or correct the URL; the check creates no bucket."
-            ) from err
+            ) from None  # the message holds the backend's; its chained tracebacks (s3fs, botocore) would triple it
         except OSError as err:
             raise PermissionError(f"checkpoint storage {self.url!r} is not writable: {err}") from err
         except Exception as err:

@@ -35,6 +35,13 @@ it returns. Otherwise:
 :func:`raise_once` is the same ending for a failure every rank found alike (a collective's result, mid-training): rank 0
 raises it, marked as reported, the others quietly, with exit status 0.
 
+Errors after set-up that the ranks meet at the same point (restoring a checkpoint: a damaged or missing one, a
+storage error, strict loading; a callback's refusal when fit starts) end the same way: a block run on every rank under
+:func:`reported_once` votes at its end, failed or not, on the same group and with the same exit statuses
+(:func:`setup_vote_group` keeps the one its caller gave), so its error too is reported once, by the lowest failing
+rank, with a note naming the block. Where no vote group was made (one process, another strategy) the error is raised
+as it came.
+
 A rank that fails while its peers wait for it in another collective waits in the vote until the process-group
 timeout, like them.
 """
@@ -45,16 +52,20 @@ import atexit
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
 GLOO_WORKER_THREAD = "pt_gloo_runloop"
 _registered = False
 _SETUP_FAILURE = "_lightning_ciuic_setup_failure"  # set on the exception the lowest failing rank raises
 _vote_group: Optional[tuple[object, dist.ProcessGroup]] = None  # (the default group it was made in, the vote group)
+_quiet_exit_code = 1  # a quiet rank's exit status, as setup_vote_group's caller gave it
 
 
 def leave_process_groups() -> None:
@@ -95,7 +106,7 @@ class PeerSetupFailed(SystemExit):
         self.code, self.rank, self.failed = code, rank, failed
 
 
-def _quiet(error: Exception, rank: int, failed: list[int], code: int) -> PeerSetupFailed:
+def _quiet(error: BaseException, rank: int, failed: list[int], code: int) -> PeerSetupFailed:
     """``error`` as a :class:`PeerSetupFailed` that is still an instance of its type, or a plain one where the type
     cannot be mixed in (its instances have their own C layout, e.g. ``OSError``)."""
     try:
@@ -114,10 +125,14 @@ def is_reported_setup_failure(error: BaseException) -> bool:
     return getattr(error, _SETUP_FAILURE, False) is True
 
 
-def setup_vote_group(timeout: timedelta) -> Optional[dist.ProcessGroup]:
+def setup_vote_group(timeout: timedelta, quiet_exit_code: Optional[int] = None) -> Optional[dist.ProcessGroup]:
     """The gloo group :func:`agree_on_setup` votes on (``None`` in one process). Collective the first time after each
-    ``init_process_group``: call it where every rank passes, right after the processes start."""
-    global _vote_group
+    ``init_process_group``: call it where every rank passes, right after the processes start. ``quiet_exit_code``: the
+    exit status of this process when it stops quietly (1 in the process the user started, 0 in a launched rank), kept
+    for later votes."""
+    global _vote_group, _quiet_exit_code
+    if quiet_exit_code is not None:
+        _quiet_exit_code = quiet_exit_code
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     world = dist.group.WORLD
@@ -126,10 +141,16 @@ def setup_vote_group(timeout: timedelta) -> Optional[dist.ProcessGroup]:
     return _vote_group[1]
 
 
-def agree_on_setup(error: Optional[Exception], group: Optional[dist.ProcessGroup], quiet_exit_code: int = 1) -> None:
+def agree_on_setup(
+    error: Optional[BaseException], group: Optional[dist.ProcessGroup], quiet_exit_code: Optional[int] = None,
+    where: str = "HybridParallelStrategy.setup",
+) -> None:
     """Every rank, at the end of its set-up: ``error`` is what its set-up raised, or ``None``. Returns where no rank
     failed; else the lowest failing rank raises ``error`` and the others :class:`PeerSetupFailed` (``quiet_exit_code``:
-    this process's exit status then). ``group``: :func:`setup_vote_group`'s (``None``: one process, no vote)."""
+    this process's exit status then; ``None``: the one given to :func:`setup_vote_group`). ``group``:
+    :func:`setup_vote_group`'s (``None``: one process, no vote). ``where`` names the step in the messages."""
+    if quiet_exit_code is None:
+        quiet_exit_code = _quiet_exit_code
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     failed, voted = ([0] if error is not None else []), True
     if group is not None:
@@ -141,22 +162,45 @@ def agree_on_setup(error: Optional[Exception], group: Optional[dist.ProcessGroup
         except Exception as vote_error:  # a peer is gone: it stopped before the end of its set-up
             if error is None:
                 raise RuntimeError(
-                    f"HybridParallelStrategy.setup: rank {rank}'s set-up succeeded, but a peer left before the ranks"
-                    f" could agree on it (its own output says why): {vote_error}"
+                    f"{where}: rank {rank} succeeded, but a peer left before the ranks could agree on it (its own"
+                    f" output says why): {vote_error}"
                 ) from None
             failed, voted = [rank], False
     if not failed:
         return
     if error is None:
-        raise PeerSetupFailed(f"set-up failed on rank(s) {failed}; rank {failed[0]} reports the error", failed[0], failed,
-                              quiet_exit_code)
+        raise PeerSetupFailed(f"{where} failed on rank(s) {failed}; rank {failed[0]} reports the error", failed[0],
+                              failed, quiet_exit_code)
     if rank != failed[0]:
         raise _quiet(error, failed[0], failed, quiet_exit_code) from None
     setattr(error, _SETUP_FAILURE, True)
     if world > 1 and voted and hasattr(error, "add_note"):  # Python >= 3.11
         mine = "the other ranks stopped quietly" if failed == [rank] else f"this is rank {rank}'s error, the others stopped quietly"
-        error.add_note(f"(HybridParallelStrategy.setup failed on rank(s) {failed} of {world}; {mine}.)")
+        error.add_note(f"({where} failed on rank(s) {failed} of {world}; {mine}.)")
     raise error
+
+
+@contextmanager
+def reported_once(where: str) -> Iterator[None]:
+    """Run a block on every rank, then vote on it (:func:`agree_on_setup` on :func:`setup_vote_group`'s group, with
+    its exit status): an error of the block (an ``Exception`` or DCP's ``CheckpointException``) is raised by the
+    lowest failing rank, marked as reported, the other ranks stop quietly. Every rank must enter the block where its
+    peers do (an error raised in one rank's block while the others wait in a collective of it waits for the timeout).
+    Without a vote group (one process, a strategy that made none) the error is raised as it came. An error already
+    reported by an inner vote passes through without another."""
+    failure: Optional[BaseException] = None
+    try:
+        yield
+    except (Exception, CheckpointException) as error:
+        if is_reported_setup_failure(error):
+            raise
+        failure = error
+    group = _vote_group[1] if _vote_group is not None and _vote_group[0] is dist.group.WORLD else None
+    if group is None:
+        if failure is not None:
+            raise failure
+        return
+    agree_on_setup(failure, group, where=where)
 
 
 def raise_once(error: Exception) -> None:

@@ -10,6 +10,9 @@ Contract:
   saves, :class:`Stager`; from a GPU into pinned buffers on a side stream, so the host does not wait); hashing, compression and writing run on one background thread at the lowest CPU
   priority (``hashlib`` and ``zstandard`` release the GIL on large buffers). At most one save is in flight: a new save first waits for the previous one. An error of a
   background save is raised at the next save, load or at ``teardown``, never lost.
+* ``load_checkpoint`` of a damaged checkpoint (a chunk missing, truncated or failing its checksum): for ``"last"`` a
+  warning names it and the reason and the next older one is tried; where none is intact (or the one named is damaged)
+  one :class:`CorruptCheckpointError` names the checkpoint(s) and points to ``lightning-ciuic checkpoint verify``.
 * With ``HybridParallelStrategy`` every rank stages and writes its own shards through DCP (:meth:`save_sharded`,
   reshardable to another layout); the background DCP collectives use a dedicated gloo process group, so they
   never interleave with training's collectives. With ``DDPStrategy`` (replicated state) rank 0 saves the whole
@@ -47,19 +50,27 @@ Compression = Literal["zstd", "none"]
 T = TypeVar("T")
 
 
+def _errors(err: BaseException) -> list[BaseException]:
+    """``err``, or for DCP's ``CheckpointException`` the exceptions of its ranks (its text is their tracebacks)."""
+    if isinstance(err, CheckpointException):
+        return [f[0] if isinstance(f, tuple) and f and isinstance(f[0], BaseException) else f
+                for f in (err.failures or {}).values()]
+    return [err]
+
+
 def _is_corruption(err: BaseException) -> bool:
-    if isinstance(err, CorruptCheckpointError):
-        return True
-    failures = getattr(err, "failures", {}) or {}
-    return any(isinstance(f, CorruptCheckpointError) or "CorruptCheckpointError" in str(f) for f in failures.values())
+    return any(isinstance(e, CorruptCheckpointError) or "CorruptCheckpointError" in str(e) for e in _errors(err))
 
 
 def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    for line in text.splitlines():
-        if "CorruptCheckpointError" in line or "chunk" in line:
-            return line.strip()
-    return text.splitlines()[0] if text else type(err).__name__
+    """The reason a checkpoint failed to load, one line: the first line of the first damaged chunk's error (not a line
+    of the traceback text DCP's exception carries)."""
+    errors = _errors(err)
+    for e in sorted(errors, key=lambda e: not isinstance(e, CorruptCheckpointError)):
+        text = str(e).strip()
+        if text and isinstance(e, BaseException):
+            return text.splitlines()[0]
+    return type(errors[0] if errors else err).__name__
 
 
 class Stager:
@@ -219,10 +230,26 @@ class ChunkedCheckpointIO(CheckpointIO):
             try:
                 return load(name)
             except (CorruptCheckpointError, CheckpointException) as err:
-                if i == len(names) - 1 or not _is_corruption(err):
+                if not _is_corruption(err):
                     raise
+                if i == len(names) - 1:
+                    raise self._damaged(names, _first_line(err)) from None
                 rank_zero_warn(f"checkpoint {name!r} under {self.url!r} is damaged ({_first_line(err)}); trying {names[i + 1]!r}.")
         raise AssertionError("unreachable")
+
+    def _damaged(self, names: list[str], reason: str) -> CorruptCheckpointError:
+        """The one error for a load whose every candidate is damaged: names them and how to find the damaged files."""
+        if len(names) == 1:
+            what = f"checkpoint {names[0]!r} under {self.url!r} is damaged ({reason})"
+            verify = f"lightning-ciuic checkpoint verify {self.url} {names[0]}"
+        else:
+            what = (f"every checkpoint under {self.url!r} is damaged ({', '.join(map(repr, names))}; the oldest:"
+                    f" {reason})")
+            verify = f"lightning-ciuic checkpoint verify {self.url}"
+        return CorruptCheckpointError(
+            f"{what}. `{verify}` re-reads every chunk and names the damaged files; restore them or remove the damaged"
+            " checkpoint, then resume from an intact one, or start afresh without ckpt_path."
+        )
 
     # -- background ----------------------------------------------------------------------------------
     @property

@@ -15,7 +15,9 @@ Contract (collective calls, every rank with the same path):
   (pp, dp, tp) layout wrote it, honouring ``LightningModule.strict_loading`` (strict: a checkpoint of another
   architecture, with parameters this model lacks or lacking some it has, fails naming them), and returns
   Lightning's whole checkpoint dict, ``state_dict`` and ``optimizer_states`` included, as ``on_load_checkpoint``
-  hooks expect. Residuals written by another rank or layout are not loaded: they start at zero.
+  hooks expect. Residuals written by another rank or layout are not loaded: they start at zero. Its error (a damaged
+  or missing checkpoint, a storage error, strict loading) is raised once, by the lowest rank that had it, the other
+  ranks stopping quietly (:func:`~lightning_ciuic.parallel.shutdown.reported_once`).
 * The first sharded directory a strategy writes is followed by one line (rank zero) saying how to read it:
   ``Trainer.fit(ckpt_path=...)``, or ``lightning-ciuic checkpoint export`` for ``load_from_checkpoint``.
 * ``remove_checkpoint(strategy, filepath)`` deletes one (global rank zero).
@@ -32,6 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_ciuic.callbacks.trainer_state import ENGINE_STATE_KEY, engine_state, restore_engine_state
 from lightning_ciuic.checkpoint.sharded import load_sharded, load_whole, optimizer_state_by_name, save_sharded
 from lightning_ciuic.compat import unwrap_optimizer
+from lightning_ciuic.parallel.shutdown import reported_once
 from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO
 
 if TYPE_CHECKING:
@@ -123,6 +126,11 @@ def _say_how_to_read_once(strategy: HybridParallelStrategy, path: Path) -> None:
 
 def load_checkpoint(strategy: HybridParallelStrategy, checkpoint_path: Any) -> dict[str, Any]:
     path = strategy.broadcast(str(checkpoint_path))
+    with reported_once(f"restoring checkpoint {path}"):  # a failed restore is said once, by the lowest failing rank
+        return _load_checkpoint(strategy, path)
+
+
+def _load_checkpoint(strategy: HybridParallelStrategy, path: str) -> dict[str, Any]:
     model = strategy.model
     assert model is not None
     optimizers = [unwrap_optimizer(o) for o in strategy.optimizers]

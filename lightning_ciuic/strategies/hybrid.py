@@ -377,7 +377,8 @@ class HybridParallelStrategy(ParallelStrategy):
         self.set_world_ranks()
         self._init_process_group()
         leave_at_exit()
-        setup_vote_group(self._timeout)  # made here, where every rank passes: setup() agrees on failures on it
+        # here, where every rank passes (parallel/shutdown.py); a quiet rank exits 1 in the process the user ran
+        setup_vote_group(self._timeout, quiet_exit_code=1 if getattr(self.launcher, "procs", None) else 0)
         if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # Like torchrun: several ranks on one machine must not each take every core (oversubscribed
             # intra-op threads make CPU collectives several times slower).
@@ -427,8 +428,7 @@ class HybridParallelStrategy(ParallelStrategy):
             self.setup_precision_plugin()
         except Exception as error:
             failure = error
-        launched_peers = bool(getattr(self.launcher, "procs", None))  # the popen launcher's rank 0: the process the user ran
-        agree_on_setup(failure, setup_vote_group(self._timeout), quiet_exit_code=1 if launched_peers else 0)
+        agree_on_setup(failure, setup_vote_group(self._timeout))
         self.barrier("setup")
 
     def _parallelize(self) -> None:

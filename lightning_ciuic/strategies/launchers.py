@@ -16,7 +16,9 @@ Lightning: the environment (``PL_GLOBAL_SEED``, ``MASTER_PORT``, ...), stdout an
 the deterministic flags and random states; and the launcher unshares a CPU module from the caller's memory, as
 Lightning does under spawn. Not handed: what torch read once at import in the server (``ATEN_CPU_CAPABILITY``).
 
-A set-up that failed (:func:`~lightning_ciuic.parallel.shutdown.agree_on_setup`) reaches the caller once, as itself:
+A set-up that failed (:func:`~lightning_ciuic.parallel.shutdown.agree_on_setup`), or a block voted on the same way
+after it (:func:`~lightning_ciuic.parallel.shutdown.reported_once`: a checkpoint restore, a callback's refusal at fit
+start), reaches the caller once, as itself:
 the lowest failing rank hands its exception to the main process in place of rank 0's results (with a note saying
 where it was raised), the other ranks return quietly, and ``Trainer.fit`` in the main process raises that exception,
 its type and message unchanged, instead of torch's ``ProcessRaisedException`` wrapping a worker's traceback. An

@@ -104,6 +104,54 @@ def test_damaged_chunk_is_named_and_last_falls_back(tmp_path, how):
         CheckpointCatalog(io.store).verify(CheckpointCatalog(io.store).get("step=2"))
 
 
+def _dcp_failure(message: str) -> BaseException:
+    """What DCP raises when a rank's read fails: a CheckpointException whose text is each rank's traceback."""
+    from traceback import extract_tb
+
+    from torch.distributed.checkpoint import CheckpointException
+
+    try:
+        raise CorruptCheckpointError(message)
+    except CorruptCheckpointError as err:
+        return CheckpointException("load failed", {0: (err, extract_tb(err.__traceback__)), 1: (err, extract_tb(err.__traceback__))})
+
+
+def test_the_fall_back_warning_gives_the_reason_and_every_damaged_candidate_is_one_error(tmp_path):
+    """Through DCP (a sharded checkpoint): the warning shows the chunk's sentence, not a line of the traceback text of
+    DCP's exception; where every candidate is damaged, one error names them and the verify command."""
+    io = ChunkedCheckpointIO(str(tmp_path))
+    for step in (1, 2, 3):
+        io.save_checkpoint(_state(torch.full((10,), float(step)), step), f"step={step}")
+    io.wait()
+    reason = "chunk /store/chunks/ab/abcd.zst fails its checksum (corrupted or truncated)"
+
+    def load(name: str) -> str:
+        if name != "step=1":
+            raise _dcp_failure(reason)
+        return name
+
+    with pytest.warns(UserWarning) as warned:
+        assert io.load_with_fallback("last", load) == "step=1"
+    assert [str(w.message) for w in warned] == [
+        f"checkpoint 'step=3' under {str(tmp_path)!r} is damaged ({reason}); trying 'step=2'.",
+        f"checkpoint 'step=2' under {str(tmp_path)!r} is damaged ({reason}); trying 'step=1'.",
+    ]
+
+    def damaged(name: str) -> str:
+        raise _dcp_failure(reason)
+
+    with pytest.warns(UserWarning), pytest.raises(CorruptCheckpointError) as raised:
+        io.load_with_fallback("last", damaged)
+    assert str(raised.value) == (
+        f"every checkpoint under {str(tmp_path)!r} is damaged ('step=3', 'step=2', 'step=1'; the oldest: {reason})."
+        f" `lightning-ciuic checkpoint verify {tmp_path}` re-reads every chunk and names the damaged files; restore them"
+        " or remove the damaged checkpoint, then resume from an intact one, or start afresh without ckpt_path."
+    )
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
+    with pytest.raises(CorruptCheckpointError, match=f"checkpoint 'step=2' under .* is damaged .*checkpoint verify {tmp_path} step=2`"):
+        io.load_with_fallback("step=2", damaged)
+
+
 def test_transient_write_errors_are_retried(tmp_path, monkeypatch):
     storage = Storage(str(tmp_path), backoff=0.01)
     real_open, failures = storage.fs.open, []
