@@ -10,8 +10,9 @@ Contract:
   the next training batch: one ``all_gather`` of ``(data-parallel rank, digest)`` over all ranks, then every rank
   decides alike. Ranks with the same data-parallel rank (tensor-parallel peers, pipeline stages, expert-parallel
   peers among them) that read the data (not a middle pipeline stage, whose batch is a
-  :class:`~lightning_ciuic.data.stages.NotRead`: :mod:`.stages`) must hold equal digests; where they do not, every rank raises :class:`BatchMismatchError`
-  together, rank 0 with the message (which ranks, which loader, what to do), the others quietly
+  :class:`~lightning_ciuic.data.stages.NotRead`: :mod:`.stages`) must hold equal digests; where they do not, every
+  rank raises :class:`BatchMismatchError` together, rank 0 with the message (which ranks, which loader, what to
+  do), the others quietly
   (:func:`~lightning_ciuic.parallel.shutdown.raise_once`). Data-parallel replicas holding the *same* batch are
   told once, as a warning (each sample trained ``dp`` times: a loader that does not split at all, or a dataset
   whose samples are alike).
@@ -94,7 +95,8 @@ class EqualBatchCheck:
             return  # one rank per replica: nothing must be equal (and the global rank is the data-parallel one)
         rank, world = dist.get_rank(), dist.get_world_size()
         reads = not isinstance(batch, NotRead)  # a middle pipeline stage reads no data: it is left out
-        mine = torch.tensor([dims.dp_rank_of(rank) if reads else -1, batch_digest(batch) if reads else 0], dtype=torch.int64, device=device)
+        row = [dims.dp_rank_of(rank), batch_digest(batch)] if reads else [-1, 0]
+        mine = torch.tensor(row, dtype=torch.int64, device=device)
         rows = torch.empty(world * 2, dtype=torch.int64, device=device)
         compat.all_gather_single(rows, mine)
         self.runs += 1

@@ -402,11 +402,7 @@ class HybridParallelStrategy(ParallelStrategy):
             os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
             store = restarted_worker_store(self.world_size, self._timeout)
         dist.init_process_group(
-            self.process_group_backend,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            timeout=self._timeout,
-            store=store,
+            self.process_group_backend, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout, store=store
         )
 
     @override
