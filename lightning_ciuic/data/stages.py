@@ -20,7 +20,7 @@ Contract:
 
   A replica's data is therefore read by its first and its last pipeline stage (once per pipeline under the V-shaped
   schedules, where one rank holds both), not by every stage. ``len`` and every other attribute (``sampler``,
-  ``dataset``, ``state_dict``, ``load_state_dict``, ...) are the wrapped loader's.
+  ``dataset``, ``state_dict``, ``load_state_dict``, ...) are the wrapped loader's, read and set.
 * On a middle stage the training step gets the :class:`NotRead`: ``PipelineModule.pipelined_loss`` runs the schedule
   on it (the stage receives its activations from its neighbour) and gives Lightning the batch size for logging; a
   ``training_step`` or callback may read the batch's shape from it (``batch[0].numel()``), not its values. The equal-batch check
@@ -108,9 +108,13 @@ class StageLoader:
         return len(self.loader)  # TypeError for an unsized loader, as Lightning expects
 
     def __getattr__(self, name: str) -> Any:
-        if name == "loader":  # not set yet (a copy being built): no recursion
+        if name in _OWN:  # not set yet (a copy being built): no recursion
             raise AttributeError(name)
         return getattr(self.loader, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Lightning sets e.g. worker_init_fn on the loader it holds: the wrapped loader's
+        object.__setattr__(self, name, value) if name in _OWN else setattr(self.loader, name, value)
 
     def __iter__(self) -> Iterator[Any]:
         if self.role == "middle":
@@ -148,6 +152,7 @@ class StageLoader:
 
 
 _END = object()
+_OWN = frozenset({"loader", "role", "group", "device", "module", "source"})
 
 
 def _inputs_shape(module: Any, batch: Any) -> tuple[int, ...]:

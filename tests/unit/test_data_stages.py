@@ -7,7 +7,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ciuic.data.check import batch_digest
-from lightning_ciuic.data.stages import NotRead, roles, stage_loader
+from lightning_ciuic.data.stages import NotRead, StageLoader, roles, stage_loader
 
 
 @pytest.mark.parametrize(
@@ -43,3 +43,12 @@ def test_a_not_read_batch_answers_for_the_inputs_shape_only():
     assert batch_digest(batch) == batch_digest(NotRead((2, 3)))  # its digest is never compared (data/check.py)
     with pytest.raises(Exception):  # Lightning cannot size it: pipelined_loss gives Lightning its batch size
         extract_batch_size(batch)
+
+
+def test_a_stage_loader_is_the_wrapped_loaders_length_and_attributes_read_and_set(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "get_global_rank", lambda group, rank: rank)  # no process group needed
+    loader = DataLoader(TensorDataset(torch.arange(6)), batch_size=2)
+    wrapped = StageLoader(loader, "middle", object(), torch.device("cpu"), None)
+    assert len(wrapped) == 3 and wrapped.batch_size == 2 and wrapped.sampler is loader.sampler
+    wrapped.worker_init_fn = print  # as Lightning's _auto_add_worker_init_fn does
+    assert loader.worker_init_fn is print and "worker_init_fn" not in vars(wrapped)
