@@ -23,8 +23,9 @@ Contract:
   ``dataset``, ``state_dict``, ``load_state_dict``, ...) are the wrapped loader's, read and set.
 * On a middle stage the training step gets the :class:`NotRead`: ``PipelineModule.pipelined_loss`` runs the schedule
   on it (the stage receives its activations from its neighbour) and gives Lightning the batch size for logging; a
-  ``training_step`` or callback may read the batch's shape from it (``batch[0].numel()``), not its values. The equal-batch check
-  (:mod:`.check`) compares the ranks that read. Validation, test and predict loaders are read by every stage.
+  ``training_step`` or callback may read the batch's shape from it (``batch[0].numel()``), not its values. The
+  equal-batch check (:mod:`.check`) compares the ranks that read. Validation, test and predict loaders are read by
+  every stage. Under tensor parallelism each tensor-parallel rank of the first (last) stage reads, as before.
 
 No Lightning imports.
 """
