@@ -107,7 +107,8 @@ def test_middle_pipeline_stages_read_no_data_and_the_ends_read_each_sample_once(
     sample of their share once, and train on the same batches; the replicas' shares are the epoch."""
     _fit(kind, layout, tmp_path)
     dims, args = _dims(layout), LAYOUTS[layout]
-    layout_roles = roles(dims.pp, 2 if "zbv" in args.get("pipeline_schedule", "") else 1, args.get("pipeline_schedule", "1f1b"))
+    schedule = args.get("pipeline_schedule", "1f1b")
+    layout_roles = roles(dims.pp, 2 if schedule == "zbv_zero_bubble" else 1, schedule)
     assert "middle" in layout_roles
     reads, seen = reads_by_rank(tmp_path, dims.world_size), seen_by_rank(tmp_path, dims.world_size)
     replicas: dict[int, list] = {}
@@ -120,7 +121,7 @@ def test_middle_pipeline_stages_read_no_data_and_the_ends_read_each_sample_once(
         trained = [sample for _, _, samples in seen[rank] for sample in samples]
         assert sorted(reads[rank]) == sorted(trained) and len(set(trained)) == len(trained), f"rank {rank} ({role})"
         first = replicas.setdefault(dims.dp_rank_of(rank), seen[rank])
-        assert seen[rank] == first, f"rank {rank} ({role}) trained on {seen[rank]}, its replica's first stage on {first}"
+        assert seen[rank] == first, f"rank {rank} ({role}) trained on {seen[rank]}, its replica's first on {first}"
     assert all(len(seen[r]) == len(seen[0]) for r in range(dims.world_size))  # every stage stepped alike
     assert _samples([replicas[d] for d in range(dims.dp)]) == Counter(range(N))
 

@@ -1,5 +1,6 @@
-"""Which pipeline ranks read the training data (lightning_ciuic/data/stages.py); the multi-process reads are counted
-in tests/integration/test_data_loaders.py::test_middle_pipeline_stages_read_no_data_and_the_ends_read_each_sample_once."""
+"""Which pipeline ranks read the training data (lightning_ciuic/data/stages.py). The reads of real runs are counted
+by tests/integration/test_data_loaders.py::test_middle_pipeline_stages_read_no_data_and_the_ends_read_each_sample_once.
+"""
 
 import pytest
 import torch
