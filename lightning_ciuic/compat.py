@@ -164,6 +164,13 @@ def reset_optimizers_and_schedulers(strategy: Any) -> None:
     strategy._reset_optimizers_and_schedulers()
 
 
+def set_logged_batch_size(trainer: Any, batch_size: int) -> None:
+    """The batch size ``self.log(..., on_epoch=True)`` weighs this step's values by (else taken from the batch)."""
+    results = getattr(trainer, "_results", None)
+    if results is not None:
+        results.batch_size = batch_size
+
+
 def batch_index(trainer: Any) -> int:
     """The index of the running batch within its epoch."""
     return trainer.fit_loop.epoch_loop.batch_idx

@@ -12,6 +12,7 @@ from lightning.pytorch import Callback, LightningDataModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from lightning_ciuic import data_parallel_world
+from lightning_ciuic.data.stages import NotRead
 from tests.helpers import SEQ_LEN
 
 N, BATCH = 32, 2
@@ -71,6 +72,41 @@ class ByDataParallelWorld(ByGlobalRank):
         return world.rank, world.size
 
 
+def _record(out: str, sample: int) -> None:
+    """Append ``sample`` to ``<out>/reads-rank<r>.txt`` (r: this process's global rank): what its dataset read."""
+    with open(Path(out) / f"reads-rank{dist.get_rank()}.txt", "a") as file:
+        file.write(f"{sample}\n")
+
+
+def reads_by_rank(out, world_size: int) -> list[list[int]]:
+    """The samples each rank's dataset read (``[]``: none), in order."""
+    paths = [Path(out) / f"reads-rank{r}.txt" for r in range(world_size)]
+    return [[int(line) for line in path.read_text().split()] if path.exists() else [] for path in paths]
+
+
+class RecordedStream(ByDataParallelWorld):
+    """An unsized stream (reads lightning_ciuic.data_parallel_world()) recording each sample it yields."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def __iter__(self):
+        for inputs, targets in super().__iter__():
+            _record(self.out, int(inputs[0]))
+            yield inputs, targets
+
+
+class RecordedNumbered(Numbered):
+    """A map-style dataset recording each ``__getitem__``."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def __getitem__(self, i: int):
+        _record(self.out, i)
+        return super().__getitem__(i)
+
+
 def _litdata_windows():
     from litdata import StreamingDataset
 
@@ -84,12 +120,13 @@ def _litdata_windows():
 
 class Loaders(LightningDataModule):
     """``kind``: ``"litdata"``, ``"sampler"`` (a DistributedSampler the user builds over the global world),
-    ``"global"``, ``"hook"``, ``"world"`` (the iterable datasets above). Built in each rank, after the processes
+    ``"global"``, ``"hook"``, ``"world"`` (the iterable datasets above), ``"recorded-map"``, ``"recorded-stream"``
+    (recording what each rank read into ``out``). Built in each rank, after the processes
     started, as a real job builds them."""
 
-    def __init__(self, kind: str, litdata_dir: str = "") -> None:
+    def __init__(self, kind: str, litdata_dir: str = "", out: str = "") -> None:
         super().__init__()
-        self.kind, self.litdata_dir = kind, litdata_dir
+        self.kind, self.litdata_dir, self.out = kind, litdata_dir, out
 
     def train_dataloader(self):
         if self.kind == "litdata":
@@ -99,6 +136,10 @@ class Loaders(LightningDataModule):
         if self.kind == "sampler":
             dataset = Numbered()
             return DataLoader(dataset, batch_size=BATCH, sampler=DistributedSampler(dataset, shuffle=False))
+        if self.kind == "recorded-map":  # Lightning's sampler
+            return DataLoader(RecordedNumbered(self.out), batch_size=BATCH)
+        if self.kind == "recorded-stream":
+            return DataLoader(RecordedStream(self.out), batch_size=BATCH)
         datasets = {"global": ByGlobalRank, "hook": WithHook, "world": ByDataParallelWorld}
         return DataLoader(datasets[self.kind](), batch_size=BATCH)
 
@@ -110,7 +151,8 @@ class SeenSamples(Callback):
         self.out, self.seen = str(out), []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.seen.append([trainer.current_epoch, batch_idx, batch[0][:, 0].tolist()])
+        samples = None if isinstance(batch, NotRead) else batch[0][:, 0].tolist()  # None: a middle pipeline stage
+        self.seen.append([trainer.current_epoch, batch_idx, samples])
 
     def on_train_end(self, trainer, pl_module):
         path = Path(self.out) / f"rank{trainer.global_rank}.json"

@@ -9,8 +9,10 @@ Contract:
   (a checkpoint, a snapshot, an elastic re-mesh starts the processes and so prepares the loaders again), and runs on
   the next training batch: one ``all_gather`` of ``(data-parallel rank, digest)`` over all ranks, then every rank
   decides alike. Ranks with the same data-parallel rank (tensor-parallel peers, pipeline stages, expert-parallel
-  peers among them) must hold equal digests; where they do not, every rank raises :class:`BatchMismatchError`
-  together, rank 0 with the message (which ranks, which loader, what to do), the others quietly
+  peers among them) that read the data (not a middle pipeline stage, whose batch is a
+  :class:`~lightning_ciuic.data.stages.NotRead`: :mod:`.stages`) must hold equal digests; where they do not, every
+  rank raises :class:`BatchMismatchError` together, rank 0 with the message (which ranks, which loader, what to
+  do), the others quietly
   (:func:`~lightning_ciuic.parallel.shutdown.raise_once`). Data-parallel replicas holding the *same* batch are
   told once, as a warning (each sample trained ``dp`` times: a loader that does not split at all, or a dataset
   whose samples are alike).
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ciuic import compat
+from lightning_ciuic.data.stages import NotRead
 from lightning_ciuic.data.world import HOOK, LoaderReport
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.shutdown import raise_once
@@ -91,13 +94,17 @@ class EqualBatchCheck:
         if dims.pp * dims.tp == 1:
             return  # one rank per replica: nothing must be equal (and the global rank is the data-parallel one)
         rank, world = dist.get_rank(), dist.get_world_size()
-        mine = torch.tensor([dims.dp_rank_of(rank), batch_digest(batch)], dtype=torch.int64, device=device)
+        reads = not isinstance(batch, NotRead)  # a middle pipeline stage reads no data: it is left out
+        row = [dims.dp_rank_of(rank), batch_digest(batch)] if reads else [-1, 0]
+        mine = torch.tensor(row, dtype=torch.int64, device=device)
         rows = torch.empty(world * 2, dtype=torch.int64, device=device)
         compat.all_gather_single(rows, mine)
         self.runs += 1
         pairs = [tuple(pair) for pair in rows.view(world, 2).tolist()]
         replicas: dict[int, dict[int, list[int]]] = {}
         for global_rank, (dp_rank, digest) in enumerate(pairs):
+            if dp_rank < 0:
+                continue
             replicas.setdefault(dp_rank, {}).setdefault(digest, []).append(global_rank)
         differing = {dp_rank: held for dp_rank, held in replicas.items() if len(held) > 1}
         if differing:

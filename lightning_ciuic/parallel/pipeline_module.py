@@ -14,7 +14,9 @@ strategy, or ``pipeline_parallel_size=1``) that is ``pipeline_loss(self(inputs),
 pipeline schedule runs the micro-batches through the stages, forward and backward in training (Lightning's
 backward is then skipped), forward only in validation, and the mean loss, computed on the last stage, is
 returned on every rank, so ``self.log`` shows the true loss everywhere. ``self.pipelined_forward(inputs)``
-gives the model's output on every rank (``predict_step``).
+gives the model's output on every rank (``predict_step``). On a middle stage (neither first nor last) the training
+batch is a :class:`~lightning_ciuic.data.stages.NotRead` (that stage does not read the data): ``pipelined_loss``
+runs the schedule on its shape.
 
 :func:`build_pipeline` cuts the module's blocks into ``pipeline_parallel_size * stages_per_rank`` stages
 (balanced by parameter count unless split points are given), keeps this rank's stages in place (parameter
@@ -32,6 +34,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_ciuic import compat
+from lightning_ciuic.data.stages import NotRead
 from lightning_ciuic.validation import check_int
 from lightning_ciuic.parallel.pipeline import (
     BlockCall,
@@ -75,8 +79,12 @@ class PipelineModule(metaclass=abc.ABCMeta):
 
     def pipelined_loss(self, batch: Any) -> torch.Tensor:
         """The batch's loss; under pipeline parallelism also runs backward when training (see module docstring)."""
-        inputs, targets = self.pipeline_inputs(batch)
         runner = self.pipeline
+        if isinstance(batch, NotRead):  # a middle stage's training step: the schedule needs only the inputs' shape
+            compat.set_logged_batch_size(self._trainer, batch.batch_size)
+            inputs, targets = batch, None
+        else:
+            inputs, targets = self.pipeline_inputs(batch)
         if runner is None:
             return self.pipeline_loss(self(inputs), targets)
         train = bool(self.training and torch.is_grad_enabled())

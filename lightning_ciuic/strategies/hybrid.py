@@ -73,6 +73,7 @@ from lightning_ciuic.comm.grad_sync import GradientSynchronizer, check_bucket_si
 from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.config import ParallelismConfig
 from lightning_ciuic.data.check import EqualBatchCheck
+from lightning_ciuic.data.stages import stage_loader
 from lightning_ciuic.data.world import DataParallelWorld, point_loader, set_data_parallel_world
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.dims import ParallelDims
@@ -402,11 +403,7 @@ class HybridParallelStrategy(ParallelStrategy):
             os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
             store = restarted_worker_store(self.world_size, self._timeout)
         dist.init_process_group(
-            self.process_group_backend,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            timeout=self._timeout,
-            store=store,
+            self.process_group_backend, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout, store=store
         )
 
     @override
@@ -648,7 +645,7 @@ class HybridParallelStrategy(ParallelStrategy):
             rank_zero_info(f"HybridParallelStrategy: {report.description}: {note}.")
         if training:
             self.batch_check.arm(report)
-        return dataloader
+        return stage_loader(dataloader, self.pipeline, self.lightning_module) if training else dataloader
 
     @property
     def data_parallel_world(self) -> DataParallelWorld:

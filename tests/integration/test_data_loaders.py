@@ -17,7 +17,8 @@ from examples.deepseek import DeepSeekMini
 from lightning_ciuic import DynamicDataBalancer, HybridParallelStrategy, ParallelDims
 from lightning_ciuic.data.check import BatchMismatchError
 from tests.helpers import TINY_MODEL
-from tests.loaders import BATCH, N, Loaders, SeenSamples, seen_by_rank, write_litdata
+from lightning_ciuic.data.stages import roles
+from tests.loaders import BATCH, N, Loaders, SeenSamples, reads_by_rank, seen_by_rank, write_litdata
 
 LAYOUTS = {
     "dp2": dict(data_parallel_size=2),
@@ -26,6 +27,10 @@ LAYOUTS = {
     "dp2xtp2": dict(data_parallel_size=2, tensor_parallel_size=2),
     "pp2": dict(pipeline_parallel_size=2, num_microbatches=2),
     "ep-over-tp2": dict(tensor_parallel_size=2, expert_parallel_size=2),
+    "pp3": dict(pipeline_parallel_size=3, pipeline_schedule="gpipe", num_microbatches=2),  # pp rank 1: a middle stage
+    "pp2xdp2-zbv": dict(  # V-shaped: pp rank 0 holds the first and the last stage, pp rank 1 two middle ones
+        pipeline_parallel_size=2, data_parallel_size=2, pipeline_schedule="zbv_zero_bubble", num_microbatches=2
+    ),
 }
 
 
@@ -54,7 +59,7 @@ def _fit(kind: str, layout: str, out, litdata_dir: str = "", ckpt_path=None, **t
         **{**trainer_kwargs, "callbacks": [SeenSamples(out), *trainer_kwargs.get("callbacks", [])]},
     )
     model = {**TINY_MODEL, "n_routed_experts": 4}  # experts the expert-parallel ranks can share
-    trainer.fit(DeepSeekMini(**model), datamodule=Loaders(kind, litdata_dir), ckpt_path=ckpt_path)
+    trainer.fit(DeepSeekMini(**model), datamodule=Loaders(kind, litdata_dir, str(out)), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -63,6 +68,8 @@ def _per_replica(out, dims: ParallelDims) -> list[list]:
     seen = seen_by_rank(out, dims.world_size)
     replicas: dict[int, list] = {}
     for rank, batches in enumerate(seen):
+        if batches and all(samples is None for _, _, samples in batches):
+            continue  # a middle pipeline stage: it read nothing (test_middle_pipeline_stages_read_no_data...)
         first = replicas.setdefault(dims.dp_rank_of(rank), batches)
         assert batches == first, f"rank {rank} (replica {dims.dp_rank_of(rank)}) trained on {batches}, its peers on {first}"
     return [replicas[d] for d in range(dims.dp)]
@@ -73,7 +80,7 @@ def _samples(replicas: list[list]) -> Counter:
 
 
 CASES = [
-    ("litdata", "tp2"), ("litdata", "dp2xtp2"), ("litdata", "pp2"), ("litdata", "ep-over-tp2"),
+    ("litdata", "tp2"), ("litdata", "dp2xtp2"), ("litdata", "pp2"), ("litdata", "pp3"), ("litdata", "ep-over-tp2"),
     ("hook", "dp2xtp2"), ("world", "dp2xtp2"), ("world", "pp2"), ("sampler", "dp2xtp2"), ("global", "dp2"),
 ]
 
@@ -88,6 +95,35 @@ def test_each_rank_trains_on_what_the_layout_requires(kind, layout, tmp_path, re
     assert all(len(samples) == BATCH for batches in replicas for _, _, samples in batches)
     if kind == "litdata" and dims.dp == 1:  # the issue's run: both tp ranks trained on samples 0, 1 / 2, 3 / ...
         assert [samples for _, _, samples in replicas[0]][:3] == [[0, 1], [2, 3], [4, 5]]
+
+
+STAGE_CASES = [("recorded-stream", "pp3"), ("recorded-map", "pp3"), ("recorded-map", "pp2xdp2-zbv")]
+
+
+@pytest.mark.parametrize("kind, layout", STAGE_CASES, ids=[f"{k}-{layout}" for k, layout in STAGE_CASES])
+def test_middle_pipeline_stages_read_no_data_and_the_ends_read_each_sample_once(kind, layout, tmp_path):
+    """Every rank's dataset records what it read: a middle stage nothing (its steps get a NotRead, as many as the
+    others' batches, an unsized stream's end included); the first and the last stage of each replica read each
+    sample of their share once, and train on the same batches; the replicas' shares are the epoch."""
+    _fit(kind, layout, tmp_path)
+    dims, args = _dims(layout), LAYOUTS[layout]
+    schedule = args.get("pipeline_schedule", "1f1b")
+    layout_roles = roles(dims.pp, 2 if schedule == "zbv_zero_bubble" else 1, schedule)
+    assert "middle" in layout_roles
+    reads, seen = reads_by_rank(tmp_path, dims.world_size), seen_by_rank(tmp_path, dims.world_size)
+    replicas: dict[int, list] = {}
+    for rank in range(dims.world_size):
+        role = layout_roles[rank // (dims.dp * dims.tp)]
+        if role == "middle":
+            assert reads[rank] == [], f"rank {rank}, a middle stage, read samples {reads[rank]}"
+            assert seen[rank] and all(samples is None for _, _, samples in seen[rank])
+            continue
+        trained = [sample for _, _, samples in seen[rank] for sample in samples]
+        assert sorted(reads[rank]) == sorted(trained) and len(set(trained)) == len(trained), f"rank {rank} ({role})"
+        first = replicas.setdefault(dims.dp_rank_of(rank), seen[rank])
+        assert seen[rank] == first, f"rank {rank} ({role}) trained on {seen[rank]}, its replica's first on {first}"
+    assert all(len(seen[r]) == len(seen[0]) for r in range(dims.world_size))  # every stage stepped alike
+    assert _samples([replicas[d] for d in range(dims.dp)]) == Counter(range(N))
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
