@@ -95,11 +95,15 @@ def load_sharded(
     saved_names = {k[len("state_dict.") :] for k in saved if k.startswith("state_dict.")}
     check_same_parameters(model, model_state.keys(), saved_names, strict)
     state: dict[str, Any] = {"state_dict": {k: v for k, v in model_state.items() if k in saved_names}, META_KEY: b""}
+    own_names: dict[int, list[list[str]]] = {}
     for i, optimizer in enumerate(optimizers):  # an empty saved state (saved before any step) loads as empty
         has_state = any(k.startswith(f"optimizer_{i}.state.") for k in saved)
         template = get_optimizer_state_dict(model, optimizer) if has_state else optimizer_state(model, optimizer)
         if not strict:
             template["state"] = {k: v for k, v in template["state"].items() if k in saved_names}
+        # A group's "params" (its parameters' names) is one key for every rank, saved once: a pipeline stage's names
+        # are not another's, so each rank loads the hyperparameters only and keeps its own names.
+        own_names[i] = [group.pop("params") for group in template["param_groups"]]
         state[f"optimizer_{i}"] = template
     prefix = rank_key + "."
     # In host memory, in the saved dtype: the engine moves what it loads to its own device.
@@ -107,6 +111,9 @@ def load_sharded(
     if owned:
         state[rank_key] = owned
     dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    for i, names in own_names.items():
+        for group, params in zip(state[f"optimizer_{i}"]["param_groups"], names):
+            group["params"] = params
     options = StateDictOptions(strict=strict)
     set_model_state_dict(model, state["state_dict"], options=options)
     loaded = [state[f"optimizer_{i}"] for i in range(len(optimizers))]

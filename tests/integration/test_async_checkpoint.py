@@ -51,8 +51,9 @@ def _ciuic(dp, tp=1, shard=1, pp=1):
     "save_layout, resume_layout",  # (dp, tp, dp_shard, pp)
     [  # (dp 2 -> dp 4 is in dp2-to-hsdp2x2: another data-parallel size, and replicated to sharded)
         ((2, 2, 2, 1), (4, 1, 4, 1)), ((4, 1, 1, 1), (1, 2, 1, 1)), ((2, 1, 2, 2), (4, 1, 1, 1)), ((2, 1, 1, 1), (4, 1, 2, 1)),
+        ((1, 1, 1, 2), (1, 1, 1, 2)),  # each stage's optimizer groups name its own parameters (was: another stage's)
     ],
-    ids=["fsdp2xtp2-to-fsdp4", "dp4-to-tp2", "fsdp2xpp2-to-dp4", "dp2-to-hsdp2x2"],
+    ids=["fsdp2xtp2-to-fsdp4", "dp4-to-tp2", "fsdp2xpp2-to-dp4", "dp2-to-hsdp2x2", "pp2-to-pp2"],
 )
 def test_resume_from_last_continues_exactly(tmp_path, save_layout, resume_layout):
     url = str(tmp_path / "checkpoints")
