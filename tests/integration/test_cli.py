@@ -90,7 +90,7 @@ def test_console_script_trains_the_main_job_shows_the_pack_and_resumes(tmp_path)
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Restored all states from the checkpoint at demo_logs/checkpoints/latest" in again.stdout + again.stderr
-    assert "Summary: 14 optimizer steps." in again.stdout and "-step=14 " in again.stdout
+    assert "Summary: 2 optimizer steps (steps 13 to 14)." in again.stdout and "-step=14 " in again.stdout
 
 
 def test_shipped_pipeline_configs_parse():
