@@ -4,7 +4,7 @@ Trains a small DeepSeek-style model on the shipped corpus with ``strategy="ciuic
 rank), ``SnapshotRecovery`` and ``ElasticResourceManager`` (global batch 8 kept whatever the number of nodes).
 Each step can be paced (``--step-seconds``) to leave time to stop and start nodes by hand. Every rank appends one
 JSON line per optimizer step to ``OUT_DIR/progress.jsonl`` (time, step, world size, restart attempt,
-accumulation); at the end rank 0 writes ``OUT_DIR/final.json`` with the loss on a fixed held-out batch. Scale
+accumulation, the samples of the optimizer step it ended); at the end rank 0 writes ``OUT_DIR/final.json`` with the loss on a fixed held-out batch. Scale
 decisions go to ``OUT_DIR/decisions.jsonl``. See docs/elastic.md for the two-terminal walk-through; the elastic
 test and ``benchmarks/elastic.py`` run it.
 """
@@ -31,19 +31,32 @@ TINY = dict(dim=32, n_layers=2, n_heads=2, kv_lora_rank=8, n_routed_experts=3, n
             n_activated_experts=2, moe_inter_dim=16, dense_inter_dim=32, max_seq_len=32, lr=1e-2, weight_decay=0.0)
 
 
+def fingerprint(window: torch.Tensor) -> str:
+    """A training window's bytes, as hex: which sample of the corpus it is."""
+    return bytes(window.to(torch.uint8).tolist()).hex()
+
+
 class Progress(Callback):
     def __init__(self, path: Path, step_seconds: float) -> None:
-        self.path, self.step_seconds, self._last = path, step_seconds, -1
+        self.path, self.step_seconds, self._last, self._samples, self._step_before = path, step_seconds, -1, [], -1
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._step_before = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         time.sleep(self.step_seconds)
+        self._samples += [fingerprint(window) for window in batch[0]]  # every batch of the step (accumulation)
+        stepped = trainer.global_step > self._step_before  # this batch ended an optimizer step
         if trainer.global_step == self._last:
             return
         self._last = trainer.global_step
         record = {
             "time": time.time(), "step": trainer.global_step, "world": trainer.world_size, "rank": trainer.global_rank,
             "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "accumulate": trainer.accumulate_grad_batches,
+            "samples": self._samples if stepped else None,  # None: the first batch after a restart, mid-window
         }
+        if stepped:
+            self._samples = []
         with open(self.path, "a") as file:
             file.write(json.dumps(record) + "\n")
 

@@ -86,6 +86,20 @@ def progress(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def final_trajectory(records: list[dict], restart_gap_s: float = 2.0) -> dict[int, list[str]]:
+    """For each step, the samples of the run that made its update last (a restart trains again the steps since its
+    snapshot, seconds later: the records of a step's last training lie within ``restart_gap_s`` of its newest)."""
+    stepped = [record for record in records if record.get("samples") is not None]  # records that ended their step
+    newest: dict[int, float] = {}
+    for record in stepped:
+        newest[record["step"]] = max(newest.get(record["step"], 0.0), record["time"])
+    samples: dict[int, list[str]] = {}
+    for record in stepped:
+        if record["time"] >= newest[record["step"]] - restart_gap_s:
+            samples.setdefault(record["step"], []).extend(record["samples"])
+    return {step: sorted(found) for step, found in sorted(samples.items())}
+
+
 def logs(out: Path) -> str:
     return "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("agent-*.log")))
 
@@ -158,6 +172,7 @@ def run_scenario(
         "final": final,
         "reference": expected,
         "loss_difference": abs(final["loss"] - expected["loss"]) / expected["loss"],
+        "samples_by_step": final_trajectory(progress(out)),
         "decisions": [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()],
         "shared_memory_left": [str(p) for p in leftover],
         "layouts": sorted({  # each start's layout, as HybridParallelStrategy printed it

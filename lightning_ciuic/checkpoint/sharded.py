@@ -5,7 +5,7 @@ Contract (collective calls: every rank of ``process_group`` calls them for the s
 * ``save_sharded(model_state, optimizer_states, meta, rank_state, rank_key, ...)`` writes the model's and
   optimizers' state as DCP shards under fully qualified parameter names (so another parallel layout can
   load them), ``rank_state`` — tensors only this rank owns, such as error-feedback residuals — under
-  ``rank_key``, and the non-tensor Lightning state ``meta`` as one pickled object. A tensor every rank holds is
+  ``rank_key``, and the non-tensor Lightning state ``meta`` as one pickled object, the first rank's of the group. A tensor every rank holds is
   written once, by the rank DCP balances writes to, or with ``lowest_rank`` by the lowest (replicas that differ:
   the checkpoint then holds one consistent replica). Where: ``checkpoint_id``
   (a directory, DCP's file-system format) or ``storage_writer`` (e.g. the chunked fsspec writer of
@@ -67,7 +67,11 @@ def save_sharded(
     process_group: Optional[dist.ProcessGroup] = None,
     lowest_rank: bool = False,
 ) -> None:
-    state: dict[str, Any] = {"state_dict": model_state, META_KEY: pickle.dumps(meta)}  # one opaque item, not flattened
+    state: dict[str, Any] = {"state_dict": model_state}
+    if not dist.is_initialized() or dist.get_rank(process_group) == 0:
+        # Lightning's state, one opaque item, written by the group's first rank (the first pipeline stage, whose
+        # loaders read: a middle stage's never iterate, so their positions are not the run's)
+        state[META_KEY] = pickle.dumps(meta)
     state.update({f"optimizer_{i}": s for i, s in enumerate(optimizer_states)})
     if rank_state:
         state[rank_key] = rank_state

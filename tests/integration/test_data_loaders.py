@@ -151,7 +151,7 @@ def test_the_data_balancer_refuses_an_iterable_or_streaming_loader_saying_why(ki
     assert "Train it without DynamicDataBalancer" in message
 
 
-RESUMES = [("dp2xtp2", "dp2xtp2"), ("dp2", "dp2xtp2"), ("dp4", "dp2")]
+RESUMES = [("dp2xtp2", "dp2xtp2"), ("dp2", "dp2xtp2"), ("dp4", "dp2"), ("pp3", "pp3"), ("pp2", "pp2")]  # pp3: through a middle stage
 
 
 @pytest.mark.parametrize("first, second", RESUMES, ids=[f"{a}-to-{b}" for a, b in RESUMES])

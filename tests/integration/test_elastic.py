@@ -4,6 +4,12 @@ again and the run returns to two nodes, ending at the loss of an uninterrupted r
 
 from __future__ import annotations
 
+from collections import Counter
+
+import torch
+
+from examples.data import ByteCorpusDataModule
+from examples.elastic import CORPUS, fingerprint
 from examples.elastic_scenario import run_scenario
 
 
@@ -17,6 +23,20 @@ def test_losing_a_node_continues_on_one_and_a_rejoining_node_brings_the_run_back
     assert result["loss_difference"] <= 0.02, result
     assert result["decisions"] and all(d["action"] in ("scale_up", "scale_down", "hold") for d in result["decisions"])
     assert result["shared_memory_left"] == [], result["shared_memory_left"]
+    # Each sample of the epoch once, over the updates the run kept (lost, alone on one node, rejoined): the global
+    # batches of steps 1..45 are the epoch's first 45 x 8 samples in Lightning's sampler order, none skipped or repeated
+    trained = [sample for step in range(1, 46) for sample in result["samples_by_step"][step]]
+    assert all(len(result["samples_by_step"][step]) == 8 for step in range(1, 46)), "a global batch of 8 every step"
+    assert Counter(trained) == Counter(epoch_samples(45 * 8)), "the updates kept trained each sample of the epoch once"
+
+
+def epoch_samples(count: int) -> list[str]:
+    """The first ``count`` training windows of epoch 0 of examples/elastic.py's data, as Lightning's sampler orders
+    them (shuffled with the run's seed, 0), by :func:`examples.elastic.fingerprint`."""
+    data = ByteCorpusDataModule(CORPUS, seq_len=32, batch_size=4)
+    data.setup("fit")
+    order = torch.randperm(len(data.train_set), generator=torch.Generator().manual_seed(0)).tolist()
+    return [fingerprint(data.train_set[i][0]) for i in order[:count]]
 
 
 def test_a_sharded_run_survives_the_same_and_resumes_from_resharded_checkpoints(tmp_path):
