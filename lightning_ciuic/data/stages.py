@@ -139,14 +139,13 @@ class StageLoader:
     def _exchange(self, batch: Any) -> Optional[tuple[int, ...]]:
         """Broadcast from the first stage whether it has a batch and its inputs' shape; returns that shape, or
         ``None`` at the end of its loader."""
-        message = torch.zeros(2 + MAX_DIMS, dtype=torch.int64)
+        values = [0] * (2 + MAX_DIMS)
         if self.role == "first" and batch is not _END:
             shape = tuple(_inputs_shape(self.module, batch))
             if len(shape) > MAX_DIMS:
                 raise ValueError(f"pipeline inputs of {len(shape)} dimensions (shape {shape}); at most {MAX_DIMS}.")
-            message[0], message[1] = 1, len(shape)
-            message[2 : 2 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
-        message = message.to(self.device)
+            values[: 2 + len(shape)] = [1, len(shape), *shape]
+        message = torch.tensor(values, dtype=torch.int64, device=self.device)
         dist.broadcast(message, src=self.source, group=self.group)
         values = message.tolist()
         return tuple(values[2 : 2 + values[1]]) if values[0] else None

@@ -176,7 +176,7 @@ def probe(module: nn.Module, limit: int = PROBE_BYTES) -> Optional[str]:
     device = torch.device("cpu") if meta else gate_up.device
     dtype = torch.float64 if device.type == "cpu" else torch.float32
     floating = {n: local_tensor(p) for n, p in module.named_parameters() if p.is_floating_point()}
-    size = sum(p.numel() for p in floating.values()) * torch.tensor([], dtype=dtype).element_size()
+    size = sum(p.numel() for p in floating.values()) * dtype.itemsize
     own_weights = size > limit
     if own_weights and meta:
         return (
