@@ -6,8 +6,8 @@ Contract:
   step) each rank captures its whole training state: its share of the model and of every optimizer's state, LR
   schedulers, gradient-compression residuals (``HybridParallelStrategy``), the fit loop's progress (step, epoch,
   position in the epoch), every other callback's state and the RNG states. The data position is exact: the
-  training DataLoader is rebuilt as a :class:`~lightning_ciuic.data.resume.PositionedDataLoader`, so a resume
-  continues the epoch with the next unseen batch. The snapshot is encoded (``state_compression``), sealed with a
+  strategy keeps a map-style training DataLoader as a :class:`~lightning_ciuic.data.resume.PositionedDataLoader`
+  (:func:`~lightning_ciuic.data.resume.keep_position`), so a resume continues the epoch with the next unseen batch. The snapshot is encoded (``state_compression``), sealed with a
   CRC, and kept in the ``store``; the newest ``max_snapshots`` are kept.
 
   - ``"memory"``: this process's memory (in-process rollback only).
@@ -75,7 +75,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_ciuic.comm.vote import StepVote
@@ -93,7 +92,6 @@ from lightning_ciuic.checkpoint.snapshot import (
 )
 from lightning_ciuic.callbacks.snapshot_restore import decode_agreed, restore_from_checkpoint, restore_newest
 from lightning_ciuic.callbacks.trainer_state import apply_training_state, capture_training_state
-from lightning_ciuic.data.resume import positioned
 from lightning_ciuic.strategies.restore_point import announces_restore
 from lightning_ciuic import compat
 from lightning_ciuic.strategies.context import batch_end_vote, parallel_context, step_vote
@@ -217,14 +215,6 @@ class SnapshotRecovery(Callback):
         of it, resume first if still to be decided (see :meth:`on_fit_start`)."""
         if trainer.strategy.restore_checkpoint_after_setup and not announces_restore(trainer):
             self._resume_once(trainer)
-        return self._positioned(trainer, loader)
-
-    def _positioned(self, trainer: Trainer, loader: Any) -> Any:
-        if not isinstance(loader, DataLoader) or loader.batch_sampler is None:
-            rank_zero_warn("SnapshotRecovery: the training loader has no batch sampler; a resume restarts its epoch.")
-            return loader
-        loader = positioned(loader)
-        loader.position = lambda: compat.epoch_position(trainer)
         return loader
 
     @override

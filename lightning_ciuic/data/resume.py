@@ -15,6 +15,10 @@ Contract:
   deals the order out rank by rank, so the first ``n`` batches of all ranks are its first ``n * window`` samples).
 * :func:`positioned` builds one from any DataLoader with the same settings (workers, collate, ...); ``source``
   keeps the loader it was built from. :func:`with_batch_sampler` is that rebuild for any batch sampler.
+* :func:`keep_position` is what the strategy does with every training loader: a plain map-style DataLoader becomes
+  a positioned one reporting ``position``, whatever saves the checkpoint (``ModelCheckpoint``,
+  ``AsyncCheckpointer``, a snapshot); a loader that keeps its own state (a ``state_dict`` of its class: LitData's,
+  torchdata's) or has no batch sampler (an iterable dataset) is returned as it is.
 
 No Lightning imports.
 """
@@ -97,6 +101,16 @@ def positioned(loader: DataLoader) -> PositionedDataLoader:
     rebuilt = with_batch_sampler(loader, batch_sampler, PositionedDataLoader)
     rebuilt.source = loader
     return rebuilt
+
+
+def keep_position(loader: Any, position: Callable[[], tuple[int, int]]) -> Any:
+    """``loader`` resumable at its batch (see the module docstring), its position read from ``position``."""
+    own_state = type(loader) is not DataLoader and callable(getattr(loader, "state_dict", None))
+    if not isinstance(loader, DataLoader) or loader.batch_sampler is None or (own_state and not isinstance(loader, PositionedDataLoader)):
+        return loader
+    loader = positioned(loader)
+    loader.position = position
+    return loader
 
 
 def with_batch_sampler(loader: DataLoader, batch_sampler: Any, cls: type[_Loader] = DataLoader) -> _Loader:

@@ -73,6 +73,7 @@ from lightning_ciuic.comm.grad_sync import GradientSynchronizer, check_bucket_si
 from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.config import ParallelismConfig
 from lightning_ciuic.data.check import EqualBatchCheck
+from lightning_ciuic.data.resume import keep_position
 from lightning_ciuic.data.stages import stage_loader
 from lightning_ciuic.data.world import DataParallelWorld, point_loader, set_data_parallel_world
 from lightning_ciuic.parallel.axes import Axis
@@ -643,9 +644,12 @@ class HybridParallelStrategy(ParallelStrategy):
         report = point_loader(dataloader, self.data_parallel_world, DataParallelWorld(self.global_rank, self.world_size))
         for note in report.notes:
             rank_zero_info(f"HybridParallelStrategy: {report.description}: {note}.")
-        if training:
-            self.batch_check.arm(report)
-        return stage_loader(dataloader, self.pipeline, self.lightning_module) if training else dataloader
+        if not training:
+            return dataloader
+        self.batch_check.arm(report)
+        trainer = self.lightning_module.trainer
+        dataloader = keep_position(dataloader, lambda: compat.epoch_position(trainer))  # every checkpoint resumes at its batch
+        return stage_loader(dataloader, self.pipeline, self.lightning_module)
 
     @property
     def data_parallel_world(self) -> DataParallelWorld:

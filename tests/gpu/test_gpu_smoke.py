@@ -79,15 +79,35 @@ def test_grad_norm_stays_on_the_gpu_and_device_clock_times_device_work():
 
 
 # -- one GPU per rank --------------------------------------------------------------------------------
-def _fit(tmp_path, strategy, steps=8, callbacks=(), ckpt_path=None, **trainer_kwargs):
+def _fit(tmp_path, strategy, steps=8, callbacks=(), ckpt_path=None, devices=2, **trainer_kwargs):
     seed_everything(7)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     report = ReplicaReport(tmp_path / "report.json")
     Trainer(
-        accelerator="gpu", devices=2, strategy=strategy, max_steps=steps, logger=False, enable_progress_bar=False,
+        accelerator="gpu", devices=devices, strategy=strategy, max_steps=steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[report, *callbacks], **trainer_kwargs,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
     ).fit(DeepSeekMini(**TINY_MODEL), loader(16 * 2 * 4, 4), ckpt_path=ckpt_path)
     return json.loads((tmp_path / "report.json").read_text())
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_the_strategy_on_one_gpu_trains_as_lightnings_ddp(tmp_path, precision):
+    """World 1 over NCCL: the strategy's set-up, engine and step routing leave the maths of Lightning's DDP on one
+    GPU (the same shuffling DistributedSampler deals the batches)."""
+    ours = _fit(tmp_path / "ours", HybridParallelStrategy(), devices=1, precision=precision)
+    plain = _fit(tmp_path / "plain", "ddp", devices=1, precision=precision)
+    assert len(ours["losses"]) == 8 and ours["losses"][-1] < ours["losses"][0]
+    torch.testing.assert_close(ours["losses"], plain["losses"], rtol=1e-5, atol=1e-6)
+
+
+def test_an_async_checkpoint_on_one_gpu_resumes_the_run_it_cut(tmp_path):
+    url = str(tmp_path / "checkpoints")
+    saver = lambda: AsyncCheckpointer(url, save_interval=None, every_n_train_steps=4)  # noqa: E731
+    straight = _fit(tmp_path / "straight", HybridParallelStrategy(), devices=1, steps=8)
+    _fit(tmp_path / "cut", HybridParallelStrategy(), devices=1, steps=4, callbacks=[saver()])
+    resumed = _fit(tmp_path / "cut", HybridParallelStrategy(), devices=1, steps=8, ckpt_path="last", callbacks=[saver()])
+    assert resumed["losses"] == straight["losses"][4:]  # steps 5..8, bit-equal on the same GPU
 
 
 @two_gpus

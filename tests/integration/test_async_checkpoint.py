@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from examples.deepseek import DeepSeekMini
 from lightning_ciuic import AsyncCheckpointer, ChunkedCheckpointIO, HybridParallelStrategy
@@ -26,9 +27,9 @@ def _tiny():
     return DeepSeekMini(**TINY_MODEL).double()
 
 
-def _fit(strategy, devices, max_steps, url=None, ckpt_path=None):
+def _fit(strategy, devices, max_steps, url=None, ckpt_path=None, every=STEPS_PER_EPOCH, saver=None):
     module = _tiny()
-    callbacks = [AsyncCheckpointer(url, save_interval=None, every_n_train_steps=STEPS_PER_EPOCH)] if url else []
+    callbacks = [saver or AsyncCheckpointer(url, save_interval=None, every_n_train_steps=every)] if url else []
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, enable_checkpointing=bool(url),
@@ -36,6 +37,7 @@ def _fit(strategy, devices, max_steps, url=None, ckpt_path=None):
     )
     requested = strategy.parallelism.degrees if isinstance(strategy, HybridParallelStrategy) else {}
     dp = requested.get("data_parallel_size", devices)
+    dp = devices if dp == "auto" else dp
     trainer.fit(module, loader(STEPS_PER_EPOCH * GLOBAL_BATCH, GLOBAL_BATCH // dp), ckpt_path=ckpt_path)
     return {k: v.detach() for k, v in module.state_dict().items()}
 
@@ -65,6 +67,19 @@ def test_resume_from_last_continues_exactly(tmp_path, save_layout, resume_layout
     manifests = CheckpointCatalog(ChunkedCheckpointIO(url).store).manifests()
     assert [m.step for m in manifests] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
     assert manifests[0].world_size == dp * tp * pp
+
+
+@pytest.mark.parametrize("checkpointer", ["AsyncCheckpointer", "ModelCheckpoint"])
+def test_a_checkpoint_saved_mid_epoch_resumes_at_the_next_batch(tmp_path, checkpointer):
+    """Without SnapshotRecovery too: the strategy keeps every map-style training loader's position, so a resume
+    from any checkpoint continues the epoch (it restarted the epoch's data at its first batch while counting on)."""
+    url, half = str(tmp_path / "checkpoints"), STEPS_PER_EPOCH // 2
+    saver = lambda: ModelCheckpoint(url, every_n_train_steps=half, save_last=True) if checkpointer == "ModelCheckpoint" else None  # noqa: E731
+    _fit(HybridParallelStrategy(), 1, half, url, every=half, saver=saver())
+    ckpt_path = str(Path(url) / "last.ckpt") if checkpointer == "ModelCheckpoint" else "last"
+    resumed = _fit(HybridParallelStrategy(), 1, STEPS_PER_EPOCH + half, url, ckpt_path=ckpt_path, every=half, saver=saver())
+    uninterrupted = reference_training(_tiny, STEPS_PER_EPOCH + half, GLOBAL_BATCH, num_samples=STEPS_PER_EPOCH * GLOBAL_BATCH)
+    assert_state_close(resumed, uninterrupted, STEPS_PER_EPOCH + half)
 
 
 def test_ddp_strategy_resumes_exactly(tmp_path):
@@ -113,6 +128,7 @@ TRAIN_FOREVER = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {root!r})
     from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
     from examples.deepseek import DeepSeekMini
     from lightning_ciuic import AsyncCheckpointer
     from lightning_ciuic.checkpoint.storage import Storage
