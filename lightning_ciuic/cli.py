@@ -240,7 +240,7 @@ def _export(checkpoint: dict, name: str, out: str, export_format: str) -> int:
 
 PLAN_USAGE = (
     "usage: lightning-ciuic plan --config RUN.yaml --world-size N [--device-memory 80GiB] [--json OUT.json]"
-    " [--micro-batch-size B --sequence-length S [--flops 989T --link intra=900GB/s,inter=50GB/s"
+    " [--micro-batch-size B --sequence-length S [--flops 989T --link intra=900GB/s,inter=50GB/s [--efficiency 0.35]"
     " --devices-per-node 8] [--processes P]] [--search] [any fit override, e.g. --trainer.strategy.init_args.tensor_parallel_size 8]"
 )
 
@@ -271,6 +271,7 @@ def plan_command(argv: list[str]) -> int:
     """``lightning-ciuic plan``: the plan's table, and its JSON with ``--json``; exit 1 when a rank class does not fit,
     2 when the layout does not work, 3 when a pipeline stage's step failed in a worker process (one line)."""
     from lightning_ciuic.planner import plan
+    from lightning_ciuic.planner.efficiency import KERNEL_EFFICIENCY
     from lightning_ciuic.planner.estimate import Hardware, parse_flops, parse_links
     from lightning_ciuic.planner.step import StepSpec
     from lightning_ciuic.planner.workers import StageStepFailed
@@ -284,6 +285,10 @@ def plan_command(argv: list[str]) -> int:
     parser.add_argument("--flops", type=_argument(parse_flops), help="peak FLOP/s of one device (989T): with --link, a step-time estimate")
     parser.add_argument("--link", type=_argument(parse_links), help="link speeds per device, each way: intra=900GB/s,inter=50GB/s")
     parser.add_argument("--devices-per-node", type=int, default=8, help="devices per node (default 8): which axes cross nodes")
+    parser.add_argument(
+        "--efficiency", type=float, default=KERNEL_EFFICIENCY,
+        help=f"fraction of the peak FLOP/s a training step's kernels reach (default {KERNEL_EFFICIENCY:.2f}: fitted on published runs, docs/plan.md)",
+    )
     parser.add_argument("--search", action="store_true", help="plan the other layouts of the world size too, ranked")
     parser.add_argument("--json", help="write the plan as JSON to this file")
     parser.add_argument(
@@ -304,7 +309,7 @@ def plan_command(argv: list[str]) -> int:
     hardware = None
     if options.flops is not None:
         try:
-            hardware = Hardware(options.flops, *options.link, devices_per_node=options.devices_per_node)
+            hardware = Hardware(options.flops, *options.link, devices_per_node=options.devices_per_node, efficiency=options.efficiency)
         except ValueError as err:
             parser.error(str(err))
     if os.getcwd() not in sys.path:

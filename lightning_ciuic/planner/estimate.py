@@ -4,7 +4,9 @@ Contract: :func:`estimate_step` takes what the step phase counted on one rank (:
 StepMemory`: the step's FLOPs and its forward's, from :mod:`~lightning_ciuic.planner.flops`; the bytes sent per mesh axis and
 the global ranks of each axis's group) and a :class:`Hardware`, and returns a :class:`StepEstimate`:
 
-* compute: the step's FLOPs (recomputed forwards included: the device runs them) over ``peak_flops``;
+* compute: the step's FLOPs (recomputed forwards included: the device runs them) over ``peak_flops`` times the
+  kernels' achieved ``efficiency`` (the fraction of the peak a training step's kernels reach: a default fitted on
+  published runs, :mod:`~lightning_ciuic.planner.efficiency`, overridable per device);
 * communication, per axis: its bytes over the intra-node link when every rank of its group sits on one node
   (``rank // devices_per_node`` equal, nodes holding consecutive ranks as torchrun places them), else over the
   inter-node link; the axes' seconds add up (one rank's collectives queue on its links one after another);
@@ -14,9 +16,9 @@ the global ranks of each axis's group) and a :class:`Hardware`, and returns a :c
 * MFU for both: model FLOPs over the step's time times ``peak_flops``, model FLOPs being three times the forward's
   (backward costs two forwards; recomputation is not counted, the convention of PaLM's appendix B).
 
-What it leaves out, and says so in the plan: kernels reaching less than the peak FLOP/s (MFU above about 60% is
-rare), latency of small collectives, links shared by the axes of several ranks of a node, and stages of unequal
-speed beyond the bubble given.
+What it leaves out, and says so in the plan: kernel efficiency other than the one given (it differs between
+devices, power limits and compilers: the fit's figures are in docs/plan.md), latency of small collectives, links
+shared by the axes of several ranks of a node, and stages of unequal speed beyond the bubble given.
 
 No Lightning imports.
 """
@@ -26,6 +28,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
+
+from lightning_ciuic.planner.efficiency import KERNEL_EFFICIENCY
 
 _SI = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15, "e": 1e18}
 _BINARY = {"": 1.0, "k": 2.0**10, "m": 2.0**20, "g": 2.0**30, "t": 2.0**40, "p": 2.0**50}
@@ -68,17 +72,24 @@ def parse_links(text: str) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Hardware:
-    """One device's peak FLOP/s, its links' speeds (bytes per second, each way) and how many devices a node holds."""
+    """One device's peak FLOP/s, its links' speeds (bytes per second, each way), how many devices a node holds and
+    the fraction of the peak its kernels reach in a training step (``efficiency``, in (0, 1])."""
 
     peak_flops: float
     intra_node: float
     inter_node: float
     devices_per_node: int = 8
+    efficiency: float = KERNEL_EFFICIENCY
 
     def __post_init__(self) -> None:
-        for name in ("peak_flops", "intra_node", "inter_node", "devices_per_node"):
+        for name in ("peak_flops", "intra_node", "inter_node", "devices_per_node", "efficiency"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}.")
+        if self.efficiency > 1:
+            raise ValueError(
+                f"efficiency is the fraction of the peak FLOP/s kernels reach, at most 1; got {self.efficiency!r}"
+                f" (the default, fitted on published runs, is {KERNEL_EFFICIENCY:.2f})."
+            )
 
     def link_of(self, ranks: Sequence[int]) -> str:
         """``"intra"`` when the ranks sit on one node, else ``"inter"``."""
@@ -99,6 +110,7 @@ class StepEstimate:
     axis_links: Mapping[str, str]  # axis -> "intra" | "inter"
     peak_flops: float
     bubble: float = 0.0  # the fraction of the step a pipeline schedule leaves the rank idle
+    efficiency: float = 1.0  # the fraction of the peak the kernels reach (compute_seconds has it)
 
     @property
     def communication_seconds(self) -> float:
@@ -118,6 +130,7 @@ class StepEstimate:
     def to_json(self) -> dict:
         return {
             "flops": self.flops, "model_flops": self.model_flops, "compute_seconds": self.compute_seconds, "bubble": self.bubble,
+            "efficiency": self.efficiency,
             "communication_seconds": dict(self.axis_seconds), "links": dict(self.axis_links),
             "step_seconds": {"overlapped": self.overlapped_seconds, "serial": self.serial_seconds},
             "mfu": {"overlapped": self.mfu(self.overlapped_seconds), "serial": self.mfu(self.serial_seconds)},
@@ -132,6 +145,6 @@ def estimate_step(
     links = {axis: hardware.link_of(axis_ranks.get(axis, ())) for axis in axis_bytes}
     seconds = {axis: n / hardware.speed(links[axis]) for axis, n in axis_bytes.items()}
     return StepEstimate(
-        flops=int(flops), model_flops=int(3 * forward_flops), compute_seconds=flops / hardware.peak_flops,
-        axis_seconds=seconds, axis_links=links, peak_flops=hardware.peak_flops, bubble=bubble,
+        flops=int(flops), model_flops=int(3 * forward_flops), compute_seconds=flops / (hardware.peak_flops * hardware.efficiency),
+        axis_seconds=seconds, axis_links=links, peak_flops=hardware.peak_flops, bubble=bubble, efficiency=hardware.efficiency,
     )

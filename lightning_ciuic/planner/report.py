@@ -25,7 +25,7 @@ NOT_MODELLED = (
     "NCCL's buffers",
     "the caching allocator's fragmentation",
     "which kernels CUDA picks",
-    "in a step-time estimate: kernels below the peak FLOP/s, collectives' latency, links shared within a node",
+    "in a step-time estimate: kernel efficiency other than the one given (--efficiency), collectives' latency, links shared within a node",
 )
 
 
@@ -196,7 +196,8 @@ class Plan:
                 f"step time: {estimate.overlapped_seconds * 1e3:.2f} ms (communication hidden) to"
                 f" {estimate.serial_seconds * 1e3:.2f} ms (none hidden); MFU {estimate.mfu(estimate.overlapped_seconds):.1%}"
                 f" to {estimate.mfu(estimate.serial_seconds):.1%}; compute {estimate.compute_seconds * 1e3:.2f} ms"
-                f" ({estimate.flops / 1e12:.3g} TFLOP at {estimate.peak_flops / 1e12:.4g} TFLOP/s), communication"
+                f" ({estimate.flops / 1e12:.3g} TFLOP at {estimate.efficiency:.0%} of {estimate.peak_flops / 1e12:.4g} TFLOP/s),"
+                " communication"
                 f" {by_axis or 'none'}"
             )
         elif self.steps:

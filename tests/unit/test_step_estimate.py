@@ -21,7 +21,7 @@ def test_datasheet_figures_parse_to_flops_and_bytes_per_second():
 
 
 def test_each_axis_runs_on_the_link_its_group_crosses_and_the_bounds_follow():
-    hardware = Hardware(peak_flops=100e12, intra_node=400e9, inter_node=25e9, devices_per_node=8)
+    hardware = Hardware(peak_flops=100e12, intra_node=400e9, inter_node=25e9, devices_per_node=8, efficiency=1.0)
     estimate = estimate_step(
         flops=40e12, forward_flops=10e12,
         axis_bytes={"tp": 8e9, "dp_shard": 1e9},
@@ -84,3 +84,29 @@ def test_the_uneven_shards_warning_says_the_ratio_the_cause_and_remedies_that_fi
     experts = imbalance([_sharded_layout("model.layers.3.mlp.experts.gate_up_proj", 8, 64, 48)])
     assert "all of it" in experts and "smaller than the ranks sharding it" in experts
     assert "shard the experts with expert_parallel_size" in experts
+
+
+def test_compute_runs_at_the_kernels_efficiency_and_mfu_stays_against_the_peak():
+    at_peak = estimate_step(40e12, 10e12, {}, {}, Hardware(100e12, 400e9, 25e9, efficiency=1.0))
+    at_half = estimate_step(40e12, 10e12, {}, {}, Hardware(100e12, 400e9, 25e9, efficiency=0.5))
+    assert at_peak.compute_seconds == 0.4 and at_half.compute_seconds == 0.8
+    assert at_half.mfu(at_half.overlapped_seconds) == pytest.approx(0.375)  # 30 TFLOP of model work in 0.8 s of 100 TFLOP/s
+    assert at_half.to_json()["efficiency"] == 0.5
+    with pytest.raises(ValueError, match=r"at most 1; got 1.5 \(the default, fitted on published runs, is 0.35\)"):
+        Hardware(1e12, 1e9, 1e9, efficiency=1.5)
+
+
+def test_the_default_efficiency_is_the_fit_and_predicts_the_runs_it_was_not_fitted_on():
+    """The planner's default is the mean achieved efficiency of the runs it names; on the others (same device kind)
+    the compute-bound prediction lands within 15% of the published throughput (docs/plan.md has the table)."""
+    from statistics import fmean
+
+    from lightning_ciuic.planner import efficiency
+
+    assert efficiency.KERNEL_EFFICIENCY == round(fmean(r.achieved() for r in efficiency.FITTED_ON), 2)
+    assert Hardware(1e12, 1e9, 1e9).efficiency == efficiency.KERNEL_EFFICIENCY
+    a100 = round(fmean(r.achieved() for r in efficiency.A100_FITTED_ON), 2)
+    for runs, fitted in ((efficiency.CHECKED_ON, efficiency.KERNEL_EFFICIENCY), (efficiency.A100_CHECKED_ON, a100)):
+        assert runs
+        for run in runs:
+            assert run.predicted_tokens_per_second(fitted) == pytest.approx(run.tokens_per_second, rel=0.15), run.name
