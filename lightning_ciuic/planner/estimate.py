@@ -7,9 +7,13 @@ the global ranks of each axis's group) and a :class:`Hardware`, and returns a :c
 * compute: the step's FLOPs (recomputed forwards included: the device runs them) over ``peak_flops`` times the
   kernels' achieved ``efficiency`` (the fraction of the peak a training step's kernels reach: a default fitted on
   published runs, :mod:`~lightning_ciuic.planner.efficiency`, overridable per device);
-* communication, per axis: its bytes over the intra-node link when every rank of its group sits on one node
-  (``rank // devices_per_node`` equal, nodes holding consecutive ranks as torchrun places them), else over the
-  inter-node link; the axes' seconds add up (one rank's collectives queue on its links one after another);
+* communication, per axis, its bytes on each link (:func:`link_bytes`): all on the intra-node link when every rank
+  of its group sits on one node (``rank // devices_per_node`` equal, nodes holding consecutive ranks as torchrun
+  places them); for a group over several nodes, an all-to-all's bytes split by where they go (the share of the
+  group's other ranks on the sender's node crosses the intra-node link, the rest the inter-node one: exact for the
+  plan's even routing), and a ring collective's (all-gather, reduce-scatter, all-reduce, broadcast, send) all on
+  the inter-node link, its bottleneck. An axis takes the longer of its two links' times (they run side by side);
+  the axes' seconds add up (one rank's collectives queue on its links one after another);
 * the step between two bounds: ``max(compute, communication)`` (every collective hidden behind compute, as FSDP2's
   prefetching and bucketed all-reduces aim for) and ``compute + communication`` (none hidden), each over
   ``1 - bubble`` for a pipeline rank (``bubble``: the fraction of the step the schedule leaves it idle);
@@ -98,6 +102,22 @@ class Hardware:
     def speed(self, link: str) -> float:
         return self.intra_node if link == "intra" else self.inter_node
 
+    def local_share(self, ranks: Sequence[int]) -> float:
+        """The share of a group member's peers on its own node, averaged over the members."""
+        if len(ranks) < 2:
+            return 1.0
+        nodes = [r // self.devices_per_node for r in ranks]
+        return sum(nodes.count(node) - 1 for node in nodes) / (len(nodes) * (len(nodes) - 1))
+
+
+def link_bytes(collectives: Mapping[str, int], ranks: Sequence[int], hardware: Hardware) -> dict[str, int]:
+    """One axis's bytes per link, ``{"intra": ..., "inter": ...}`` (see the module docstring)."""
+    if hardware.link_of(ranks) == "intra":
+        return {"intra": sum(collectives.values()), "inter": 0}
+    to_all = collectives.get("all_to_all", 0)
+    local = round(to_all * hardware.local_share(ranks))
+    return {"intra": local, "inter": sum(collectives.values()) - local}
+
 
 @dataclass(frozen=True)
 class StepEstimate:
@@ -107,10 +127,18 @@ class StepEstimate:
     model_flops: int  # three forwards
     compute_seconds: float
     axis_seconds: Mapping[str, float]
-    axis_links: Mapping[str, str]  # axis -> "intra" | "inter"
+    axis_link_bytes: Mapping[str, Mapping[str, int]]  # axis -> {"intra": bytes, "inter": bytes}
     peak_flops: float
     bubble: float = 0.0  # the fraction of the step a pipeline schedule leaves the rank idle
     efficiency: float = 1.0  # the fraction of the peak the kernels reach (compute_seconds has it)
+
+    @property
+    def axis_links(self) -> dict[str, str]:
+        """axis -> ``"intra"``, ``"inter"`` or ``"intra+inter"``: the links its bytes cross."""
+        return {
+            axis: "+".join(link for link in ("intra", "inter") if by[link]) or "intra"
+            for axis, by in self.axis_link_bytes.items()
+        }
 
     @property
     def communication_seconds(self) -> float:
@@ -131,20 +159,22 @@ class StepEstimate:
         return {
             "flops": self.flops, "model_flops": self.model_flops, "compute_seconds": self.compute_seconds, "bubble": self.bubble,
             "efficiency": self.efficiency,
-            "communication_seconds": dict(self.axis_seconds), "links": dict(self.axis_links),
+            "communication_seconds": dict(self.axis_seconds), "links": self.axis_links,
+            "link_bytes": {axis: dict(by) for axis, by in self.axis_link_bytes.items()},
             "step_seconds": {"overlapped": self.overlapped_seconds, "serial": self.serial_seconds},
             "mfu": {"overlapped": self.mfu(self.overlapped_seconds), "serial": self.mfu(self.serial_seconds)},
         }
 
 
 def estimate_step(
-    flops: int, forward_flops: int, axis_bytes: Mapping[str, int], axis_ranks: Mapping[str, Sequence[int]],
+    flops: int, forward_flops: int, traffic: Mapping[str, Mapping[str, int]], axis_ranks: Mapping[str, Sequence[int]],
     hardware: Hardware, bubble: float = 0.0,
 ) -> StepEstimate:
-    """The estimate of one rank's step (see the module docstring)."""
-    links = {axis: hardware.link_of(axis_ranks.get(axis, ())) for axis in axis_bytes}
-    seconds = {axis: n / hardware.speed(links[axis]) for axis, n in axis_bytes.items()}
+    """The estimate of one rank's step (see the module docstring); ``traffic``: bytes per axis and collective."""
+    by_link = {axis: link_bytes(collectives, axis_ranks.get(axis, ()), hardware) for axis, collectives in traffic.items()}
+    seconds = {axis: max(n / hardware.speed(link) for link, n in by.items()) for axis, by in by_link.items()}
     return StepEstimate(
         flops=int(flops), model_flops=int(3 * forward_flops), compute_seconds=flops / (hardware.peak_flops * hardware.efficiency),
-        axis_seconds=seconds, axis_links=links, peak_flops=hardware.peak_flops, bubble=bubble, efficiency=hardware.efficiency,
+        axis_seconds=seconds, axis_link_bytes=by_link, peak_flops=hardware.peak_flops, bubble=bubble,
+        efficiency=hardware.efficiency,
     )

@@ -90,7 +90,7 @@ class Plan:
         bubble = theoretical_bubble(d.pp, self.num_microbatches) if d.pp > 1 else 0.0
         model_forward = sum(f.forward_flops for f in self.steps.values()) / len(self.steps)
         return estimate_step(
-            pacing.flops, model_forward, _axis_totals(pacing.traffic), pacing.axis_ranks, self.hardware, bubble=bubble,
+            pacing.flops, model_forward, pacing.traffic, pacing.axis_ranks, self.hardware, bubble=bubble,
         )
 
     def fits(self, rank_class: RankClass) -> bool:
@@ -184,7 +184,7 @@ class Plan:
         estimate = self.estimate
         if estimate is not None:
             by_axis = ", ".join(
-                f"{axis} {seconds * 1e3:.2f} ms ({estimate.axis_links[axis]}-node)"
+                f"{axis} {seconds * 1e3:.2f} ms ({_links(estimate.axis_link_bytes[axis])})"
                 for axis, seconds in sorted(estimate.axis_seconds.items())
             )
             if estimate.bubble:
@@ -224,6 +224,14 @@ def _count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f}{suffix}"
     return str(n)
+
+
+def _links(by_link: dict[str, int]) -> str:
+    """``intra-node``, ``inter-node``, or both with their bytes when an axis's bytes cross both links."""
+    crossed = [link for link in ("intra", "inter") if by_link[link]] or ["intra"]
+    if len(crossed) == 1:
+        return f"{crossed[0]}-node"
+    return ", ".join(f"{_bytes(by_link[link])} {link}-node" for link in crossed)
 
 
 def _axis_totals(traffic: dict[str, dict[str, int]]) -> dict[str, int]:

@@ -24,7 +24,7 @@ def test_each_axis_runs_on_the_link_its_group_crosses_and_the_bounds_follow():
     hardware = Hardware(peak_flops=100e12, intra_node=400e9, inter_node=25e9, devices_per_node=8, efficiency=1.0)
     estimate = estimate_step(
         flops=40e12, forward_flops=10e12,
-        axis_bytes={"tp": 8e9, "dp_shard": 1e9},
+        traffic={"tp": {"all_reduce": 8e9}, "dp_shard": {"all_gather": 0.5e9, "reduce_scatter": 0.5e9}},
         axis_ranks={"tp": list(range(8)), "dp_shard": [0, 8, 16, 24]},
         hardware=hardware,
     )
@@ -110,3 +110,22 @@ def test_the_default_efficiency_is_the_fit_and_predicts_the_runs_it_was_not_fitt
         assert runs
         for run in runs:
             assert run.predicted_tokens_per_second(fitted) == pytest.approx(run.tokens_per_second, rel=0.15), run.name
+
+
+def test_an_all_to_all_over_nodes_splits_its_bytes_by_where_they_go_and_a_ring_crosses_at_its_bottleneck():
+    """ep 16 over two nodes of 8: 7 of a rank's 15 peers share its node. The axis takes its slower link's time."""
+    hardware = Hardware(peak_flops=100e12, intra_node=150e9, inter_node=50e9, devices_per_node=8, efficiency=1.0)
+    estimate = estimate_step(
+        flops=1e12, forward_flops=1e12 / 3,
+        traffic={"ep": {"all_to_all": 15e9}, "dp_shard": {"all_gather": 3e9}, "tp": {"all_reduce": 4e9}},
+        axis_ranks={"ep": list(range(16)), "dp_shard": [0, 16, 32], "tp": [0, 1, 2, 3]},
+        hardware=hardware,
+    )
+    assert estimate.axis_link_bytes == {
+        "ep": {"intra": 7e9, "inter": 8e9}, "dp_shard": {"intra": 0, "inter": 3e9}, "tp": {"intra": 4e9, "inter": 0},
+    }
+    assert estimate.axis_links == {"ep": "intra+inter", "dp_shard": "inter", "tp": "intra"}
+    assert estimate.axis_seconds["ep"] == pytest.approx(max(7e9 / 150e9, 8e9 / 50e9))
+    assert estimate.to_json()["link_bytes"]["ep"] == {"intra": 7e9, "inter": 8e9}
+    # groups spread unevenly: each member's share of peers on its node, averaged (3 of 4 on node 0, 1 on node 1)
+    assert hardware.local_share([0, 1, 2, 8]) == pytest.approx((2 + 2 + 2 + 0) / 12)
