@@ -24,7 +24,6 @@ Contract of a :class:`DataParallel` engine, driven by the strategy at four point
   replicas' tensors are not equal (checkpoints then take replicated tensors from the lowest rank).
 * ``stats``: :class:`~lightning_ciuic.comm.grad_sync.SyncStats` counters; ``payload()``: (gradient values
   averaged per optimizer step, collectives launched for them); ``close()`` detaches everything.
-* :func:`broadcast_from_first`: every data-parallel rank takes the first one's weights (the engines' start).
 
 :class:`Replicated` is today's engine: every replica holds the whole model; bucketed, overlapped averaging
 (:class:`~lightning_ciuic.comm.grad_sync.GradientSynchronizer`), compressed and error-corrected as a
@@ -46,7 +45,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_ciuic import compat
 from lightning_ciuic.comm.auto import AutoCompression
 from lightning_ciuic.comm.compression import CompressionConfig, GradientCompression
 from lightning_ciuic.comm.grad_sync import GradientSynchronizer, SyncStats, mean_all_reduce
@@ -239,13 +237,18 @@ class Replicated(DataParallel):
         self.synchronizer = self.expert_synchronizer = self.compression = self.auto = None
 
 
-@torch.no_grad()
-def broadcast_from_first(module: torch.nn.Module, mesh: DeviceMesh) -> None:
-    """Every rank of the data-parallel mesh takes the first rank's parameters and buffers (not meta ones)."""
-    group = compat.flatten_mesh(mesh, mesh.mesh_dim_names, Axis.DP).get_group() if mesh.ndim > 1 else mesh.get_group()
-    if dist.get_world_size(group) == 1:
-        return
-    src = dist.get_global_rank(group, 0)
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if tensor.device.type != "meta":
-            dist.broadcast(local_tensor(tensor).data, src=src, group=group)
+ENGINE_STATE_KEY = "data_parallel"
+
+
+def engine_state(engine: Optional[DataParallel]) -> Optional[dict[str, Any]]:
+    """What a snapshot or checkpoint keeps of the engine: its per-rank tensors and its mode, or None if nothing."""
+    if engine is None or not engine.has_rank_state:
+        return None
+    return {"state": engine.state_dict(), "description": engine.describe()}
+
+
+def restore_engine_state(engine: DataParallel, saved: Optional[dict[str, Any]]) -> None:
+    """Load :func:`engine_state` back; ``None`` (another rank's or layout's, or none kept) starts the engine afresh."""
+    engine.load_state_dict(saved["state"] if saved is not None else {})
+    if saved is not None:
+        engine.restore(saved["description"])

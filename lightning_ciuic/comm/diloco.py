@@ -54,13 +54,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ciuic.comm.compression import GradientCompression
-from lightning_ciuic.comm.data_parallel import DataParallel, broadcast_from_first
+from lightning_ciuic.comm.data_parallel import DataParallel
 from lightning_ciuic.comm.groups import close_group, side_copy
 from lightning_ciuic.comm.grad_sync import SyncStats
 from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.timeline import timeline
 from lightning_ciuic.validation import check_choice, check_int
 from lightning_ciuic.parallel.axes import Axis
+from lightning_ciuic.wire.replicas import broadcast_from_first
 
 OUTER_COMPRESSION = ("none", "fp16", "bf16", "int8", "nf4")
 

@@ -20,7 +20,7 @@ Contract of ``GradientSynchronizer(parameters, group, ...)``:
   mean (the backend's ``all_reduce`` SUM of the pre-divided buffer), the strategy passes
   :class:`~lightning_ciuic.comm.compression.GradientCompression` for the compressed modes.
 * :attr:`stats` counts collectives, bytes and seconds; on a GPU the seconds come from CUDA events and may lag
-  by a step (:class:`~lightning_ciuic.comm.timing.DeviceClock`).
+  by a step (:class:`~lightning_ciuic.wire.timing.DeviceClock`).
 
 No Lightning imports.
 """
@@ -36,7 +36,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from lightning_ciuic.comm.timing import DeviceClock
+from lightning_ciuic.wire.timing import DeviceClock
 from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.tensor import gradient_to_parameter_placements

@@ -48,11 +48,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_ciuic import compat
-from lightning_ciuic.comm.codecs import dense_codec
+from lightning_ciuic.wire.codecs import dense_codec
 from lightning_ciuic.comm.data_parallel import DataParallel
 from lightning_ciuic.comm.fsdp_comms import AllGatherComm, ReduceScatterComm
 from lightning_ciuic.comm.grad_sync import SyncStats
-from lightning_ciuic.comm.timing import DeviceClock
+from lightning_ciuic.wire.timing import DeviceClock
 from lightning_ciuic.parallel.fsdp import FSDPLayout, ShardingConfig, check_offload, found_sharding
 from lightning_ciuic.tensors import device_of
 
