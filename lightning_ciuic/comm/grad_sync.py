@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Protocol
 
@@ -101,6 +101,10 @@ class SyncStats:
     comm_seconds: float = 0.0
     gather_seconds: float = 0.0  # sharded: parameter all-gathers (also in comm_seconds)
     scatter_seconds: float = 0.0  # sharded: gradient reduce-scatters (also in comm_seconds)
+
+    def __add__(self, other: "SyncStats") -> "SyncStats":
+        """Both counters added field by field (an engine's groups together)."""
+        return SyncStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
     def add_wait(self, seconds: float) -> None:
         self.wait_seconds += seconds
