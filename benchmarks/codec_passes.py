@@ -105,7 +105,7 @@ def _worker(rounds: int, repeats: int, out: str) -> None:
 
 def codec_passes(repeats: int) -> dict[str, float]:
     """Milliseconds per pass of the int8 and nf4 codecs over one 25 MB bucket, one thread."""
-    from lightning_ciuic.comm.codecs import dense_codec
+    from lightning_ciuic.wire.codecs import dense_codec
 
     torch.set_num_threads(1)
     n = BUCKETS[1]

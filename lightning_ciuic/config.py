@@ -13,6 +13,9 @@ the world: errors name every factor). The pieces are the configs of the parts th
 ``HybridParallelStrategy`` keeps flat keyword arguments (its signature is the YAML schema) and packs them here once;
 :func:`~lightning_ciuic.parallel.parallelize.parallelize` and the planner read only this object.
 
+``bucket_size_mb`` and ``sync_timeout`` (positive) are the replicated engine's gradient buckets and its collectives'
+time limit, read with the rest by :func:`~lightning_ciuic.comm.engines.build_engine`.
+
 No Lightning imports.
 """
 
@@ -25,6 +28,7 @@ from typing import Any, Literal, Optional, Union
 
 from lightning_ciuic.comm.compression import CompressionConfig
 from lightning_ciuic.comm.diloco import DiLoCo
+from lightning_ciuic.comm.grad_sync import check_bucket_size
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.experts import DISPATCH_COMPRESSIONS, DispatchCompression
 from lightning_ciuic.parallel.fsdp import ShardingConfig
@@ -52,9 +56,14 @@ class ParallelismConfig:
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     diloco: Optional[DiLoCo] = None
     gradient_checkpointing: bool = False
+    bucket_size_mb: float = 25.0  # the replicated engine's gradient buckets
+    sync_timeout: float = 300.0  # seconds a gradient collective may take
 
     def __post_init__(self) -> None:
         ParallelDims.check_degrees(**self.degrees)
+        check_bucket_size(self.bucket_size_mb)
+        if not self.sync_timeout > 0:
+            raise ValueError(f"sync_timeout must be a positive number of seconds, got {self.sync_timeout!r} (the default is 300.0).")
         if self.sharding.weight_codec is not None and self.data_parallel_shard_size == 1:
             raise ValueError(
                 f"weight_all_gather_compression={self.sharding.weight_codec!r} compresses the all-gather of sharded"

@@ -4,7 +4,7 @@ Contract:
 
 * :func:`capture_training_state`: this rank's share of the model and of every optimizer's state (live CPU tensors:
   serialize them before the next step), LR schedulers, the data-parallel engine's per-rank state and mode
-  (:func:`engine_state`: residuals, DiLoCo's round; under :data:`ENGINE_STATE_KEY`, as in checkpoints),
+  (:func:`~lightning_ciuic.comm.data_parallel.engine_state`: residuals, DiLoCo's round; under its key, as in checkpoints),
   the fit loop's state (step, epoch, position in the epoch, stateful loaders), every callback's state but
   ``skip``'s, and the RNG states. Only public objects are read (``trainer.optimizers``, ``lr_scheduler_configs``,
   ``fit_loop.state_dict()``, callbacks' ``state_dict``), not Lightning's private checkpoint connector.
@@ -32,25 +32,8 @@ from lightning_ciuic.checkpoint.training_state import (
     set_rng_state,
 )
 from lightning_ciuic import compat
-from lightning_ciuic.comm.data_parallel import DataParallel
+from lightning_ciuic.comm.data_parallel import ENGINE_STATE_KEY, engine_state, restore_engine_state
 from lightning_ciuic.strategies.context import parallel_context
-
-
-ENGINE_STATE_KEY = "data_parallel"
-
-
-def engine_state(engine: Optional[DataParallel]) -> Optional[dict[str, Any]]:
-    """What a snapshot or checkpoint keeps of the engine: its per-rank tensors and its mode, or None if nothing."""
-    if engine is None or not engine.has_rank_state:
-        return None
-    return {"state": engine.state_dict(), "description": engine.describe()}
-
-
-def restore_engine_state(engine: DataParallel, saved: Optional[dict[str, Any]]) -> None:
-    """Load :func:`engine_state` back; ``None`` (another rank's or layout's, or none kept) starts the engine afresh."""
-    engine.load_state_dict(saved["state"] if saved is not None else {})
-    if saved is not None:
-        engine.restore(saved["description"])
 
 
 def capture_training_state(trainer: Trainer, pl_module: LightningModule, skip: Optional[Callback] = None) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lightning_ciuic.comm.codecs import dense_codec
+from lightning_ciuic.wire.codecs import dense_codec
 from lightning_ciuic.comm.compression import GradientCompression
 from lightning_ciuic.validation import check_int
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_ciuic.comm.codecs import Codec, TopK
+from lightning_ciuic.wire.codecs import Codec, TopK
 
 
 def _ring_bytes(nbytes: int, world: int) -> int:

@@ -38,7 +38,7 @@ from typing import Literal, get_args
 import torch
 import torch.distributed as dist
 
-from lightning_ciuic.comm.codecs import ErrorFeedback, FullPrecision, TopK, dense_codec
+from lightning_ciuic.wire.codecs import ErrorFeedback, FullPrecision, TopK, dense_codec
 from lightning_ciuic.comm.collectives import (
     native_allreduce_,
     quantized_allreduce_,

@@ -2,14 +2,14 @@
 
 Contract of a :class:`DataParallel` engine, driven by the strategy at four points:
 
-* ``setup(module, mesh, stages=())``: after the module is on its device, before the optimizer exists; ``mesh`` is
-  the data-parallel part of the device mesh (:meth:`~lightning_ciuic.parallel.dims.ParallelDims.data_parallel_mesh`);
-  ``stages`` are the pipeline stages this rank runs (sub-module groups of ``module`` that torch's pipeline
-  schedule calls directly), empty without pipeline parallelism. The engine makes every replica start from the
-  weights of the first data-parallel rank and installs what it needs (gradient hooks, buckets, reducers; or,
-  sharded, FSDP2's units, with each stage as a root). Under expert parallelism ``experts`` is the
-  :class:`~lightning_ciuic.parallel.experts.ExpertLayout`: the experts' gradients are averaged over its
-  ``data_mesh`` (the ranks holding the same experts), not over ``mesh``.
+* ``setup(module, groups, stages=())``: after the module is on its device, before the optimizer exists; ``groups``
+  are the :class:`~lightning_ciuic.comm.reduction.ReductionGroup` s to average (the model's dense parameters over
+  the data-parallel ranks first, then under expert parallelism the experts' over the ranks holding the same experts:
+  :func:`~lightning_ciuic.comm.engines.reduction_groups`; :func:`~lightning_ciuic.comm.engines.build_engine` picks
+  and sets up the engine); ``stages`` are the pipeline stages this rank runs (sub-module groups of ``module`` that
+  torch's pipeline schedule calls directly), empty without pipeline parallelism. The engine makes every replica
+  start from the weights of the first rank of each group's mesh and installs what it needs (gradient hooks,
+  buckets, reducers; or, sharded, drives the groups' FSDP2 units, with each stage as a root).
 * ``before_step(global_step) -> list[str]``: at the start of every training batch (the engine acts once per
   optimizer step); returns messages worth logging once (a decision of ``"auto"``).
 * ``no_sync()``: backward passes inside it accumulate locally (gradient accumulation, pipeline micro-batches);
@@ -23,11 +23,14 @@ Contract of a :class:`DataParallel` engine, driven by the strategy at four point
   default: DiLoCo synchronises there); ``track_optimizers(optimizers)`` once they exist; ``replicas_differ``: the
   replicas' tensors are not equal (checkpoints then take replicated tensors from the lowest rank).
 * ``stats``: :class:`~lightning_ciuic.comm.grad_sync.SyncStats` counters; ``payload()``: (gradient values
-  averaged per optimizer step, collectives launched for them); ``close()`` detaches everything.
-* :func:`broadcast_from_first`: every data-parallel rank takes the first one's weights (the engines' start).
+  averaged per optimizer step, collectives launched for them): both added up over every group, so an
+  expert-parallel run's expert gradients count in the monitor and the report; ``close()`` detaches everything.
+* :func:`engine_state` / :func:`restore_engine_state`: what checkpoints and snapshots keep of an engine (its
+  per-rank tensors and its mode, under :data:`ENGINE_STATE_KEY`), and loading it back.
 
 :class:`Replicated` is today's engine: every replica holds the whole model; bucketed, overlapped averaging
-(:class:`~lightning_ciuic.comm.grad_sync.GradientSynchronizer`), compressed and error-corrected as a
+(:class:`~lightning_ciuic.comm.grad_sync.GradientSynchronizer`, one per group with more than one rank: a bucket's
+codec state is keyed by its group's name after the first group), compressed and error-corrected as a
 :class:`~lightning_ciuic.comm.compression.CompressionConfig` says, ``"auto"`` deciding the mode from measured
 step times. :class:`~lightning_ciuic.comm.sharded.Sharded` shards the model (FSDP2 over ``dp_shard``, HSDP);
 :class:`~lightning_ciuic.comm.diloco.DiLoCoEngine` synchronises every ``sync_every`` steps (DiLoCo).
@@ -44,15 +47,11 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_ciuic import compat
 from lightning_ciuic.comm.auto import AutoCompression
 from lightning_ciuic.comm.compression import CompressionConfig, GradientCompression
-from lightning_ciuic.comm.grad_sync import GradientSynchronizer, SyncStats, mean_all_reduce
-from lightning_ciuic.tensors import local_tensor
-from lightning_ciuic.parallel.axes import Axis
-from lightning_ciuic.parallel.experts import ExpertLayout
+from lightning_ciuic.comm.grad_sync import BucketReducer, GradientSynchronizer, SyncStats, mean_all_reduce
+from lightning_ciuic.comm.reduction import ReductionGroup
 
 
 class DataParallel(ABC):
@@ -62,10 +61,7 @@ class DataParallel(ABC):
     replicas_differ = False  # True: replicated tensors are not equal across data-parallel ranks (DiLoCo)
 
     @abstractmethod
-    def setup(
-        self, module: torch.nn.Module, mesh: DeviceMesh, stages: Sequence[torch.nn.Module] = (),
-        experts: Optional[ExpertLayout] = None,
-    ) -> None: ...
+    def setup(self, module: torch.nn.Module, groups: Sequence[ReductionGroup], stages: Sequence[torch.nn.Module] = ()) -> None: ...
 
     @abstractmethod
     def before_step(self, global_step: int) -> list[str]: ...
@@ -124,45 +120,54 @@ class DataParallel(ABC):
 
 
 class Replicated(DataParallel):
-    """Whole replicas; gradients averaged in buckets during backward, compressed as ``compression`` says."""
+    """Whole replicas; each group's gradients averaged in buckets over its mesh during backward, compressed as the
+    groups' :class:`~lightning_ciuic.comm.compression.CompressionConfig` says (one reducer for all of them)."""
 
-    def __init__(self, compression: CompressionConfig = CompressionConfig(), bucket_size_mb: float = 25.0, timeout: float = 300.0) -> None:
-        self.config, self.bucket_size_mb, self.timeout = compression, bucket_size_mb, timeout
-        self.synchronizer: Optional[GradientSynchronizer] = None
-        self.expert_synchronizer: Optional[GradientSynchronizer] = None  # experts' gradients, over their data mesh
+    def __init__(self, bucket_size_mb: float = 25.0, timeout: float = 300.0) -> None:
+        self.bucket_size_mb, self.timeout = bucket_size_mb, timeout
+        self.config = CompressionConfig()
+        self.synchronizers: dict[str, GradientSynchronizer] = {}  # by group name, the first group's first
         self.compression: Optional[GradientCompression] = None
         self.auto: Optional[AutoCompression] = None
         self._auto_step = -1
 
-    def setup(
-        self, module: torch.nn.Module, mesh: DeviceMesh, stages: Sequence[torch.nn.Module] = (),
-        experts: Optional[ExpertLayout] = None,
-    ) -> None:
+    def setup(self, module: torch.nn.Module, groups: Sequence[ReductionGroup], stages: Sequence[torch.nn.Module] = ()) -> None:
         self.close()
-        group = self.group = mesh.get_group()
+        if not groups:
+            raise ValueError("Replicated.setup needs at least one ReductionGroup (the model's dense parameters first).")
+        configs = {group.compression for group in groups}
+        if len(configs) > 1:
+            raise ValueError(
+                f"the replicated engine reduces every group through one reducer (one worker thread keeps every rank's"
+                f" collectives in one order); the groups {[g.name for g in groups]} ask for"
+                f" {sorted(c.mode for c in configs)}: give them one CompressionConfig."
+            )
+        self.config = groups[0].compression
+        self.group = groups[0].mesh.get_group()
         self._auto_step = -1
         if not self.config.exact_mean:
             self.compression = GradientCompression.from_config(self.config)
-        expert_ids = experts.parameter_ids() if experts is not None else set()
-        self.synchronizer = GradientSynchronizer(
-            (p for p in module.parameters() if id(p) not in expert_ids), group=group,
-            bucket_size_mb=self.bucket_size_mb, timeout=self.timeout, axis_name=Axis.DP,
-            reducer=self.compression or mean_all_reduce,
-        )
-        if experts is not None and experts.data_mesh.size() > 1:
-            reduce = self.compression or mean_all_reduce
-            self.expert_synchronizer = GradientSynchronizer(
-                experts.parameters(), group=experts.data_mesh.get_group(), bucket_size_mb=self.bucket_size_mb,
-                timeout=self.timeout, axis_name=Axis.EDP,
-                reducer=lambda key, *args: reduce(f"experts.{key}", *args),
+        reduce = self.compression or mean_all_reduce
+        for index, group in enumerate(groups):
+            if index > 0 and group.mesh.size() == 1:
+                continue  # nothing to average (each rank holds its own experts, say)
+            synchronizer = GradientSynchronizer(
+                group.parameters, group=group.mesh.get_group(), bucket_size_mb=self.bucket_size_mb, timeout=self.timeout,
+                axis_name=group.axis, reducer=reduce if index == 0 else _prefixed(reduce, group.name),
             )
-            self.expert_synchronizer.broadcast_parameters(experts.parameters())
+            # Like DDP: every replica starts from the weights of the first rank of its group (the buffers: the first's).
+            synchronizer.broadcast_parameters([*group.parameters, *(module.buffers() if index == 0 else ())])
+            self.synchronizers[group.name] = synchronizer
         if self.config.mode == "auto":
             assert self.compression is not None
             device = self.synchronizer.buckets[0].buffer.device if self.synchronizer.buckets else torch.device("cpu")
             self.auto = AutoCompression(self.compression, self.config.auto_recheck_steps, device=device)
-        # Like DDP: every replica starts from the weights of the first rank of its group.
-        self.synchronizer.broadcast_parameters([*(p for p in module.parameters() if id(p) not in expert_ids), *module.buffers()])
+
+    @property
+    def synchronizer(self) -> GradientSynchronizer:
+        """The first group's (the model's dense parameters over the data-parallel ranks)."""
+        assert self.synchronizers, "the engine is not set up"
+        return next(iter(self.synchronizers.values()))
 
     def before_step(self, global_step: int) -> list[str]:
         """Compression warm-up, and ``"auto"``'s trial and decisions (once per optimizer step)."""
@@ -171,23 +176,18 @@ class Replicated(DataParallel):
         if self.auto is None or global_step == self._auto_step:
             return []
         self._auto_step = global_step
-        assert self.synchronizer is not None
         decision = self.auto.on_step(self.synchronizer.group, global_step, *self.payload())
         return [decision.reason] if decision is not None else []
-
-    def _synchronizers(self) -> list[GradientSynchronizer]:
-        assert self.synchronizer is not None
-        return [s for s in (self.synchronizer, self.expert_synchronizer) if s is not None]
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         with ExitStack() as stack:
-            for synchronizer in self._synchronizers():
+            for synchronizer in self.synchronizers.values():
                 stack.enter_context(synchronizer.no_sync())
             yield
 
     def after_backward(self, accumulated: bool = False) -> None:
-        for synchronizer in self._synchronizers():
+        for synchronizer in self.synchronizers.values():
             if accumulated:
                 synchronizer.sync_accumulated()
             else:
@@ -195,16 +195,15 @@ class Replicated(DataParallel):
 
     @property
     def stats(self) -> SyncStats:
-        assert self.synchronizer is not None
-        return self.synchronizer.stats
+        """Every group's counters added up (the experts' bytes with the dense ones)."""
+        return sum((s.stats for s in self.synchronizers.values()), SyncStats())
 
     def payload(self) -> tuple[int, int]:
-        assert self.synchronizer is not None
-        buckets = self.synchronizer.buckets
+        buckets = [bucket for s in self.synchronizers.values() for bucket in s.buckets]
         return sum(bucket.buffer.numel() for bucket in buckets), len(buckets)
 
     def buffer_bytes(self) -> int:
-        return sum(b.buffer.numel() * b.buffer.element_size() for s in self._synchronizers() for b in s.buckets)
+        return sum(b.buffer.numel() * b.buffer.element_size() for s in self.synchronizers.values() for b in s.buckets)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.compression.state_dict() if self.compression is not None else {}
@@ -231,21 +230,30 @@ class Replicated(DataParallel):
             self.compression.set_mode(**description)
 
     def close(self) -> None:
-        for synchronizer in (self.synchronizer, self.expert_synchronizer):
-            if synchronizer is not None:
-                synchronizer.remove()
+        for synchronizer in self.synchronizers.values():
+            synchronizer.remove()
         if self.compression is not None:
             self.compression.close()
-        self.synchronizer = self.expert_synchronizer = self.compression = self.auto = None
+        self.synchronizers, self.compression, self.auto = {}, None, None
 
 
-@torch.no_grad()
-def broadcast_from_first(module: torch.nn.Module, mesh: DeviceMesh) -> None:
-    """Every rank of the data-parallel mesh takes the first rank's parameters and buffers (not meta ones)."""
-    group = compat.flatten_mesh(mesh, mesh.mesh_dim_names, Axis.DP).get_group() if mesh.ndim > 1 else mesh.get_group()
-    if dist.get_world_size(group) == 1:
-        return
-    src = dist.get_global_rank(group, 0)
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if tensor.device.type != "meta":
-            dist.broadcast(local_tensor(tensor).data, src=src, group=group)
+def _prefixed(reduce: BucketReducer, name: str) -> BucketReducer:
+    """``reduce`` with the group's name before each bucket's key (codecs keep per-bucket state by key)."""
+    return lambda key, *args: reduce(f"{name}.{key}", *args)
+
+
+ENGINE_STATE_KEY = "data_parallel"
+
+
+def engine_state(engine: Optional[DataParallel]) -> Optional[dict[str, Any]]:
+    """What a snapshot or checkpoint keeps of the engine: its per-rank tensors and its mode, or None if nothing."""
+    if engine is None or not engine.has_rank_state:
+        return None
+    return {"state": engine.state_dict(), "description": engine.describe()}
+
+
+def restore_engine_state(engine: DataParallel, saved: Optional[dict[str, Any]]) -> None:
+    """Load :func:`engine_state` back; ``None`` (another rank's or layout's, or none kept) starts the engine afresh."""
+    engine.load_state_dict(saved["state"] if saved is not None else {})
+    if saved is not None:
+        engine.restore(saved["description"])

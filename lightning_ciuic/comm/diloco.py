@@ -22,6 +22,9 @@ Contract (:class:`DiLoCo` is the configuration users pass; :class:`DiLoCoEngine`
   device), with error feedback (``error_feedback``).
 * At the end of ``fit`` (``finish()``) every fragment with steps since its last sync is synchronised once more, so
   every replica ends with the same model.
+* ``setup(module, groups, stages)``: every :class:`~lightning_ciuic.comm.reduction.ReductionGroup` must span the
+  same data-parallel ranks (a replica holds all its experts); the trainable parameters of all groups, in the
+  module's registration order, are the ones synchronised.
 * Parameters are this rank's local shards (tensor and pipeline parallelism): the outer step is per shard, the
   data-parallel replicas are the workers.
 * ``state_dict()``: per rank, the start-of-round parameters, the outer momentum, the compression residuals, and
@@ -54,13 +57,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ciuic.comm.compression import GradientCompression
-from lightning_ciuic.comm.data_parallel import DataParallel, broadcast_from_first
+from lightning_ciuic.comm.data_parallel import DataParallel
 from lightning_ciuic.comm.groups import close_group, side_copy
 from lightning_ciuic.comm.grad_sync import SyncStats
+from lightning_ciuic.comm.reduction import ReductionGroup
 from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.timeline import timeline
 from lightning_ciuic.validation import check_choice, check_int
 from lightning_ciuic.parallel.axes import Axis
+from lightning_ciuic.wire.replicas import broadcast_from_first
 
 OUTER_COMPRESSION = ("none", "fp16", "bf16", "int8", "nf4")
 
@@ -99,6 +104,23 @@ class DiLoCo:
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}.")
         check_choice("compression", self.compression, OUTER_COMPRESSION)
+
+
+def _one_mesh(groups: Sequence[ReductionGroup]) -> DeviceMesh:
+    """The data-parallel mesh every group averages over: DiLoCo's workers are whole replicas, each holding all of its
+    parameters (experts too: ``expert_parallel_size == tensor_parallel_size``), so every group spans the same ranks."""
+    if not groups:
+        raise ValueError("DiLoCoEngine.setup needs at least one ReductionGroup (the model's dense parameters first).")
+    ranks = {group.name: dist.get_process_group_ranks(group.mesh.get_group()) for group in groups}
+    first = groups[0]
+    apart = {name: r for name, r in ranks.items() if r != ranks[first.name]}
+    if apart:
+        raise ValueError(
+            f"DiLoCo averages whole replicas over one data-parallel group, ranks {ranks[first.name]} ({first.name!r});"
+            f" the groups {apart} reduce over other ranks. Keep each replica's experts inside it"
+            " (expert_parallel_size == tensor_parallel_size), or drop diloco."
+        )
+    return first.mesh
 
 
 @dataclass(frozen=True)
@@ -153,11 +175,13 @@ class DiLoCoEngine(DataParallel):
         self._sync_group: Optional[dist.ProcessGroup] = None
         self._fresh = True  # start-of-round values still to take from the model (after set-up or a plain load)
 
-    def setup(self, module: nn.Module, mesh: DeviceMesh, stages: Sequence[nn.Module] = ()) -> None:
+    def setup(self, module: nn.Module, groups: Sequence[ReductionGroup], stages: Sequence[nn.Module] = ()) -> None:
         self.close()
+        mesh = _one_mesh(groups)
         self.group = mesh.get_group()
         broadcast_from_first(module, mesh)
-        trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        grouped = {id(p) for group in groups for p in group.parameters}
+        trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad and id(p) in grouped]
         for name, p in trainable:
             if not local_tensor(p).is_contiguous():
                 raise ValueError(f"DiLoCo reads and writes parameters as flat views; {name} is not contiguous.")

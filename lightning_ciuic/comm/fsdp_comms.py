@@ -3,7 +3,7 @@ int8.
 
 Contract: :class:`ReduceScatterComm` and :class:`AllGatherComm` are FSDP2 ``ReduceScatter`` / ``AllGather`` objects
 (installed per unit with ``FSDPModule.set_custom_reduce_scatter`` / ``set_custom_all_gather``) that run the
-collective synchronously, add its time (a :class:`~lightning_ciuic.comm.timing.DeviceClock`: on a GPU, events on
+collective synchronously, add its time (a :class:`~lightning_ciuic.wire.timing.DeviceClock`: on a GPU, events on
 the stream FSDP2 runs it on) to the engine's :class:`~lightning_ciuic.comm.grad_sync.SyncStats` as scatter or
 gather seconds, and count the bytes this rank sent (ring: (w-1)/w of the gathered or scattered tensor).
 
@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_ciuic import compat
-from lightning_ciuic.comm.codecs import Codec
+from lightning_ciuic.wire.codecs import Codec
 from lightning_ciuic.comm.collectives import quantized_reduce_scatter
 from lightning_ciuic.comm.grad_sync import SyncStats
-from lightning_ciuic.comm.timing import DeviceClock
+from lightning_ciuic.wire.timing import DeviceClock
 
 
 def _allocate(size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

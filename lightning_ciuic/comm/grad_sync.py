@@ -20,7 +20,7 @@ Contract of ``GradientSynchronizer(parameters, group, ...)``:
   mean (the backend's ``all_reduce`` SUM of the pre-divided buffer), the strategy passes
   :class:`~lightning_ciuic.comm.compression.GradientCompression` for the compressed modes.
 * :attr:`stats` counts collectives, bytes and seconds; on a GPU the seconds come from CUDA events and may lag
-  by a step (:class:`~lightning_ciuic.comm.timing.DeviceClock`).
+  by a step (:class:`~lightning_ciuic.wire.timing.DeviceClock`).
 
 No Lightning imports.
 """
@@ -29,14 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from lightning_ciuic.comm.timing import DeviceClock
+from lightning_ciuic.wire.timing import DeviceClock
 from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.tensor import gradient_to_parameter_placements
@@ -101,6 +101,10 @@ class SyncStats:
     comm_seconds: float = 0.0
     gather_seconds: float = 0.0  # sharded: parameter all-gathers (also in comm_seconds)
     scatter_seconds: float = 0.0  # sharded: gradient reduce-scatters (also in comm_seconds)
+
+    def __add__(self, other: "SyncStats") -> "SyncStats":
+        """Both counters added field by field (an engine's groups together)."""
+        return SyncStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
     def add_wait(self, seconds: float) -> None:
         self.wait_seconds += seconds

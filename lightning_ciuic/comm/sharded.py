@@ -3,10 +3,12 @@ replicas of the shards over ``dp_replicate`` (HSDP).
 
 Contract (a :class:`~lightning_ciuic.comm.data_parallel.DataParallel` engine):
 
-* ``setup(module, mesh, stages=(), layout=None)``: the module is already sharded
+* ``setup(module, groups, stages=())``: the module is already sharded
   (:func:`~lightning_ciuic.parallel.fsdp.shard`, called by :func:`~lightning_ciuic.parallel.parallelize.parallelize`,
-  or the user's own ``fully_shard`` calls); ``layout`` is its :class:`~lightning_ciuic.parallel.fsdp.FSDPLayout`
-  (default: found in the module, or under pipeline parallelism in this rank's ``stages``). A unit's parameters are
+  or the user's own ``fully_shard`` calls); each :class:`~lightning_ciuic.comm.reduction.ReductionGroup` names the
+  FSDP2 units that reduce its parameters over its mesh (``"dense"``: the model's units and its roots, one per pipeline
+  stage of this rank; ``"experts"``: each packed-experts module, over the ranks holding the same experts), from which
+  :func:`sharding_of` makes the :class:`~lightning_ciuic.parallel.fsdp.FSDPLayout` the engine drives. A unit's parameters are
   all-gathered before its forward and, with ``reshard_after_forward=True`` (ZeRO-3), freed after it and gathered
   again for its backward. Its gradients are reduce-scattered, averaged, during backward (and all-reduced over
   ``dp_replicate``). Build the optimizer after set-up: it holds state for the shards only.
@@ -48,12 +50,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_ciuic import compat
-from lightning_ciuic.comm.codecs import dense_codec
+from lightning_ciuic.wire.codecs import dense_codec
 from lightning_ciuic.comm.data_parallel import DataParallel
 from lightning_ciuic.comm.fsdp_comms import AllGatherComm, ReduceScatterComm
 from lightning_ciuic.comm.grad_sync import SyncStats
-from lightning_ciuic.comm.timing import DeviceClock
-from lightning_ciuic.parallel.fsdp import FSDPLayout, ShardingConfig, check_offload, found_sharding
+from lightning_ciuic.comm.reduction import ReductionGroup
+from lightning_ciuic.wire.timing import DeviceClock
+from lightning_ciuic.parallel.fsdp import FSDPLayout, ShardingConfig, check_offload
 from lightning_ciuic.tensors import device_of
 
 
@@ -72,13 +75,9 @@ class Sharded(DataParallel):
         self._replica_bytes = 0
         self.gradient_comms: list[ReduceScatterComm] = []  # one per unit, the roots' last
 
-    def setup(
-        self, module: nn.Module, mesh: DeviceMesh, stages: Sequence[nn.Module] = (), layout: Optional[FSDPLayout] = None
-    ) -> None:
+    def setup(self, module: nn.Module, groups: Sequence[ReductionGroup], stages: Sequence[nn.Module] = ()) -> None:
         self.close()
-        layout = layout or found_sharding(module)
-        if layout is None:
-            raise ValueError(f"{type(module).__name__} is not sharded: shard it first (parallelize(), or fully_shard).")
+        layout = sharding_of(module, groups)
         check_offload(self.config.cpu_offload, layout.mesh.device_type)
         self.mesh, self.group = layout.mesh, layout.mesh.get_group(layout.mesh.ndim - 1)
         self.module, self.roots, self.units = module, layout.roots, layout.units  # type: ignore[assignment]
@@ -152,6 +151,21 @@ class Sharded(DataParallel):
 
     def close(self) -> None:
         self.module, self.roots, self.units, self.mesh, self.gradient_comms = None, [], [], None, []
+
+
+def sharding_of(module: nn.Module, groups: Sequence[ReductionGroup]) -> FSDPLayout:
+    """The FSDP2 units of ``groups`` as one layout over the first group's mesh: the other groups' units first (nested
+    in the first group's roots), then the first group's; the roots are the units no other unit holds."""
+    ordered = [unit for group in (*groups[1:], *groups[:1]) for unit in group.units]
+    if not ordered:
+        raise ValueError(
+            f"{type(module).__name__} is not sharded: the sharded engine's groups name no FSDP2 units. Shard it first"
+            " (parallelize() with data_parallel_shard_size > 1, or fully_shard) and set the engine up with"
+            " reduction_groups(...) of the result, or use the replicated engine."
+        )
+    inner = {id(sub) for unit in ordered for sub in unit.modules() if sub is not unit}
+    roots = [unit for unit in ordered if id(unit) not in inner]
+    return FSDPLayout(groups[0].mesh, roots, [unit for unit in ordered if id(unit) in inner])  # type: ignore[arg-type]
 
 
 def owned_numel(layout: FSDPLayout) -> list[int]:

@@ -62,8 +62,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_ciuic import compat
-from lightning_ciuic.comm.codecs import BlockFP8, BlockInt8, Codec, HalfPrecision
-from lightning_ciuic.comm.timing import DeviceClock
+from lightning_ciuic.wire.codecs import BlockFP8, BlockInt8, Codec, HalfPrecision
+from lightning_ciuic.wire.timing import DeviceClock
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.expert_forward import FORM, check_takeover, run_local_experts

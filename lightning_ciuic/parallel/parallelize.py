@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 from torch import nn
@@ -48,8 +48,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_ciuic.comm.data_parallel import broadcast_from_first
-from lightning_ciuic.config import ParallelismConfig
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.experts import ExpertLayout, shard_experts
@@ -59,6 +57,10 @@ from lightning_ciuic.parallel.pipeline import PipelineRunner, block_modules, che
 from lightning_ciuic.parallel.pipeline_module import PipelineModule, build_pipeline
 from lightning_ciuic.parallel.tensor import apply_tensor_parallel, gradients_in_parameter_placements, hugging_face_plan
 from lightning_ciuic.tensors import device_of
+from lightning_ciuic.wire.replicas import broadcast_from_first
+
+if TYPE_CHECKING:  # the config packs comm/'s settings too; parallel/ reads it and imports nothing of comm/
+    from lightning_ciuic.config import ParallelismConfig
 
 
 @dataclass

@@ -9,7 +9,7 @@ not fit the world fails with the very error ``fit`` raises. From each parameter'
 
 :class:`RankBytes` holds one rank's figures: parameters (elements and bytes), gradients (trainable parameters'
 local shards), optimizer state (measured per value on the optimizer's own class: :class:`OptimizerStateSize`), the
-data-parallel engine's buffers (the engine the strategy runs, set up on the meta device:
+data-parallel engine's buffers (the engine the strategy runs, :func:`~lightning_ciuic.comm.engines.build_engine`, set up on the meta device:
 :meth:`~lightning_ciuic.comm.data_parallel.DataParallel.buffer_bytes`), and the largest FSDP2 unit the rank gathers. :func:`imbalance` names the parameters that leave some ranks
 much fuller than others.
 
@@ -34,11 +34,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_ciuic import compat
 from lightning_ciuic.config import ParallelismConfig
-from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.dims import ParallelDims
-from lightning_ciuic.comm.data_parallel import DataParallel, Replicated
-from lightning_ciuic.comm.diloco import DiLoCoEngine
-from lightning_ciuic.comm.sharded import Sharded
+from lightning_ciuic.comm.engines import build_engine
 from lightning_ciuic.parallel.parallelize import Parallelized, parallelize
 
 ModuleFactory = Callable[[Any], nn.Module]  # (the mesh) -> the module, built on the meta device
@@ -176,24 +173,6 @@ class StageLayout:
         return out
 
 
-def data_parallel_engine(parallelized: Parallelized, config: ParallelismConfig) -> Optional[DataParallel]:
-    """The engine the strategy sets up for this layout (none without data parallelism)."""
-    dims, layout = parallelized.dims, parallelized.fsdp
-    if layout is not None:
-        engine: DataParallel = Sharded(config.sharding)
-        engine.setup(parallelized.module, layout.mesh, parallelized.stages, layout)
-        return engine
-    if not dims.dp_enabled:
-        return None
-    if config.diloco is not None:
-        engine = DiLoCoEngine(config.diloco)
-        engine.setup(parallelized.module, dims.data_parallel_mesh(parallelized.mesh), parallelized.stages)
-        return engine
-    engine = Replicated(config.compression)
-    engine.setup(parallelized.module, dims.data_parallel_mesh(parallelized.mesh), parallelized.stages, experts=parallelized.experts)
-    return engine
-
-
 def stage_representatives(dims: ParallelDims) -> list[int]:
     """The lowest global rank of each pipeline stage (``pp`` is the mesh's outermost axis)."""
     per_stage = dims.world_size // dims.pp
@@ -229,7 +208,7 @@ def build_stage(
                     measured[key] = OptimizerStateSize.measure(optimizer, group, param.dtype)
                 if id(param) in names:
                     sizes[names[id(param)]] = measured[key]
-    engine = data_parallel_engine(parallelized, config)  # on the meta device: its buffers' sizes, no memory
+    engine = build_engine(parallelized, config)  # on the meta device: its buffers' sizes, no memory
     layout = StageLayout(stage, stage_ranks, tensors, sizes, engine_bytes=engine.buffer_bytes() if engine is not None else 0)
     if engine is not None:
         engine.close()

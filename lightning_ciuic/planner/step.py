@@ -71,6 +71,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_ciuic import compat
 from lightning_ciuic.comm.data_parallel import DataParallel
+from lightning_ciuic.comm.engines import build_engine
 from lightning_ciuic.config import ParallelismConfig
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.experts import packed_experts
@@ -79,7 +80,7 @@ from lightning_ciuic.parallel.parallelize import parallelize
 from lightning_ciuic.parallel.pipeline import PipelineRunner, forwards_in_flight, stage_ids_of_rank
 from lightning_ciuic.parallel.pipeline_module import PipelineModule, stage_starts
 from lightning_ciuic.planner.flops import LocalFlops
-from lightning_ciuic.planner.layout import ModuleFactory, OptimizerFactory, data_parallel_engine, fake_world, stage_representatives
+from lightning_ciuic.planner.layout import ModuleFactory, OptimizerFactory, fake_world, stage_representatives
 from lightning_ciuic.planner.traffic import CollectiveTraffic
 from lightning_ciuic.strategies.redirection import through_root
 from lightning_ciuic.tensors import local_tensor
@@ -337,7 +338,7 @@ def _measure(
         if pipeline is not None:
             pipeline.stage_metadata = {stage: boundaries[stage] for stage in pipeline.stage_ids}
             spec = StepSpec(spec.micro_batch_size * pipeline.num_microbatches, spec.sequence_length)
-        engine = data_parallel_engine(parallelized, config)
+        engine = build_engine(parallelized, config)
         batch = token_batch(module, spec, torch.device("cpu"))
         with compat.pipeline_sends_held():
             memory = train_steps(

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_ciuic.callbacks.trainer_state import ENGINE_STATE_KEY, engine_state, restore_engine_state
+from lightning_ciuic.comm.data_parallel import ENGINE_STATE_KEY, engine_state, restore_engine_state
 from lightning_ciuic.checkpoint.sharded import load_sharded, load_whole, optimizer_state_by_name, save_sharded
 from lightning_ciuic.compat import unwrap_optimizer
 from lightning_ciuic.parallel.shutdown import reported_once

@@ -66,9 +66,9 @@ from lightning_ciuic import compat
 from lightning_ciuic.checkpoint.sharded import optimizer_state
 from lightning_ciuic.comm.auto import AutoCompression
 from lightning_ciuic.comm.compression import AllReduceAlgorithm, CompressionConfig, CompressionMode, GradientCompression
-from lightning_ciuic.comm.data_parallel import DataParallel, Replicated
-from lightning_ciuic.comm.diloco import DiLoCo, DiLoCoEngine
-from lightning_ciuic.comm.sharded import Sharded
+from lightning_ciuic.comm.data_parallel import DataParallel
+from lightning_ciuic.comm.diloco import DiLoCo
+from lightning_ciuic.comm.engines import build_engine
 from lightning_ciuic.comm.grad_sync import GradientSynchronizer, check_bucket_size
 from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.config import ParallelismConfig
@@ -256,6 +256,8 @@ class HybridParallelStrategy(ParallelStrategy):
             ),
             diloco=diloco,
             gradient_checkpointing=bool(gradient_checkpointing),
+            bucket_size_mb=float(bucket_size_mb),
+            sync_timeout=_positive_seconds("sync_timeout", sync_timeout).total_seconds(),
         )
         self.pipeline: Optional[PipelineRunner] = None
         self.parallelized: Optional[Parallelized] = None
@@ -459,22 +461,9 @@ class HybridParallelStrategy(ParallelStrategy):
     def _setup_data_parallel(self) -> None:
         self._close_data_parallel()
         self._logged = (0, 0.0)
-        parallelized = self.parallelized
-        assert parallelized is not None and self.model is not None
-        dims, layout = parallelized.dims, parallelized.fsdp
-        if layout is not None:
-            self.data_parallel = Sharded(self._sharding_dtypes())
-            self.data_parallel.setup(self.model, layout.mesh, parallelized.stages, layout)
-            return
-        if not dims.dp_enabled:
-            return
-        mesh = dims.data_parallel_mesh(self.device_mesh)
-        if self.parallelism.diloco is not None:
-            self.data_parallel = DiLoCoEngine(self.parallelism.diloco)
-            self.data_parallel.setup(self.model, mesh, parallelized.stages)
-        else:
-            self.data_parallel = Replicated(self.compression_config, self.bucket_size_mb, self._sync_timeout.total_seconds())
-            self.data_parallel.setup(self.model, mesh, parallelized.stages, experts=parallelized.experts)
+        assert self.parallelized is not None
+        precision = getattr(self.precision_plugin, "precision", None)
+        self.data_parallel = build_engine(self.parallelized, self.parallelism.with_precision(precision))
 
     def _sharding_dtypes(self) -> ShardingConfig:
         """The sharding config with FSDP2's dtypes for the precision plugin's precision (ParallelismConfig.with_precision)."""

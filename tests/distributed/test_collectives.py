@@ -7,7 +7,7 @@ import torch.distributed as dist
 from datetime import timedelta
 
 from lightning_ciuic.comm import collectives
-from lightning_ciuic.comm.codecs import TopK, dense_codec
+from lightning_ciuic.wire.codecs import TopK, dense_codec
 from lightning_ciuic.comm.compression import GradientCompression
 from lightning_ciuic.comm.collectives import (
     native_allreduce_,

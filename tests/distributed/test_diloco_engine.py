@@ -8,6 +8,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_ciuic.comm.diloco import DiLoCo, DiLoCoEngine
+from lightning_ciuic.comm.reduction import ReductionGroup
 from tests.helpers import run_workers
 
 SIZES, STEPS, WORLD = (7, 13, 4), 12, 2
@@ -45,7 +46,7 @@ def _reference() -> list[torch.Tensor]:
 def _engine_matches_the_flat_definition(rank, world):
     model = nn.ParameterList([nn.Parameter(torch.zeros(size, dtype=torch.float64)) for size in SIZES])
     engine = DiLoCoEngine(CONFIG)
-    engine.setup(model, init_device_mesh("cpu", (world,)))
+    engine.setup(model, [ReductionGroup("dense", tuple(model.parameters()), init_device_mesh("cpu", (world,)))])
     assert any(len(fragment) > 1 for fragment in engine.fragments)  # a run that crosses tensors
     for step in range(STEPS):
         engine.before_step(step)

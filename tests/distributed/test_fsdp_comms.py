@@ -5,9 +5,9 @@ every rank decodes the same weights, each part within the codec's bound of its s
 import torch
 import torch.distributed as dist
 
-from lightning_ciuic.comm.codecs import BlockInt8
+from lightning_ciuic.wire.codecs import BlockInt8
 from lightning_ciuic.comm.fsdp_comms import AllGatherComm, ReduceScatterComm
-from lightning_ciuic.comm.timing import DeviceClock
+from lightning_ciuic.wire.timing import DeviceClock
 from lightning_ciuic.comm.grad_sync import SyncStats
 from tests.helpers import run_workers
 

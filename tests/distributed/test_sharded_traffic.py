@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from lightning_ciuic.comm.engines import reduction_groups
 from lightning_ciuic.comm.sharded import Sharded
 from lightning_ciuic.config import ParallelismConfig
 from lightning_ciuic.parallel.fsdp import ShardingConfig
@@ -54,7 +55,7 @@ def _step_bytes(rank: int, world: int, layout: dict) -> None:
     module = Net()
     result = parallelize(module, dims, config)
     engine = Sharded(ShardingConfig())
-    engine.setup(module, result.fsdp.mesh, layout=result.fsdp)
+    engine.setup(module, reduction_groups(result, config.compression))
     params = list(module.parameters())
     tp_local = sum(p.numel() // _tp_parts(p) for p in params)
     in_units = sum(p.numel() // _tp_parts(p) for unit in engine.units for p in unit.parameters())

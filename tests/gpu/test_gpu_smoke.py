@@ -17,8 +17,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from examples.deepseek import DeepSeekMini
 from lightning_ciuic import AsyncCheckpointer, HybridParallelStrategy, SnapshotRecovery
-from lightning_ciuic.comm.codecs import ErrorFeedback, TopK, dense_codec
-from lightning_ciuic.comm.timing import DeviceClock
+from lightning_ciuic.wire.codecs import ErrorFeedback, TopK, dense_codec
+from lightning_ciuic.wire.timing import DeviceClock
 from lightning_ciuic.testing import FailAt
 from lightning_ciuic.parallel.grad_norm import total_grad_norm
 from lightning_ciuic.plugins.checkpoint_io import Stager

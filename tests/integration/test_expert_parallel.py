@@ -193,7 +193,7 @@ class _ExpertReplicas(Callback):
             copies = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
             dist.all_gather(copies, flat, group=group)
             result[name] = all(torch.equal(c, flat) for c in copies)
-        result["expert_collectives"] = trainer.strategy.data_parallel.expert_synchronizer.stats.collectives
+        result["expert_collectives"] = trainer.strategy.data_parallel.synchronizers["experts"].stats.collectives
         if trainer.is_global_zero:
             trainer.callback_metrics.update({k: torch.tensor(float(v)) for k, v in result.items()})
 

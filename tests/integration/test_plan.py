@@ -22,7 +22,8 @@ from lightning_ciuic.config import ParallelismConfig
 from lightning_ciuic.parallel.parallelize import parallelize
 from lightning_ciuic.parallel.pipeline_module import PipelineConfig
 from lightning_ciuic.planner.config import optimizers_of
-from lightning_ciuic.planner.step import StepSpec, data_parallel_engine, held_bytes, token_batch, train_steps
+from lightning_ciuic.comm.engines import build_engine
+from lightning_ciuic.planner.step import StepSpec, held_bytes, token_batch, train_steps
 from tests.helpers import TINY_MODEL, loader, run_workers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -205,7 +206,7 @@ def _real_step(rank: int, world: int, layout: dict, out: str, model: str = "llam
     module = MODELS[model]()
     mesh = dims.build_mesh("cpu")
     parallelized = parallelize(module, dims, config, mesh=mesh)
-    engine = data_parallel_engine(parallelized, config)
+    engine = build_engine(parallelized, config)
     pipeline = parallelized.pipeline  # its stages exchange shapes on the first step, as in fit
     step = STEP if pipeline is None else StepSpec(STEP.micro_batch_size * pipeline.num_microbatches, STEP.sequence_length)
     batch = token_batch(module, step, torch.device("cpu"))

@@ -5,7 +5,7 @@ import pytest
 
 from lightning_ciuic.advice import RANK_FIELDS, RunProfile, advise, check, compression_speedups
 from lightning_ciuic.comm.auto import AutoDecision
-from lightning_ciuic.comm.codecs import dense_codec
+from lightning_ciuic.wire.codecs import dense_codec
 
 CODEC = {"none": 0.0, "fp16": 2e-9, "int8": 8e-9, "nf4": 3e-8}
 

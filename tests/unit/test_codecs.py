@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from lightning_ciuic.comm.codecs import NF4, NF4_LEVELS, BlockFP8, BlockInt8, ErrorFeedback, HalfPrecision, TopK, dense_codec
+from lightning_ciuic.wire.codecs import NF4, NF4_LEVELS, BlockFP8, BlockInt8, ErrorFeedback, HalfPrecision, TopK, dense_codec
 from lightning_ciuic.comm.powersgd import PowerSGD
 
 

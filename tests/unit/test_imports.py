@@ -1,6 +1,8 @@
-"""The framework-free floors (parallel/, comm/, checkpoint/, data/ and the advisor) import with Lightning blocked, and the
-package root loads its public names lazily while registering the strategy names where Lightning is installed."""
+"""The framework-free floors (wire/, parallel/, comm/, checkpoint/, data/ and the advisor) import with Lightning blocked,
+the floors stack one way (wire/ below parallel/ below comm/; callbacks/ above strategies/), and the package root loads
+its public names lazily while registering the strategy names where Lightning is installed."""
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +11,7 @@ import pytest
 
 import lightning_ciuic
 
-FLOORS = ("parallel", "comm", "checkpoint", "data", "advice")
+FLOORS = ("wire", "parallel", "comm", "checkpoint", "data", "advice")
 SHARED = ("lightning_ciuic.validation", "lightning_ciuic.tensors")
 PACKAGE = Path(lightning_ciuic.__file__).parent
 
@@ -34,6 +36,45 @@ def test_every_floor_module_imports_with_lightning_blocked():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_parallel_loads_nothing_of_comm_and_wire_nothing_above_it():
+    """parallel/ is below comm/ (comm/ reduces a parallelized model's gradients): importing every module of parallel/
+    and wire/ loads no comm/ module (nor wire/ any parallel/ one), type-only imports aside."""
+    parallel = [name for name in floor_modules() if name.startswith("lightning_ciuic.parallel")]
+    wire = [name for name in floor_modules() if name.startswith("lightning_ciuic.wire")]
+    code = (
+        "import sys\n"
+        "sys.modules['lightning'] = sys.modules['pytorch_lightning'] = None\n"
+        f"for name in {wire!r}:\n"
+        "    __import__(name)\n"
+        "assert not [m for m in sys.modules if m.startswith(('lightning_ciuic.parallel', 'lightning_ciuic.comm'))], sorted(sys.modules)\n"
+        f"for name in {parallel!r}:\n"
+        "    __import__(name)\n"
+        "assert not [m for m in sys.modules if m.startswith('lightning_ciuic.comm')], sorted(m for m in sys.modules if 'ciuic' in m)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def imported_packages(package: str) -> dict[str, set[str]]:
+    """For each module of ``lightning_ciuic.<package>``, the lightning_ciuic modules it imports anywhere in its text."""
+    found = {}
+    for path in sorted((PACKAGE / package).rglob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+        found[path.name] = {name for name in names if name.startswith("lightning_ciuic.")}
+    return found
+
+
+@pytest.mark.parametrize("below, above", [("parallel", "comm"), ("wire", "parallel"), ("wire", "comm"), ("strategies", "callbacks")])
+def test_a_lower_package_never_imports_a_higher_one(below, above):
+    wrong = {module: sorted(n for n in names if n.startswith(f"lightning_ciuic.{above}")) for module, names in imported_packages(below).items()}
+    assert not {module: names for module, names in wrong.items() if names}
 
 
 def test_the_package_root_is_lazy_and_registers_the_strategy_names():

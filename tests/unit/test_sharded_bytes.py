@@ -13,6 +13,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from lightning_ciuic.comm.engines import reduction_groups
 from lightning_ciuic.comm.sharded import Sharded, owned_numel
 from lightning_ciuic.config import ParallelismConfig
 from lightning_ciuic.parallel.fsdp import ShardingConfig, found_sharding
@@ -73,7 +74,7 @@ def test_each_parameter_counts_once_in_its_unit_at_its_tensor_parallel_size(fake
     result = parallelize(module, dims, config)
     block = _block_numel(dims.tp)
     engine = Sharded(ShardingConfig())
-    engine.setup(module, result.fsdp.mesh, layout=result.fsdp)
+    engine.setup(module, reduction_groups(result, config.compression))
     assert engine.payload() == (2 * block + ROOT_NUMEL, 3)
     assert owned_numel(result.fsdp) == [block, block, ROOT_NUMEL]
     assert owned_numel(found_sharding(module)) == [block, block, ROOT_NUMEL]  # read back from the units alone

@@ -41,9 +41,9 @@ def test_unknown_units_name_what_exists():
 def test_the_sharded_engine_state_is_its_reduce_scatter_residuals():
     import torch
 
-    from lightning_ciuic.comm.codecs import BlockInt8
+    from lightning_ciuic.wire.codecs import BlockInt8
     from lightning_ciuic.comm.fsdp_comms import ReduceScatterComm
-    from lightning_ciuic.comm.timing import DeviceClock
+    from lightning_ciuic.wire.timing import DeviceClock
     from lightning_ciuic.comm.sharded import Sharded
     from lightning_ciuic.parallel.fsdp import ShardingConfig
 
