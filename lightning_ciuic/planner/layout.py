@@ -187,10 +187,10 @@ def data_parallel_engine(parallelized: Parallelized, config: ParallelismConfig) 
         return None
     if config.diloco is not None:
         engine = DiLoCoEngine(config.diloco)
-        engine.setup(parallelized.module, dims.data_parallel_mesh(parallelized.mesh), parallelized.stages)
+        engine.setup(parallelized.module, parallelized.meshes.data_parallel_mesh, parallelized.stages)
         return engine
     engine = Replicated(config.compression)
-    engine.setup(parallelized.module, dims.data_parallel_mesh(parallelized.mesh), parallelized.stages, experts=parallelized.experts)
+    engine.setup(parallelized.module, parallelized.meshes.data_parallel_mesh, parallelized.stages, experts=parallelized.experts)
     return engine
 
 
@@ -204,9 +204,10 @@ def build_stage(
     rank: int, dims: ParallelDims, config: ParallelismConfig, build: ModuleFactory, optimizers: OptimizerFactory,
 ) -> StageLayout:
     """Parallelize the module for ``rank`` (inside :func:`fake_world`) and keep what every rank of its stage needs."""
-    mesh = dims.build_mesh("cpu")
+    meshes = dims.build("cpu")
+    mesh = meshes.world
     module = build(mesh)
-    parallelized = parallelize(module, dims, config, mesh=mesh, materialize=False)
+    parallelized = parallelize(module, meshes, config, materialize=False)
     stage = compat.mesh_coordinates(mesh)[rank][0]
     stage_ranks = sorted(r for r, c in compat.mesh_coordinates(mesh).items() if c[0] == stage)
     cache: dict[int, dict[int, tuple[int, ...]]] = {}
