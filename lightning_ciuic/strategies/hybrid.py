@@ -2,8 +2,14 @@
 
 Contract:
 
+* Arguments: flat keywords (the YAML schema), packed by name into one
+  :class:`~lightning_ciuic.config.ParallelismConfig` (``self.parallelism``), where every rule between them lives.
+  The parts of the glue live in their own modules: :mod:`~lightning_ciuic.strategies.processes` (launcher, process
+  group, meshes), :mod:`~lightning_ciuic.strategies.steps` (step routing), :mod:`~lightning_ciuic.strategies.loaders`,
+  :mod:`~lightning_ciuic.strategies.collectives`, :mod:`~lightning_ciuic.strategies.checkpointing`.
 * Processes and the mesh: the strategy starts the process group (gloo on CPU, NCCL on CUDA unless
-  ``process_group_backend`` says otherwise), builds the mesh from :class:`ParallelDims` and hands it to
+  ``process_group_backend`` says otherwise), builds the layout's meshes once (``ParallelDims.build``:
+  ``self.meshes``, every view) and hands their ``world`` to
   the LightningModule as ``self.device_mesh`` before ``configure_model()`` runs (axes ``pp``, ``dp``, ``tp``, and
   ``ModelParallelStrategy``'s names ``data_parallel`` / ``tensor_parallel``). After it, set-up parallelizes the model
   with :func:`~lightning_ciuic.parallel.parallelize.parallelize` and nothing else: the module's
@@ -78,16 +84,9 @@ from lightning_ciuic.parallel.fsdp import has_meta_tensors
 from lightning_ciuic.parallel.parallelize import Parallelized, parallelize
 from lightning_ciuic.parallel.pipeline import PipelineRunner, PipelineScheduleName
 from lightning_ciuic.parallel.shutdown import agree_on_setup, setup_vote_group
-from lightning_ciuic.strategies import checkpointing, loaders, processes, restore_point, steps
+from lightning_ciuic.strategies import checkpointing, collectives, loaders, processes, restore_point, steps
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-_REDUCE_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "mean": dist.ReduceOp.SUM,
-    "avg": dist.ReduceOp.SUM,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-}
 
 
 def _positive_seconds(name: str, value: Union[float, timedelta]) -> timedelta:
@@ -502,11 +501,7 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not dist.is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
+        return collectives.broadcast(obj, src)
 
     @override
     def reduce(
@@ -514,18 +509,7 @@ class HybridParallelStrategy(ParallelStrategy):
     ) -> Union[torch.Tensor, Any]:
         """Reduce over ``group`` (default: all ranks). Values are equal across ``tp`` ranks, so the mean
         over all ranks equals the mean over data-parallel replicas."""
-        if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
-            return tensor
-        op_name = "mean" if reduce_op is None else getattr(reduce_op, "name", str(reduce_op)).split(".")[-1].lower()
-        if op_name not in _REDUCE_OPS:
-            raise ValueError(f"reduce_op={reduce_op!r} is not supported; use one of {sorted(_REDUCE_OPS)}.")
-        result = tensor.detach().clone()
-        if op_name in ("mean", "avg") and not result.is_floating_point():
-            result = result.float()
-        dist.all_reduce(result, op=_REDUCE_OPS[op_name], group=group)
-        if op_name in ("mean", "avg"):
-            result = result / dist.get_world_size(group)
-        return result
+        return collectives.reduce(tensor, group, reduce_op)
 
     # -- checkpoints -------------------------------------------------------------------------------
     @override

@@ -1,4 +1,5 @@
-"""The framework-free floors (parallel/, comm/, checkpoint/, data/ and the advisor) import with Lightning blocked, and the
+"""The framework-free floors (parallel/, comm/, checkpoint/, data/ and the advisor) import with Lightning blocked and
+without lightning_ciuic.config (which imports them: one direction), and the
 package root loads its public names lazily while registering the strategy names where Lightning is installed."""
 
 import subprocess
@@ -29,6 +30,7 @@ def test_every_floor_module_imports_with_lightning_blocked():
         f"for name in {modules!r}:\n"
         "    __import__(name)\n"
         "assert not [m for m in sys.modules if m.startswith('lightning.')], 'Lightning got imported'\n"
+        "assert 'lightning_ciuic.config' not in sys.modules, 'a floor imports the config: the arrow runs from it down'\n"
         "import lightning_ciuic\n"
         "assert lightning_ciuic.ParallelDims.__name__ == 'ParallelDims'  # public names of the floors load lazily\n"
     )
