@@ -221,14 +221,16 @@ class ParallelDims:
         ranks are its expert peers: ``ep`` over the innermost data-parallel axis, ``x tp`` when it takes the tp peers
         too), and nothing else: not the data-parallel replica, so every rank that holds equal state has the same key,
         and an elastic change of ``dp_replicate`` (or of ``dp``, replicated) keeps it. Checkpoints key per-rank state
-        with it, snapshots record it, and a restore takes a rank's state only from a holding of its key."""
+        with it, snapshots record it, and a restore takes a rank's state only from a holding of its key. Written
+        ``pp0of2.tp1of2.dp_shard3of4.ep1of2-dp_shard2`` (``-dp2xtp2`` where ep takes the tp peers): no path separator,
+        as it names checkpoint entries."""
         coords = self.coordinates(global_rank)
-        parts = [f"{Axis.PP}{coords[Axis.PP]}/{self.pp}", f"{Axis.TP}{coords[Axis.TP]}/{self.tp}"]
+        parts = [f"{Axis.PP}{coords[Axis.PP]}of{self.pp}", f"{Axis.TP}{coords[Axis.TP]}of{self.tp}"]
         if self.sharded:
-            parts.append(f"{Axis.DP_SHARD}{coords[Axis.DP_SHARD]}/{self.dp_shard}")
+            parts.append(f"{Axis.DP_SHARD}{coords[Axis.DP_SHARD]}of{self.dp_shard}")
         if self.ep_enabled:
             peers = f"{self.inner_dp[0]}{self.ep_data_ranks}" + (f"x{Axis.TP}{self.tp}" if self.ep_over_tp else "")
-            parts.append(f"{Axis.EP}{coords[Axis.EP]}/{self.ep}({peers})")
+            parts.append(f"{Axis.EP}{coords[Axis.EP]}of{self.ep}-{peers}")
         return ".".join(parts)
 
     def build(self, device_type: str) -> "Meshes":

@@ -106,8 +106,8 @@ def parallelize(
 ) -> Parallelized:
     """This rank's part of ``module`` in ``layout`` (see the module docstring)."""
     meshes = layout if isinstance(layout, Meshes) else layout.build("cuda" if torch.cuda.is_available() else "cpu")
-    dims, mesh = meshes.dims, meshes.world
-    device = device_of(mesh)
+    dims = meshes.dims
+    device = device_of(meshes.world)
     user_fsdp = found_sharding(module)
     if dims.tp_enabled:
         tensor_parallel(module, meshes.mesh(Axis.TP))
@@ -133,7 +133,7 @@ def parallelize(
                 " stages afterwards, which FSDP2 units do not survive: leave sharding to the strategy"
                 " (data_parallel_shard_size > 1) or use pipeline_parallel_size=1."
             )
-        result.pipeline = build_pipeline(module, mesh, options.pipeline, device)
+        result.pipeline = build_pipeline(module, meshes.mesh(Axis.PP), options.pipeline, device)
         if result.experts is not None:
             result.experts.keep_within(result.stages)
     if user_fsdp is not None:

@@ -92,13 +92,14 @@ def test_expert_parallel_over_the_tp_peers_and_over_the_dp_ranks_of_equal_degree
     assert [plain.coordinates(r)[Axis.EP] for r in range(4)] == [0, 0, 1, 1]  # ranks 0, 2 exchange tokens
     assert [diloco.coordinates(r)[Axis.EP] for r in range(4)] == [0, 1, 0, 1]  # ranks 0, 1 do
     assert all(p != d for p, d in zip(_keys(plain), _keys(diloco)))
+    assert (plain.layout_key(1), diloco.layout_key(1)) == ("pp0of1.tp1of2.ep0of2-dp2", "pp0of1.tp1of2.ep1of2-dp1xtp2")
     assert len(set(_keys(plain))) == 4  # each rank its own experts and tp slice
     assert _keys(diloco)[:2] == _keys(diloco)[2:] != _keys(diloco)[:1] * 2  # each replica the same two shards
 
 
 def test_ranks_that_hold_equal_state_share_a_key_and_no_other_does():
     replicated = ParallelDims.resolve(8, tensor_parallel_size=2)  # dp 4: replicas of each tp slice
-    assert _keys(replicated) == ["pp0/1.tp0/2", "pp0/1.tp1/2"] * 4
+    assert _keys(replicated) == ["pp0of1.tp0of2", "pp0of1.tp1of2"] * 4
     hsdp = ParallelDims.resolve(8, data_parallel_shard_size=2, tensor_parallel_size=2)  # dp_replicate 2 x dp_shard 2
     keys = _keys(hsdp)
     for rank in range(8):
@@ -106,7 +107,7 @@ def test_ranks_that_hold_equal_state_share_a_key_and_no_other_does():
         same = {r for r in range(8) if keys[r] == keys[rank]}
         assert same == {r for r in range(8) if (hsdp.coordinates(r)[Axis.DP_SHARD], hsdp.coordinates(r)[Axis.TP]) == (c[Axis.DP_SHARD], c[Axis.TP])}
     piped = ParallelDims.resolve(4, pipeline_parallel_size=2)
-    assert _keys(piped) == ["pp0/2.tp0/1", "pp0/2.tp0/1", "pp1/2.tp0/1", "pp1/2.tp0/1"]
+    assert _keys(piped) == ["pp0of2.tp0of1", "pp0of2.tp0of1", "pp1of2.tp0of1", "pp1of2.tp0of1"]
     # An elastic change of the replicas keeps every key; of the shards' degree, none.
     assert set(_keys(ParallelDims.resolve(12, data_parallel_shard_size=2, tensor_parallel_size=2))) == set(keys)
     assert not set(_keys(ParallelDims.resolve(8, data_parallel_shard_size=4, tensor_parallel_size=2))) & set(keys)
