@@ -6,12 +6,18 @@ was given and what would work: each degree a positive integer (``data_parallel_s
 parallelism only with the codecs and schedules it supports; DiLoCo only with whole replicas and no per-step
 compression; ``expert_parallel_size`` a positive integer dividing the innermost data-parallel degree (checked
 against the world by ``resolve``), ``expert_dispatch_compression`` one of ``"none"``, ``"bf16"``, ``"fp8"``,
-``"int8"`` and only with expert parallelism. ``resolve(world_size)`` gives the :class:`~lightning_ciuic.parallel.dims.ParallelDims` (degrees against
+``"int8"`` and only with expert parallelism; per-step compression only on a process-group backend that has the
+collectives it needs (``process_group_backend`` ``None``, ``"gloo"`` or ``"nccl"``); ``weight_all_gather_compression``
+``"none"`` or ``"int8"``. ``resolve(world_size)`` gives the :class:`~lightning_ciuic.parallel.dims.ParallelDims` (degrees against
 the world: errors name every factor). The pieces are the configs of the parts that use them:
 :class:`~lightning_ciuic.parallel.pipeline_module.PipelineConfig`, :class:`~lightning_ciuic.parallel.fsdp.ShardingConfig`,
 :class:`~lightning_ciuic.comm.compression.CompressionConfig` and :class:`~lightning_ciuic.comm.diloco.DiLoCo`.
-``HybridParallelStrategy`` keeps flat keyword arguments (its signature is the YAML schema) and packs them here once;
-:func:`~lightning_ciuic.parallel.parallelize.parallelize` and the planner read only this object.
+``HybridParallelStrategy`` keeps flat keyword arguments (its signature is the YAML schema) and packs them here once,
+by name: :meth:`ParallelismConfig.from_strategy_args` (an unknown name is a ``TypeError``). ``check_devices(device_type)``
+holds the rules between the arguments and the devices the run computes on (checked before any process starts), and
+``with_precision(precision)`` is the one place Lightning's precision becomes FSDP2's dtypes.
+:func:`~lightning_ciuic.parallel.parallelize.parallelize` and the planner read only this object; ``parallel/`` never
+imports this module (the arrow runs one way: this module is above ``parallel/`` and ``comm/``).
 
 ``bucket_size_mb`` and ``sync_timeout`` (positive) are the replicated engine's gradient buckets and its collectives'
 time limit, read with the rest by :func:`~lightning_ciuic.comm.engines.build_engine`.
@@ -21,6 +27,7 @@ No Lightning imports.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -29,9 +36,10 @@ from typing import Any, Literal, Optional, Union
 from lightning_ciuic.comm.compression import CompressionConfig
 from lightning_ciuic.comm.diloco import DiLoCo
 from lightning_ciuic.comm.grad_sync import check_bucket_size
+from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.experts import DISPATCH_COMPRESSIONS, DispatchCompression
-from lightning_ciuic.parallel.fsdp import ShardingConfig
+from lightning_ciuic.parallel.fsdp import ShardingConfig, check_offload
 from lightning_ciuic.parallel.pipeline_module import PipelineConfig
 
 Degree = Union[int, Literal["auto"]]
@@ -39,6 +47,34 @@ SHARDED_REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # the r
 MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # Lightning's precision -> compute dtype
 SHARDED_CODECS = ("int8", "nf4")  # the reduce-scatter as a quantized all-to-all
 SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+COMPRESSION_BACKENDS = (None, "gloo", "nccl")  # all_to_all, all_gather_single and point-to-point sends
+WEIGHT_CODECS = ("none", "int8")
+
+# The strategy's flat keyword arguments -> (the piece of the config, its field there); "" is the config itself.
+STRATEGY_ARGS: dict[str, tuple[str, str]] = {
+    **{name: ("", name) for name in (
+        "pipeline_parallel_size", "data_parallel_size", "tensor_parallel_size", "data_parallel_shard_size",
+        "expert_parallel_size", "expert_dispatch_compression", "diloco", "gradient_checkpointing",
+        "process_group_backend", "bucket_size_mb", "sync_timeout",
+    )},
+    "pipeline_schedule": ("pipeline", "schedule"),
+    "num_microbatches": ("pipeline", "num_microbatches"),
+    "stages_per_rank": ("pipeline", "stages_per_rank"),
+    "pipeline_split_points": ("pipeline", "split_points"),
+    "fsdp_units": ("sharding", "units"),
+    "reshard_after_forward": ("sharding", "reshard_after_forward"),
+    "fsdp_cpu_offload": ("sharding", "cpu_offload"),
+    "weight_all_gather_compression": ("sharding", "weight_codec"),
+    "communication_compression": ("compression", "mode"),
+    "compression_ratio": ("compression", "compression_ratio"),
+    "powersgd_rank": ("compression", "powersgd_rank"),
+    "error_feedback": ("compression", "error_feedback"),
+    "compression_warmup_steps": ("compression", "warmup_steps"),
+    "allreduce_algorithm": ("compression", "algorithm"),
+    "auto_recheck_steps": ("compression", "auto_recheck_steps"),
+}
+_PIECES = {"pipeline": PipelineConfig, "sharding": ShardingConfig, "compression": CompressionConfig}
 
 
 @dataclass(frozen=True)
@@ -59,8 +95,38 @@ class ParallelismConfig:
     bucket_size_mb: float = 25.0  # the replicated engine's gradient buckets
     sync_timeout: float = 300.0  # seconds a gradient collective may take
 
+    process_group_backend: Optional[str] = None  # None: gloo on CPU, NCCL on CUDA
+
+    @classmethod
+    def from_strategy_args(cls, **kwargs: Any) -> "ParallelismConfig":
+        """The config of ``HybridParallelStrategy``'s flat keyword arguments (:data:`STRATEGY_ARGS`: each name to its
+        piece and field), packed by name; what is not given keeps the piece's default. A
+        :class:`~lightning_ciuic.comm.hooks.GradientQuantizer` as ``communication_compression`` gives its mode and
+        error feedback; ``weight_all_gather_compression="none"`` is no codec; lists become tuples."""
+        unknown = sorted(set(kwargs) - set(STRATEGY_ARGS))
+        if unknown:
+            raise TypeError(f"ParallelismConfig.from_strategy_args got unknown arguments {unknown}; it takes {sorted(STRATEGY_ARGS)}.")
+        quantizer = kwargs.get("communication_compression")
+        if isinstance(quantizer, GradientQuantizer):
+            kwargs = {**kwargs, "communication_compression": quantizer.mode, "error_feedback": quantizer.error_feedback}
+        if isinstance(kwargs.get("sync_timeout"), timedelta):
+            kwargs = {**kwargs, "sync_timeout": kwargs["sync_timeout"].total_seconds()}
+        if kwargs.get("weight_all_gather_compression") == "none":
+            kwargs = {**kwargs, "weight_all_gather_compression": None}
+        pieces: dict[str, dict[str, Any]] = {"": {}, **{piece: {} for piece in _PIECES}}
+        for name, value in kwargs.items():
+            piece, attr = STRATEGY_ARGS[name]
+            if isinstance(value, list):
+                value = tuple(value)
+            if attr in ("gradient_checkpointing", "reshard_after_forward", "cpu_offload"):
+                value = bool(value)
+            pieces[piece][attr] = value
+        top = pieces.pop("")
+        return cls(**top, **{piece: _PIECES[piece](**fields) for piece, fields in pieces.items()})
+
     def __post_init__(self) -> None:
         ParallelDims.check_degrees(**self.degrees)
+        self._check_choices()
         check_bucket_size(self.bucket_size_mb)
         if not self.sync_timeout > 0:
             raise ValueError(f"sync_timeout must be a positive number of seconds, got {self.sync_timeout!r} (the default is 300.0).")
@@ -98,12 +164,37 @@ class ParallelismConfig:
         )
         return replace(self, sharding=sharding)
 
+    def check_devices(self, device_type: str) -> None:
+        """The rules between the arguments and the kind of device the ranks compute on (before any process starts)."""
+        check_offload(self.sharding.cpu_offload, device_type)
+        if self.process_group_backend == "nccl" and device_type != "cuda":
+            raise ValueError(
+                f"process_group_backend='nccl' needs CUDA devices, but this run's devices are {device_type!r}; use 'gloo'."
+            )
+
     def resolve(self, world_size: int) -> ParallelDims:
         """The degrees over ``world_size`` ranks, ``"auto"`` filled in; the pipeline schedule checked against ``pp``."""
         dims = ParallelDims.resolve(world_size, **self.degrees, experts_in_replica=self.diloco is not None)
         if dims.pp_enabled:
             self.pipeline.check_layout(dims.pp)
         return dims
+
+    def _check_choices(self) -> None:
+        backend, mode = self.process_group_backend, self.compression.mode
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(
+                f"process_group_backend={backend!r} is not a torch.distributed backend;"
+                f" use one of {BACKENDS} or None (gloo on CPU, NCCL on CUDA)."
+            )
+        if mode != "none" and backend not in COMPRESSION_BACKENDS:
+            raise ValueError(
+                f"communication_compression={mode!r} needs all_to_all, all_gather_single and"
+                f" point-to-point sends, supported here on 'gloo' and 'nccl'; got process_group_backend="
+                f"{backend!r}. Use 'gloo'/'nccl' or communication_compression='none'."
+            )
+        weight = self.sharding.weight_codec
+        if weight is not None and weight not in WEIGHT_CODECS:
+            raise ValueError(f"weight_all_gather_compression={weight!r} is not one of {', '.join(map(repr, WEIGHT_CODECS))}.")
 
     def _check_sharded(self) -> None:
         if self.pipeline_parallel_size > 1 and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:

@@ -384,7 +384,7 @@ class SnapshotRecovery(Callback):
         else:
             meta = {
                 "step": step, "loss": loss, "epoch": trainer.current_epoch, "rank": trainer.global_rank,
-                "world_size": trainer.world_size, "layout": parallel_context(trainer).dims.layout_key(),
+                "world_size": trainer.world_size, "layout": parallel_context(trainer).dims.layout_key(trainer.global_rank),
             }
             state = capture_training_state(trainer, pl_module, skip=self)
             try:

@@ -36,11 +36,11 @@ if TYPE_CHECKING:  # read, never built here: the config packs comm/'s settings, 
 
 def reduction_groups(parallelized: Parallelized, compression: CompressionConfig) -> list[ReductionGroup]:
     """The model's dense group, then its experts' (see the module docstring)."""
-    module, dims, experts, layout = parallelized.module, parallelized.dims, parallelized.experts, parallelized.fsdp
+    module, experts, layout = parallelized.module, parallelized.experts, parallelized.fsdp
     expert_ids = experts.parameter_ids() if experts is not None else set()
     dense = tuple(p for p in module.parameters() if id(p) not in expert_ids)
     if layout is None:
-        groups = [ReductionGroup("dense", dense, dims.data_parallel_mesh(parallelized.mesh), compression)]
+        groups = [ReductionGroup("dense", dense, parallelized.meshes.data_parallel_mesh, compression)]
     else:
         expert_units = {id(m) for m in experts.modules.values()} if experts is not None else set()
         units = tuple(u for u in (*layout.units, *layout.roots) if id(u) not in expert_units)

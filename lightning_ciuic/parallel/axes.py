@@ -6,7 +6,7 @@ works, a member prints as its value), so torch's ``DeviceMesh`` takes it whereve
 * ``PP``: pipeline stages; ``DP_REPLICATE`` x ``DP_SHARD``: data-parallel replicas of the model's shards (HSDP;
   FSDP where ``DP_REPLICATE`` is 1, whole replicas where ``DP_SHARD`` is 1); ``DP``: the two flattened, every
   data-parallel rank (what samplers and replica-wide collectives use); ``TP``: tensor-parallel peers, innermost.
-* The expert view of the same world (expert parallelism, :meth:`~lightning_ciuic.parallel.dims.ParallelDims.build_expert_mesh`):
+* The expert view of the same world (expert parallelism, :meth:`~lightning_ciuic.parallel.dims.ParallelDims.build`):
   ``EP``: ranks that hold different experts of one layer and exchange tokens, carved from the innermost
   data-parallel axis; ``EDP``: what is left of that axis, ranks holding the same experts (their gradients are averaged
   over it, and over ``DP_REPLICATE``; sharded, FSDP2 shards the experts over it); ``EP_DP``: the data-parallel part of

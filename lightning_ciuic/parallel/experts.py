@@ -9,7 +9,7 @@ Contract:
   the weighted sum of its ``k`` experts' SwiGLU outputs. transformers' DeepSeek-V3, Qwen3-MoE and Mixtral experts are
   such modules, and so is the pack's example model's. The router stays outside, replicated. :func:`packed_experts`
   finds them by their parameters' and ``act_fn``'s names and ranks (what the balance callbacks and the monitor count).
-* :func:`shard_experts(module, dims, mesh, dispatch)`: every packed-experts module's two parameters become DTensors
+* :func:`shard_experts(module, meshes, dispatch)`: every packed-experts module's two parameters become DTensors
   ``Shard(0)`` over ``ep`` (global shapes: DCP checkpoints and Hugging Face loading keep working), rank ``j`` holding
   experts ``[j E/ep, (j+1) E/ep)``, and its forward becomes the expert-parallel one below. First, before any module
   is changed, each must have ``E % ep == 0`` and a forward known to compute what the expert-parallel one computes
@@ -65,7 +65,7 @@ from lightning_ciuic import compat
 from lightning_ciuic.wire.codecs import BlockFP8, BlockInt8, Codec, HalfPrecision
 from lightning_ciuic.wire.timing import DeviceClock
 from lightning_ciuic.parallel.axes import Axis
-from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.parallel.dims import Meshes, ParallelDims
 from lightning_ciuic.parallel.expert_forward import FORM, check_takeover, run_local_experts
 from lightning_ciuic.parallel.tensor import sum_grad_over
 from lightning_ciuic.tensors import local_tensor
@@ -145,14 +145,13 @@ class RoutedTokens:
 
 @dataclass
 class ExpertLayout:
-    """What :func:`shard_experts` made: the expert view of the mesh, the sharded modules and the dispatch's stats."""
+    """What :func:`shard_experts` made: the layout's meshes (their expert views), the sharded modules and the dispatch's
+    stats."""
 
-    dims: ParallelDims
-    mesh: DeviceMesh  # (pp, [dp_replicate,] edp, ep, tp)
+    meshes: Meshes
     modules: dict[str, nn.Module]
     dispatch: DispatchCompression = "none"
     stats: DispatchStats = field(default_factory=DispatchStats)
-    ep_mesh: DeviceMesh = field(init=False)
     codec: Optional[Codec] = field(init=False)
     grad_scale: float = field(init=False)
     tp_mesh: Optional[DeviceMesh] = field(init=False)
@@ -160,16 +159,24 @@ class ExpertLayout:
     assume_balanced: bool = False  # route as if balanced, whatever the router chose (the planner's fake tensors)
 
     def __post_init__(self) -> None:
-        self.ep_mesh = self.dims.expert_parallel_mesh(self.mesh)
-        self.clock = DeviceClock(torch.device(self.mesh.device_type))
+        self.clock = DeviceClock(torch.device(self.meshes.world.device_type))
         self.codec = dispatch_codec(self.dispatch)
         self.grad_scale = 1.0 / self.dims.ep_data_ranks  # see "Gradient scale" in the module docstring
-        self.tp_mesh = self.mesh[Axis.TP] if self.dims.ep_over_tp else None  # peers that split their tokens
+        self.tp_mesh = self.meshes.mesh(Axis.TP) if self.dims.ep_over_tp else None  # peers that split their tokens
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.meshes.dims
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        """The ranks that exchange tokens."""
+        return self.meshes.ep_mesh
 
     @property
     def data_mesh(self) -> DeviceMesh:
         """The ranks holding the same experts, over which their gradients are averaged (and, sharded, split)."""
-        return self.dims.expert_data_mesh(self.mesh)
+        return self.meshes.expert_data_mesh
 
     def keep_within(self, stages: Sequence[nn.Module]) -> None:
         """Forget the experts of pipeline stages this rank does not run (after the cut)."""
@@ -183,11 +190,10 @@ class ExpertLayout:
         return {id(p) for p in self.parameters()}
 
 
-def shard_experts(
-    module: nn.Module, dims: ParallelDims, mesh: DeviceMesh, dispatch: DispatchCompression = "none"
-) -> Optional[ExpertLayout]:
+def shard_experts(module: nn.Module, meshes: Meshes, dispatch: DispatchCompression = "none") -> Optional[ExpertLayout]:
     """Shard every packed-experts module of ``module`` over ``ep`` (see the module docstring). The caller makes the
     data-parallel replicas equal first: each rank keeps its experts' rows of its own copy."""
+    dims = meshes.dims
     if not dims.ep_enabled:
         return None
     found = packed_experts(module)
@@ -203,7 +209,7 @@ def shard_experts(
     for name, experts in found:  # every module checked before any is changed
         _check_divisible(name, experts, dims.ep)
         check_takeover(name, experts, verdicts)
-    layout = ExpertLayout(dims, dims.build_expert_mesh(mesh), dict(found), dispatch)
+    layout = ExpertLayout(meshes, dict(found), dispatch)
     ep_mesh = layout.ep_mesh
     for name, experts in found:
         for attr in ("gate_up_proj", "down_proj"):

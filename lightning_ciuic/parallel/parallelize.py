@@ -1,9 +1,12 @@
 """parallelize(): the one function that turns a model into this rank's part of a parallel layout.
 
-Contract: ``parallelize(module, dims, config, *, mesh=None, materialize=True)`` works in place on ``module`` (any
+Contract: ``parallelize(module, layout, options, *, materialize=True)`` works in place on ``module`` (any
 ``nn.Module``: a LightningModule, a Hugging Face model, a bare transformer) and returns a :class:`Parallelized`.
 It needs a process group (gloo, NCCL, or torch's fake one: a planner checks a layout of 1024 ranks in one process)
-and no Trainer. ``mesh`` is the layout's device mesh (built from ``dims`` when not given). In order:
+and no Trainer. ``layout`` is the layout's :class:`~lightning_ciuic.parallel.dims.Meshes` (or its
+:class:`~lightning_ciuic.parallel.dims.ParallelDims`, whose meshes are then built on the default device);
+``options`` anything with the attributes of :class:`ParallelizeOptions` (``lightning_ciuic.config.ParallelismConfig``
+is one: this module does not import it, the arrow runs from the config to ``parallel/``). In order:
 
 1. **Tensor parallel** over ``tp``: the plan of the module's ``tensor_parallel_plan(tp_mesh)`` (names relative to
    the module; the method may keep ``tp_mesh`` for its own collectives), else a Hugging Face ``_tp_plan``
@@ -17,7 +20,7 @@ and no Trainer. ``mesh`` is the layout's device mesh (built from ``dims`` when n
    (:func:`~lightning_ciuic.parallel.experts.shard_experts`); ``Parallelized.experts`` is its layout, which the
    data-parallel engine reads (expert gradients are averaged over the ranks holding the same experts). Sharded,
    each experts module becomes its own FSDP2 unit over those ranks (step 5).
-3. **Activation checkpointing** (``config.gradient_checkpointing``): each pipeline block of a
+3. **Activation checkpointing** (``options.gradient_checkpointing``): each pipeline block of a
    :class:`~lightning_ciuic.parallel.pipeline_module.PipelineModule`, else each block of the module's outermost
    ``nn.ModuleList`` s; a module with neither is an error.
 4. **Pipeline cut** over ``pp`` (:func:`~lightning_ciuic.parallel.pipeline_module.build_pipeline`): this rank's
@@ -38,9 +41,8 @@ No Lightning imports.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Protocol, Union
 
 import torch
 from torch import nn
@@ -49,18 +51,35 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_ciuic.parallel.axes import Axis
-from lightning_ciuic.parallel.dims import ParallelDims
-from lightning_ciuic.parallel.experts import ExpertLayout, shard_experts
-from lightning_ciuic.parallel.fsdp import FSDPLayout, default_units, found_sharding, has_meta_tensors, shard
+from lightning_ciuic.parallel.dims import Meshes, ParallelDims
+from lightning_ciuic.parallel.experts import DispatchCompression, ExpertLayout, shard_experts
+from lightning_ciuic.parallel.fsdp import FSDPLayout, ShardingConfig, default_units, found_sharding, has_meta_tensors, shard
 from lightning_ciuic.parallel.fsdp import materialize as materialize_meta
 from lightning_ciuic.parallel.pipeline import PipelineRunner, block_modules, checkpoint_activations
-from lightning_ciuic.parallel.pipeline_module import PipelineModule, build_pipeline
+from lightning_ciuic.parallel.pipeline_module import PipelineConfig, PipelineModule, build_pipeline
 from lightning_ciuic.parallel.tensor import apply_tensor_parallel, gradients_in_parameter_placements, hugging_face_plan
 from lightning_ciuic.tensors import device_of
 from lightning_ciuic.wire.replicas import broadcast_from_first
 
-if TYPE_CHECKING:  # the config packs comm/'s settings too; parallel/ reads it and imports nothing of comm/
-    from lightning_ciuic.config import ParallelismConfig
+
+
+class ParallelizeOptions(Protocol):
+    """What :func:`parallelize` reads of a layout's options (``ParallelismConfig`` has these attributes)."""
+
+    @property
+    def pipeline(self) -> PipelineConfig: ...
+
+    @property
+    def sharding(self) -> ShardingConfig: ...  # with FSDP2's dtypes for the precision already in it
+
+    @property
+    def gradient_checkpointing(self) -> bool: ...
+
+    @property
+    def expert_dispatch_compression(self) -> DispatchCompression: ...
+
+    @property
+    def diloco(self) -> Optional[Any]: ...  # whole replicas that train apart: no user FSDP2 units
 
 
 @dataclass
@@ -68,12 +87,15 @@ class Parallelized:
     """What :func:`parallelize` made of a module (see the module docstring)."""
 
     module: nn.Module
-    dims: ParallelDims
-    mesh: DeviceMesh
+    meshes: Meshes
     pipeline: Optional[PipelineRunner] = None
     fsdp: Optional[FSDPLayout] = None  # the FSDP2 units, ours or the user's
     user_sharded: bool = False  # the units are the user's own fully_shard calls
     experts: Optional[ExpertLayout] = None  # expert parallelism's layout (dims.ep > 1)
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.meshes.dims
 
     @property
     def stages(self) -> tuple[nn.Module, ...]:
@@ -81,20 +103,20 @@ class Parallelized:
 
 
 def parallelize(
-    module: nn.Module, dims: ParallelDims, config: ParallelismConfig, *, mesh: Optional[DeviceMesh] = None,
-    materialize: bool = True,
+    module: nn.Module, layout: Union[Meshes, ParallelDims], options: ParallelizeOptions, *, materialize: bool = True
 ) -> Parallelized:
-    """This rank's part of ``module`` in the layout ``dims`` (see the module docstring)."""
-    mesh = mesh if mesh is not None else dims.build_mesh("cuda" if torch.cuda.is_available() else "cpu")
-    device = device_of(mesh)
+    """This rank's part of ``module`` in ``layout`` (see the module docstring)."""
+    meshes = layout if isinstance(layout, Meshes) else layout.build("cuda" if torch.cuda.is_available() else "cpu")
+    dims = meshes.dims
+    device = device_of(meshes.world)
     user_fsdp = found_sharding(module)
     if dims.tp_enabled:
-        tensor_parallel(module, mesh[Axis.TP])
+        tensor_parallel(module, meshes.mesh(Axis.TP))
         if user_fsdp is None and not dims.sharded:  # FSDP2 redistributes the gradients it reduces itself
             gradients_in_parameter_placements(module)
-    result = Parallelized(module, dims, mesh)
+    result = Parallelized(module, meshes)
     if user_fsdp is None and (dims.sharded or dims.ep_enabled):
-        broadcast_from_first(module, mesh[Axis.DP])  # replicas start equal, as DDP's do; then each keeps its shards
+        broadcast_from_first(module, meshes.mesh(Axis.DP))  # replicas start equal, as DDP's do; then each keeps its shards
     if dims.ep_enabled:
         if user_fsdp is not None:
             raise ValueError(
@@ -102,8 +124,8 @@ def parallelize(
                 " experts first: leave sharding to the strategy (data_parallel_shard_size > 1), or use"
                 " expert_parallel_size=1."
             )
-        result.experts = shard_experts(module, dims, mesh, config.expert_dispatch_compression)
-    if config.gradient_checkpointing:
+        result.experts = shard_experts(module, meshes, options.expert_dispatch_compression)
+    if options.gradient_checkpointing:
         checkpoint_blocks(module)
     if dims.pp_enabled:
         if user_fsdp is not None:
@@ -112,14 +134,14 @@ def parallelize(
                 " stages afterwards, which FSDP2 units do not survive: leave sharding to the strategy"
                 " (data_parallel_shard_size > 1) or use pipeline_parallel_size=1."
             )
-        result.pipeline = build_pipeline(module, mesh, config.pipeline, device)
+        result.pipeline = build_pipeline(module, meshes.mesh(Axis.PP), options.pipeline, device)
         if result.experts is not None:
             result.experts.keep_within(result.stages)
     if user_fsdp is not None:
-        check_user_sharding(module, user_fsdp, mesh[Axis.DP], config)
+        check_user_sharding(module, user_fsdp, meshes.mesh(Axis.DP), options)
         result.fsdp, result.user_sharded = user_fsdp, True
     elif dims.sharded:
-        result.fsdp = shard(module, dims.fsdp_mesh(mesh), config.sharding, result.stages, experts=result.experts)
+        result.fsdp = shard(module, meshes.fsdp_mesh, options.sharding, result.stages, experts=result.experts)
     if materialize and has_meta_tensors(module):
         materialize_meta(module, device)
     return result
@@ -167,7 +189,7 @@ def checkpoint_blocks(module: nn.Module) -> None:
     checkpoint_activations(blocks)
 
 
-def check_user_sharding(module: nn.Module, layout: FSDPLayout, dp_mesh: DeviceMesh, config: ParallelismConfig) -> None:
+def check_user_sharding(module: nn.Module, layout: FSDPLayout, dp_mesh: DeviceMesh, options: ParallelizeOptions) -> None:
     """A user's own FSDP2 units must shard over exactly the data-parallel ranks (else gradients are averaged over
     the wrong group), and cannot be driven by DiLoCo, whose replicas are whole."""
     ranks = sorted(int(r) for r in layout.mesh.mesh.flatten().tolist())
@@ -178,13 +200,9 @@ def check_user_sharding(module: nn.Module, layout: FSDPLayout, dp_mesh: DeviceMe
             f" {expected}: shard over self.device_mesh['data_parallel'] (or ['dp']), or leave sharding to the strategy"
             " (data_parallel_shard_size > 1)."
         )
-    if config.diloco is not None:
+    if options.diloco is not None:
         raise ValueError(
             f"{type(module).__name__} calls fully_shard itself, and diloco= trains whole replicas: remove the"
             " fully_shard calls, or the diloco argument."
         )
 
-
-def with_sharding(config: ParallelismConfig, **changes: Any) -> ParallelismConfig:
-    """``config`` with its sharding options changed (e.g. FSDP2's dtypes, which the precision decides)."""
-    return dataclasses.replace(config, sharding=dataclasses.replace(config.sharding, **changes))

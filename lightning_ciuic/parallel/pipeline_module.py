@@ -48,7 +48,6 @@ from lightning_ciuic.parallel.pipeline import (
     split_at,
     stage_ids_of_rank,
 )
-from lightning_ciuic.parallel.axes import Axis
 
 
 class PipelineModule(metaclass=abc.ABCMeta):
@@ -139,16 +138,16 @@ def stage_starts(module: nn.Module, names: Sequence[str], num_stages: int, confi
 
 
 def build_pipeline(
-    module: nn.Module, mesh: DeviceMesh, config: PipelineConfig, device: torch.device
+    module: nn.Module, pp_mesh: DeviceMesh, config: PipelineConfig, device: torch.device
 ) -> PipelineRunner:
-    """Cut ``module`` (a :class:`PipelineModule`) into stages over ``mesh["pp"]``; keep this rank's, in place."""
+    """Cut ``module`` (a :class:`PipelineModule`) into stages over ``pp_mesh`` (the layout's ``pp`` view); keep this
+    rank's, in place."""
     if not isinstance(module, PipelineModule):
         raise TypeError(
-            f"pipeline_parallel_size={mesh['pp'].size()} needs a LightningModule that implements the PipelineModule"
+            f"pipeline_parallel_size={pp_mesh.size()} needs a LightningModule that implements the PipelineModule"
             f" protocol (lightning_ciuic.PipelineModule: pipeline_blocks() and pipeline_loss()); {type(module).__name__}"
             " does not. See docs/pipeline.md."
         )
-    pp_mesh = mesh[Axis.PP]
     names = list(module.pipeline_blocks())
     per_rank = config.local_stages
     num_stages = pp_mesh.size() * per_rank

@@ -183,9 +183,10 @@ def build_stage(
     rank: int, dims: ParallelDims, config: ParallelismConfig, build: ModuleFactory, optimizers: OptimizerFactory,
 ) -> StageLayout:
     """Parallelize the module for ``rank`` (inside :func:`fake_world`) and keep what every rank of its stage needs."""
-    mesh = dims.build_mesh("cpu")
+    meshes = dims.build("cpu")
+    mesh = meshes.world
     module = build(mesh)
-    parallelized = parallelize(module, dims, config, mesh=mesh, materialize=False)
+    parallelized = parallelize(module, meshes, config, materialize=False)
     stage = compat.mesh_coordinates(mesh)[rank][0]
     stage_ranks = sorted(r for r, c in compat.mesh_coordinates(mesh).items() if c[0] == stage)
     cache: dict[int, dict[int, tuple[int, ...]]] = {}

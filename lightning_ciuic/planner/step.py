@@ -305,12 +305,13 @@ def _fake_rank(rank: int, plan: Any, build: ModuleFactory, config: ParallelismCo
 
     dims = config.resolve(plan.world_size)
     with fake_world(rank, plan.world_size):
-        mesh = dims.build_mesh("cpu")
+        meshes = dims.build("cpu")
+        mesh = meshes.world
         module = build(mesh)
         check_steppable(module, dims)
         if depth is not None:
             del repeated_layers(module)[depth:]
-        parallelized = parallelize(module, dims, config, mesh=mesh, materialize=False)
+        parallelized = parallelize(module, meshes, config, materialize=False)
         if parallelized.experts is not None:
             parallelized.experts.assume_balanced = True  # the router's choices are values, which fake tensors lack
         with (
@@ -433,7 +434,7 @@ def step_figures(
     dims = config.resolve(plan.world_size)
     local = config.pipeline.local_stages if dims.pp_enabled else 1
     with fake_world(rank, plan.world_size):
-        module = build(dims.build_mesh("cpu"))
+        module = build(dims.build("cpu").world)
         layers = repeated_layers(module)
         held = None
         if layers is not None and len(layers) > 2 * depth * dims.pp * local:

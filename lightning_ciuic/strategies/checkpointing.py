@@ -45,7 +45,7 @@ def rank_key(strategy: HybridParallelStrategy) -> str:
     """Per-rank state (compression residuals) belongs to one rank of one layout (``ParallelDims.layout_key``): another
     layout resets it."""
     dims = strategy.parallel_dims
-    layout = dims.layout_key() if dims is not None else "single"
+    layout = dims.layout_key(strategy.global_rank) if dims is not None else "single"
     return f"rank{strategy.global_rank}_{layout}_state"
 
 

@@ -68,10 +68,10 @@ def parallel_context(trainer: Trainer) -> ParallelContext:
 
     strategy = trainer.strategy
     if isinstance(strategy, HybridParallelStrategy) and strategy.parallel_dims is not None:
-        dims = strategy.parallel_dims
-        mesh = strategy.device_mesh
+        dims, meshes = strategy.parallel_dims, strategy.meshes
+        assert meshes is not None
         return ParallelContext(
-            dims=dims, mesh=mesh, dp_group=mesh[Axis.DP].get_group() if dims.dp > 1 else None,
+            dims=dims, mesh=meshes.world, dp_group=meshes.mesh(Axis.DP).get_group() if dims.dp > 1 else None,
             data_parallel=strategy.data_parallel, pipeline=strategy.pipeline, device=strategy.root_device,
         )
     world = trainer.world_size

@@ -2,8 +2,14 @@
 
 Contract:
 
+* Arguments: flat keywords (the YAML schema), packed by name into one
+  :class:`~lightning_ciuic.config.ParallelismConfig` (``self.parallelism``), where every rule between them lives.
+  The parts of the glue live in their own modules: :mod:`~lightning_ciuic.strategies.processes` (launcher, process
+  group, meshes), :mod:`~lightning_ciuic.strategies.steps` (step routing), :mod:`~lightning_ciuic.strategies.loaders`,
+  :mod:`~lightning_ciuic.strategies.collectives`, :mod:`~lightning_ciuic.strategies.checkpointing`.
 * Processes and the mesh: the strategy starts the process group (gloo on CPU, NCCL on CUDA unless
-  ``process_group_backend`` says otherwise), builds the mesh from :class:`ParallelDims` and hands it to
+  ``process_group_backend`` says otherwise), builds the layout's meshes once (``ParallelDims.build``:
+  ``self.meshes``, every view) and hands their ``world`` to
   the LightningModule as ``self.device_mesh`` before ``configure_model()`` runs (axes ``pp``, ``dp``, ``tp``, and
   ``ModelParallelStrategy``'s names ``data_parallel`` / ``tensor_parallel``). After it, set-up parallelizes the model
   with :func:`~lightning_ciuic.parallel.parallelize.parallelize` and nothing else: the module's
@@ -39,9 +45,7 @@ Contract:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -55,11 +59,10 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_ciuic import compat
@@ -71,35 +74,19 @@ from lightning_ciuic.comm.diloco import DiLoCo
 from lightning_ciuic.comm.engines import build_engine
 from lightning_ciuic.comm.grad_sync import GradientSynchronizer, check_bucket_size
 from lightning_ciuic.comm.hooks import GradientQuantizer
-from lightning_ciuic.config import ParallelismConfig
+from lightning_ciuic.config import STRATEGY_ARGS, ParallelismConfig
 from lightning_ciuic.data.check import EqualBatchCheck
-from lightning_ciuic.data.resume import keep_position
-from lightning_ciuic.data.stages import stage_loader
-from lightning_ciuic.data.world import DataParallelWorld, point_loader, set_data_parallel_world
+from lightning_ciuic.data.world import DataParallelWorld, set_data_parallel_world
 from lightning_ciuic.parallel.axes import Axis
-from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.parallel.dims import Meshes, ParallelDims
 from lightning_ciuic.parallel.experts import DispatchCompression
-from lightning_ciuic.parallel.fsdp import ShardingConfig, check_offload, has_meta_tensors
+from lightning_ciuic.parallel.fsdp import has_meta_tensors
 from lightning_ciuic.parallel.parallelize import Parallelized, parallelize
-from lightning_ciuic.parallel.grad_norm import clip_grad_norm_
 from lightning_ciuic.parallel.pipeline import PipelineRunner, PipelineScheduleName
-from lightning_ciuic.parallel.shutdown import agree_on_setup, leave_at_exit, setup_vote_group
-from lightning_ciuic.strategies import checkpointing, restore_point
-from lightning_ciuic.strategies.launchers import FullWeightsMultiProcessingLauncher
-from lightning_ciuic.strategies.redirection import through_root
-from lightning_ciuic.parallel.pipeline_module import PipelineConfig
-from lightning_ciuic.strategies.rendezvous import restarted_worker_store
-from lightning_ciuic.validation import check_choice
+from lightning_ciuic.parallel.shutdown import agree_on_setup, setup_vote_group
+from lightning_ciuic.strategies import checkpointing, collectives, loaders, processes, restore_point, steps
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
-_REDUCE_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "mean": dist.ReduceOp.SUM,
-    "avg": dist.ReduceOp.SUM,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-}
 
 
 def _positive_seconds(name: str, value: Union[float, timedelta]) -> timedelta:
@@ -215,50 +202,12 @@ class HybridParallelStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if process_group_backend is not None and process_group_backend not in _BACKENDS:
-            raise ValueError(
-                f"process_group_backend={process_group_backend!r} is not a torch.distributed backend;"
-                f" use one of {_BACKENDS} or None (gloo on CPU, NCCL on CUDA)."
-            )
         if start_method not in get_args(StartMethod):
             raise ValueError(f"start_method={start_method!r}; use 'popen', 'spawn', 'fork' or 'forkserver'.")
         check_bucket_size(bucket_size_mb)
-        if isinstance(communication_compression, GradientQuantizer):
-            error_feedback = communication_compression.error_feedback
-            communication_compression = communication_compression.mode
-        if communication_compression != "none" and process_group_backend in ("mpi", "ucc"):
-            raise ValueError(
-                f"communication_compression={communication_compression!r} needs all_to_all, all_gather_single and"
-                f" point-to-point sends, supported here on 'gloo' and 'nccl'; got process_group_backend="
-                f"{process_group_backend!r}. Use 'gloo'/'nccl' or communication_compression='none'."
-            )
-        check_choice("weight_all_gather_compression", weight_all_gather_compression, ("none", "int8"))
-        # The flat arguments (the YAML schema), packed once: every rule between them lives in ParallelismConfig.
-        self.parallelism = ParallelismConfig(
-            pipeline_parallel_size=pipeline_parallel_size,
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            data_parallel_shard_size=data_parallel_shard_size,
-            expert_parallel_size=expert_parallel_size,
-            expert_dispatch_compression=expert_dispatch_compression,
-            pipeline=PipelineConfig(
-                pipeline_schedule, num_microbatches, stages_per_rank,
-                tuple(pipeline_split_points) if pipeline_split_points is not None else None,
-            ),
-            sharding=ShardingConfig(
-                tuple(fsdp_units) if fsdp_units is not None else None, bool(reshard_after_forward),
-                cpu_offload=bool(fsdp_cpu_offload),
-                weight_codec=None if weight_all_gather_compression == "none" else weight_all_gather_compression,
-            ),
-            compression=CompressionConfig(
-                communication_compression, compression_ratio, powersgd_rank, error_feedback, compression_warmup_steps,
-                allreduce_algorithm, auto_recheck_steps,
-            ),
-            diloco=diloco,
-            gradient_checkpointing=bool(gradient_checkpointing),
-            bucket_size_mb=float(bucket_size_mb),
-            sync_timeout=_positive_seconds("sync_timeout", sync_timeout).total_seconds(),
-        )
+        # The flat arguments (the YAML schema), packed once by name: every rule between them lives in ParallelismConfig.
+        arguments = locals()
+        self.parallelism = ParallelismConfig.from_strategy_args(**{name: arguments[name] for name in STRATEGY_ARGS})
         self.pipeline: Optional[PipelineRunner] = None
         self.parallelized: Optional[Parallelized] = None
         self.told_how_to_read = False  # a sharded checkpoint directory was written and how to read it said (once)
@@ -269,11 +218,10 @@ class HybridParallelStrategy(ParallelStrategy):
         self._sync_timeout = _positive_seconds("sync_timeout", sync_timeout)
         self._timeout = _positive_seconds("timeout", timeout)
         self.bucket_size_mb = float(bucket_size_mb)
-        self._process_group_backend = process_group_backend
         self._start_method = start_method
         self.num_nodes = 1
         self.parallel_dims: Optional[ParallelDims] = None
-        self._device_mesh: Optional[DeviceMesh] = None
+        self.meshes: Optional[Meshes] = None  # the layout's meshes, built once per process (strategies/processes.py)
 
     @property
     def compression_config(self) -> CompressionConfig:
@@ -295,9 +243,9 @@ class HybridParallelStrategy(ParallelStrategy):
     # -- processes and the mesh --------------------------------------------------------------------
     @property
     def device_mesh(self) -> DeviceMesh:
-        if self._device_mesh is None:
+        if self.meshes is None:
             raise RuntimeError("The device mesh exists once the processes are set up (in configure_model and later).")
-        return self._device_mesh
+        return self.meshes.world
 
     @property
     @override
@@ -311,7 +259,7 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @property
     def process_group_backend(self) -> str:
-        return self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        return self.parallelism.process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
 
     @property
     def is_distributed(self) -> bool:
@@ -323,8 +271,8 @@ class HybridParallelStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """The data-parallel replicas and this rank's index among them; before the processes exist (what
         ``trainer.estimated_stepping_batches`` asks while a Trainer is built) from the layout over the world size."""
-        if self._device_mesh is not None:
-            dp_mesh = self._device_mesh[Axis.DP]
+        if self.meshes is not None:
+            dp_mesh = self.meshes.mesh(Axis.DP)
             return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
         dims = self.parallelism.resolve(self.num_nodes * max(1, self.num_processes))
         return {"num_replicas": dims.dp, "rank": dims.dp_rank_of(self.global_rank)}
@@ -341,73 +289,15 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        device_type = self._device_type()  # the devices' kind: this rank's own device is not known yet
-        check_offload(self.parallelism.sharding.cpu_offload, device_type)  # before any process starts
-        if self._layer_sync is not None and device_type == "cpu":
-            raise ValueError(
-                "Trainer(sync_batchnorm=True) converts batch norm layers to torch's SyncBatchNorm, which runs on CUDA"
-                " (and XPU) devices only, and this run computes on the CPU: leave sync_batchnorm off (each replica"
-                " then normalises by its own batch's statistics), or run on GPUs."
-            )
-        if self._process_group_backend == "nccl" and device_type != "cuda":
-            raise ValueError(
-                f"process_group_backend='nccl' needs CUDA devices, but this run's devices are {device_type!r}; use 'gloo'."
-            )
-        # Fail in the launching process, before any worker starts, when the layout cannot fit the world.
-        self.parallelism.resolve(self.num_nodes * self.num_processes)
-        if self.cluster_environment.creates_processes_externally:
-            return
-        if self._start_method == "popen" and self.num_nodes * self.num_processes == 1:
-            # One process runs here, in the caller's process: Lightning's script launcher would only set LOCAL_RANK,
-            # NODE_RANK, ... in the caller's environment, and the next Trainer there would take itself for a launched
-            # rank (spawn, fork and forkserver still start their one process, as DDPStrategy's do).
-            return
-        if self._start_method == "popen":
-            script_launcher = compat.launchers()[0]
-            self._launcher = script_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = FullWeightsMultiProcessingLauncher(self, start_method=self._start_method)
+        processes.configure_launcher(self)
 
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        processes.set_world_ranks(self)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.set_world_ranks()
-        self._init_process_group()
-        leave_at_exit()
-        # here, where every rank passes (parallel/shutdown.py); a quiet rank exits 1 in the process the user ran
-        setup_vote_group(self._timeout, quiet_exit_code=1 if getattr(self.launcher, "procs", None) else 0)
-        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            # Like torchrun: several ranks on one machine must not each take every core (oversubscribed
-            # intra-op threads make CPU collectives several times slower).
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
-        self.parallel_dims = self.parallelism.resolve(self.world_size)
-        self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
-        set_data_parallel_world(self.data_parallel_world)
-        rank_zero_info(f"HybridParallelStrategy: {self.parallel_dims}, backend {self.process_group_backend}")
-        if self.lightning_module is not None:  # set up without a module too (collectives only), as DDPStrategy is
-            self.lightning_module._device_mesh = self._device_mesh  # read by LightningModule.device_mesh
-
-    def _init_process_group(self) -> None:
-        if dist.is_initialized():
-            return
-        self._created_process_group = True
-        assert self.cluster_environment is not None
-        if self.world_size == 1:  # no peer to meet: no port taken, nothing set in the caller's environment
-            store: Optional[dist.Store] = dist.HashStore()
-        else:
-            os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
-            os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
-            store = restarted_worker_store(self.world_size, self._timeout)
-        dist.init_process_group(
-            self.process_group_backend, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout, store=store
-        )
+        processes.start(self)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -437,17 +327,17 @@ class HybridParallelStrategy(ParallelStrategy):
         per module: Lightning sets the same model up again for validate or test after fit, in the same process (the
         ranks ``"popen"`` starts), and parallelizing it again would treat its shards as whole tensors (broadcasting one
         rank's experts over the others, taking the strategy's own FSDP2 units for a user's)."""
-        assert self.parallel_dims is not None and self.model is not None
+        assert self.parallel_dims is not None and self.meshes is not None and self.model is not None
         earlier = self.parallelized
         if earlier is not None and earlier.module is self.model and earlier.dims == self.parallel_dims:
             self.pipeline = earlier.pipeline
             return
         if self._layer_sync is not None and self.parallel_dims.dp_enabled:  # Trainer(sync_batchnorm=True)
             # Statistics over the data-parallel replicas' batches: tp and pp peers hold the same or other layers.
-            dp_group = self.device_mesh[Axis.DP].get_group()
+            dp_group = self.meshes.mesh(Axis.DP).get_group()
             self.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.model, process_group=dp_group)
-        config = dataclasses.replace(self.parallelism, sharding=self._sharding_dtypes())
-        self.parallelized = parallelize(self.model, self.parallel_dims, config, mesh=self.device_mesh)
+        config = self._config_for_precision()
+        self.parallelized = parallelize(self.model, self.meshes, config)
         self.pipeline = self.parallelized.pipeline
         if self.pipeline is not None:
             pipeline = config.pipeline
@@ -462,17 +352,12 @@ class HybridParallelStrategy(ParallelStrategy):
         self._close_data_parallel()
         self._logged = (0, 0.0)
         assert self.parallelized is not None
-        precision = getattr(self.precision_plugin, "precision", None)
-        self.data_parallel = build_engine(self.parallelized, self.parallelism.with_precision(precision))
+        self.data_parallel = build_engine(self.parallelized, self._config_for_precision())
 
-    def _sharding_dtypes(self) -> ShardingConfig:
-        """The sharding config with FSDP2's dtypes for the precision plugin's precision (ParallelismConfig.with_precision)."""
-        return self.parallelism.with_precision(getattr(self.precision_plugin, "precision", None)).sharding
-
-    def _device_type(self) -> str:
-        """The kind of device the ranks compute on, known before any process has its own (custom devices: their type)."""
-        devices = self.parallel_devices or []
-        return str(getattr(devices[0], "type", "cpu")) if devices else "cpu"
+    def _config_for_precision(self) -> ParallelismConfig:
+        """The config with FSDP2's dtypes for the precision plugin's precision (:meth:`ParallelismConfig.with_precision`,
+        the one place that decides them)."""
+        return self.parallelism.with_precision(getattr(self.precision_plugin, "precision", None))
 
     def _close_data_parallel(self) -> None:
         if self.data_parallel is not None:
@@ -481,78 +366,25 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.batch_check.armed:
-            self.batch_check.run(args[0] if args else kwargs.get("batch"), self.parallel_dims, self.root_device)
-        if self.data_parallel is not None:
-            self._before_training_step(self.lightning_module.trainer.global_step)
-        if self.pipeline is not None:
-            return self._pipelined_training_step(*args, **kwargs)
-        if self._sharded_root:
-            return self._through_root(self.precision_plugin.train_step_context, "training_step", *args, **kwargs)
-        return super().training_step(*args, **kwargs)
+        return steps.training_step(self, super().training_step, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._sharded_root:
-            return self._through_root(self.precision_plugin.val_step_context, "validation_step", *args, **kwargs)
+        if steps.sharded_root(self):
+            return steps.through_root(self, self.precision_plugin.val_step_context, "validation_step", *args, **kwargs)
         return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._sharded_root:
-            return self._through_root(self.precision_plugin.test_step_context, "test_step", *args, **kwargs)
+        if steps.sharded_root(self):
+            return steps.through_root(self, self.precision_plugin.test_step_context, "test_step", *args, **kwargs)
         return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._sharded_root:
-            return self._through_root(self.precision_plugin.predict_step_context, "predict_step", *args, **kwargs)
+        if steps.sharded_root(self):
+            return steps.through_root(self, self.precision_plugin.predict_step_context, "predict_step", *args, **kwargs)
         return super().predict_step(*args, **kwargs)
-
-    @property
-    def _sharded_root(self) -> bool:
-        """Whether the LightningModule itself is an FSDP2 root, whose hooks (gathering its own parameters, waiting for
-        its units' reduce-scatters) run around ``forward`` only."""
-        return isinstance(self.model, FSDPModule) and self.pipeline is None
-
-    def _through_root(self, context: Callable[[], Any], method_name: str, *args: Any, **kwargs: Any) -> Any:
-        """Lightning calls ``training_step`` (and the others), not ``forward``: route the step through the root's
-        ``forward`` (see :mod:`~lightning_ciuic.strategies.redirection`) so FSDP2's root hooks run, once."""
-        with context():
-            return through_root(self.lightning_module, method_name, *args, **kwargs)
-
-    def _pipelined_training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The schedule runs backward inside ``training_step``, but Lightning zeroes gradients between
-        ``training_step`` and ``backward``: zero them before instead, and keep the new ones aside until
-        ``backward``. One backward per micro-batch: they accumulate, ``post_backward`` averages them over dp."""
-        assert self.pipeline is not None
-        module = self.lightning_module
-        params = self.pipeline.parameters()
-        automatic = module.automatic_optimization
-        trainer = module.trainer
-        if automatic and compat.batch_index(trainer) % trainer.accumulate_grad_batches == 0:
-            for p in params:
-                p.grad = None
-        with self.block_backward_sync():
-            output = super().training_step(*args, **kwargs)
-        if automatic:
-            self._pipeline_grads = [p.grad for p in params]
-            for p in params:
-                p.grad = None
-        module.log("pipeline/bubble", self.pipeline.bubble, on_step=True, on_epoch=False)
-        return output
-
-    def _before_training_step(self, global_step: int) -> None:
-        """Per step: the engine's step start (compression warm-up, "auto"), and logging of the previous sync."""
-        assert self.data_parallel is not None
-        for message in self.data_parallel.before_step(global_step):
-            rank_zero_info(message)
-        stats, (logged_bytes, logged_seconds) = self.data_parallel.stats, self._logged
-        if stats.bytes_sent != logged_bytes or stats.wait_seconds != logged_seconds:
-            module = self.lightning_module
-            module.log("comm/bytes_sent", float(stats.bytes_sent - logged_bytes), on_step=True, on_epoch=False)
-            module.log("comm/sync_time", stats.wait_seconds - logged_seconds, on_step=True, on_epoch=False)
-            self._logged = (stats.bytes_sent, stats.wait_seconds)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -608,15 +440,7 @@ class HybridParallelStrategy(ParallelStrategy):
     ) -> torch.Tensor:
         if self.pipeline is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        # The pipeline schedule already ran backward inside training_step: only Lightning's hooks remain.
-        for p, grad in zip(self.pipeline.parameters(), self._pipeline_grads):
-            p.grad = grad
-        self._pipeline_grads = []
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
+        return steps.pipelined_backward(self, closure_loss)
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -626,19 +450,7 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        batch_size = getattr(dataloader, "batch_size", None)
-        training = self.lightning_module.trainer.state.stage == RunningStage.TRAINING
-        if self.pipeline is not None and training and isinstance(batch_size, int):
-            self.pipeline.check_batch_size(batch_size, where=f"the {type(dataloader).__name__}'s batch_size")
-        report = point_loader(dataloader, self.data_parallel_world, DataParallelWorld(self.global_rank, self.world_size))
-        for note in report.notes:
-            rank_zero_info(f"HybridParallelStrategy: {report.description}: {note}.")
-        if not training:
-            return dataloader
-        self.batch_check.arm(report)
-        trainer = self.lightning_module.trainer
-        dataloader = keep_position(dataloader, lambda: compat.epoch_position(trainer))  # every checkpoint resumes at its batch
-        return stage_loader(dataloader, self.pipeline, self.lightning_module)
+        return loaders.process_dataloader(self, dataloader)
 
     @property
     def data_parallel_world(self) -> DataParallelWorld:
@@ -658,7 +470,7 @@ class HybridParallelStrategy(ParallelStrategy):
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         # Clipping by norm must see the whole model: route the plugin's norm clipping through ours.
         if plugin is not None:
-            plugin.clip_grad_by_norm = functools.partial(_clip_grad_by_global_norm, plugin, self)  # picklable for spawn
+            plugin.clip_grad_by_norm = functools.partial(steps.clip_grad_by_global_norm, plugin, self)  # picklable for spawn
         self._precision_plugin = plugin
 
     # -- collectives -------------------------------------------------------------------------------
@@ -675,11 +487,7 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not dist.is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
+        return collectives.broadcast(obj, src)
 
     @override
     def reduce(
@@ -687,18 +495,7 @@ class HybridParallelStrategy(ParallelStrategy):
     ) -> Union[torch.Tensor, Any]:
         """Reduce over ``group`` (default: all ranks). Values are equal across ``tp`` ranks, so the mean
         over all ranks equals the mean over data-parallel replicas."""
-        if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
-            return tensor
-        op_name = "mean" if reduce_op is None else getattr(reduce_op, "name", str(reduce_op)).split(".")[-1].lower()
-        if op_name not in _REDUCE_OPS:
-            raise ValueError(f"reduce_op={reduce_op!r} is not supported; use one of {sorted(_REDUCE_OPS)}.")
-        result = tensor.detach().clone()
-        if op_name in ("mean", "avg") and not result.is_floating_point():
-            result = result.float()
-        dist.all_reduce(result, op=_REDUCE_OPS[op_name], group=group)
-        if op_name in ("mean", "avg"):
-            result = result / dist.get_world_size(group)
-        return result
+        return collectives.reduce(tensor, group, reduce_op)
 
     # -- checkpoints -------------------------------------------------------------------------------
     @override
@@ -760,12 +557,5 @@ class HybridParallelStrategy(ParallelStrategy):
             # Trainer, or the caller's own init_process_group, starts afresh. A multi-rank worker exits instead (parallel/shutdown.py).
             dist.destroy_process_group()
             self._created_process_group = False
-            self._device_mesh = None
+            self.meshes = None
 
-
-def _clip_grad_by_global_norm(
-    plugin: Precision, strategy: HybridParallelStrategy, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]
-) -> None:
-    dims = strategy.parallel_dims
-    pipeline_group = strategy.device_mesh[Axis.PP].get_group() if dims is not None and dims.pp_enabled else None
-    clip_grad_norm_(plugin.main_params(optimizer), clip_val, pipeline_group=pipeline_group)

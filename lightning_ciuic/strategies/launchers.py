@@ -211,7 +211,7 @@ class FullWeightsMultiProcessingLauncher(MultiProcessingLauncher):
         dims = getattr(self._strategy, "parallel_dims", None)
         if dims is not None and dims.pp_enabled:
             stages: list[Any] = [None] * dims.pp
-            dist.all_gather_object(stages, state_dict, group=self._strategy.device_mesh[Axis.PP].get_group())
+            dist.all_gather_object(stages, state_dict, group=self._strategy.meshes.mesh(Axis.PP).get_group())
             state_dict = {key: value for stage in stages for key, value in stage.items()}
         if self._strategy.local_rank != 0:
             return None

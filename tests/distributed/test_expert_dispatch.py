@@ -31,7 +31,7 @@ def _check(rank: int, world: int, tokens: int, only, dispatch: str, hidden: int 
     reference = PackedExperts(E, hidden, I).double()
     sharded = copy.deepcopy(reference)
     dims = ParallelDims.resolve(world, data_parallel_size=world, expert_parallel_size=world)
-    layout = shard_experts(sharded, dims, dims.build_mesh("cpu"), dispatch)
+    layout = shard_experts(sharded, dims.build("cpu"), dispatch)
     x, index, weights = _routing(tokens, rank, only, hidden)
     x_ref, w_ref = x.clone().requires_grad_(), weights.clone().requires_grad_()
     x_ep, w_ep = x.clone().requires_grad_(), weights.clone().requires_grad_()

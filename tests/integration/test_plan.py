@@ -204,8 +204,9 @@ def _real_step(rank: int, world: int, layout: dict, out: str, model: str = "llam
     config = ParallelismConfig(**layout)
     dims = config.resolve(world)
     module = MODELS[model]()
-    mesh = dims.build_mesh("cpu")
-    parallelized = parallelize(module, dims, config, mesh=mesh)
+    meshes = dims.build("cpu")
+    mesh = meshes.world
+    parallelized = parallelize(module, meshes, config)
     engine = build_engine(parallelized, config)
     pipeline = parallelized.pipeline  # its stages exchange shapes on the first step, as in fit
     step = STEP if pipeline is None else StepSpec(STEP.micro_batch_size * pipeline.num_microbatches, STEP.sequence_length)

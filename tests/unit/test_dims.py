@@ -1,6 +1,7 @@
 import pytest
 
 from lightning_ciuic import ParallelDims
+from lightning_ciuic.parallel.axes import Axis
 
 
 def test_auto_data_parallel_takes_the_rest_of_the_world():
@@ -71,3 +72,90 @@ def test_with_diloco_the_experts_are_spread_over_each_replicas_tensor_parallel_p
     assert not without.ep_over_tp and without.edp == 1  # the replicated layout borrows data-parallel ranks
     with pytest.raises(ValueError, match=r"expert_parallel_size=2 with diloco: .* must equal tensor_parallel_size=1"):
         ParallelismConfig(data_parallel_size=2, expert_parallel_size=2, diloco=DiLoCo())
+
+
+# -- what a rank holds: coordinates and layout keys -------------------------------------------------------------
+def _keys(dims):
+    return [dims.layout_key(rank) for rank in range(dims.world_size)]
+
+
+def test_expert_parallel_over_the_tp_peers_and_over_the_dp_ranks_of_equal_degrees_get_different_keys():
+    """dp 2 x tp 2 x ep 2 both: under DiLoCo rank r's expert peers are its tp peers, without it its dp peers. Same
+    degrees, other experts on other ranks: a per-rank state keyed by degrees alone would restore onto the wrong shard."""
+    from lightning_ciuic import DiLoCo
+    from lightning_ciuic.config import ParallelismConfig
+
+    layout = dict(data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=2)
+    plain = ParallelismConfig(**layout).resolve(4)
+    diloco = ParallelismConfig(**layout, diloco=DiLoCo()).resolve(4)
+    assert (plain.pp, plain.dp, plain.tp, plain.ep) == (diloco.pp, diloco.dp, diloco.tp, diloco.ep)
+    assert [plain.coordinates(r)[Axis.EP] for r in range(4)] == [0, 0, 1, 1]  # ranks 0, 2 exchange tokens
+    assert [diloco.coordinates(r)[Axis.EP] for r in range(4)] == [0, 1, 0, 1]  # ranks 0, 1 do
+    assert all(p != d for p, d in zip(_keys(plain), _keys(diloco)))
+    assert (plain.layout_key(1), diloco.layout_key(1)) == ("pp0of1.tp1of2.ep0of2-dp2", "pp0of1.tp1of2.ep1of2-dp1xtp2")
+    assert len(set(_keys(plain))) == 4  # each rank its own experts and tp slice
+    assert _keys(diloco)[:2] == _keys(diloco)[2:] != _keys(diloco)[:1] * 2  # each replica the same two shards
+
+
+def test_ranks_that_hold_equal_state_share_a_key_and_no_other_does():
+    replicated = ParallelDims.resolve(8, tensor_parallel_size=2)  # dp 4: replicas of each tp slice
+    assert _keys(replicated) == ["pp0of1.tp0of2", "pp0of1.tp1of2"] * 4
+    hsdp = ParallelDims.resolve(8, data_parallel_shard_size=2, tensor_parallel_size=2)  # dp_replicate 2 x dp_shard 2
+    keys = _keys(hsdp)
+    for rank in range(8):
+        c = hsdp.coordinates(rank)
+        same = {r for r in range(8) if keys[r] == keys[rank]}
+        assert same == {r for r in range(8) if (hsdp.coordinates(r)[Axis.DP_SHARD], hsdp.coordinates(r)[Axis.TP]) == (c[Axis.DP_SHARD], c[Axis.TP])}
+    piped = ParallelDims.resolve(4, pipeline_parallel_size=2)
+    assert _keys(piped) == ["pp0of2.tp0of1", "pp0of2.tp0of1", "pp1of2.tp0of1", "pp1of2.tp0of1"]
+    # An elastic change of the replicas keeps every key; of the shards' degree, none.
+    assert set(_keys(ParallelDims.resolve(12, data_parallel_shard_size=2, tensor_parallel_size=2))) == set(keys)
+    assert not set(_keys(ParallelDims.resolve(8, data_parallel_shard_size=4, tensor_parallel_size=2))) & set(keys)
+    with pytest.raises(ValueError, match=r"global_rank=8 is outside the world of 8 ranks \(pp=1 x dp=4"):
+        hsdp.layout_key(8)
+
+
+LAYOUTS = [  # (world, degrees): the views build() makes, against the arithmetic of coordinates()
+    (16, dict(pipeline_parallel_size=2, data_parallel_size=4, data_parallel_shard_size=2, tensor_parallel_size=2, expert_parallel_size=2)),
+    (8, dict(data_parallel_size=2, tensor_parallel_size=4, expert_parallel_size=4, diloco=True)),
+    (8, dict(data_parallel_size=4, tensor_parallel_size=2, expert_parallel_size=4)),  # ep = 2 dp ranks x tp
+]
+
+
+@pytest.mark.parametrize("world, degrees", LAYOUTS)
+def test_every_view_is_built_once_and_agrees_with_the_coordinates(world, degrees):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_ciuic import DiLoCo
+    from lightning_ciuic.config import ParallelismConfig
+
+    config = ParallelismConfig(**{**degrees, "diloco": DiLoCo() if degrees.get("diloco") else None})
+    dims = config.resolve(world)
+    for rank in (0, world // 2 + 1, world - 1):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            meshes = dims.build("cpu")
+            coords = dims.coordinates(rank)
+            for axes, mesh in meshes.views.items():
+                if len(axes) == 1:
+                    assert mesh.get_local_rank() == coords[axes[0]], (rank, axes)
+            assert meshes.mesh(Axis.EP) is meshes.ep_mesh and meshes.ep_mesh.size() == dims.ep
+            assert meshes.expert_data_mesh.size() == dims.edp * (dims.dp_replicate if dims.sharded else 1)
+            assert meshes.data_parallel_mesh is (meshes.fsdp_mesh if dims.sharded else meshes.mesh(Axis.DP))
+            assert meshes.world["data_parallel"].size() == dims.dp  # Lightning's names for the same axes
+        finally:
+            dist.destroy_process_group()
+
+
+def test_a_view_the_layout_lacks_is_named_with_the_ones_it_has():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        meshes = ParallelDims.resolve(4, tensor_parallel_size=2).build("cpu")
+        with pytest.raises(KeyError, match=r"no \(<Axis.EP: 'ep'>,\) view in the layout pp=1 x dp=2 x tp=2 .* it has \(dp\), \(pp\), \(tp\)"):
+            meshes.mesh(Axis.EP)
+    finally:
+        dist.destroy_process_group()

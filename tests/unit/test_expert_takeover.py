@@ -101,7 +101,7 @@ def ep2():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         dims = ParallelDims.resolve(2, data_parallel_size=2, expert_parallel_size=2)
-        yield lambda module: shard_experts(module, dims, dims.build_mesh("cpu"))
+        yield lambda module: shard_experts(module, dims.build("cpu"))
     finally:
         dist.destroy_process_group()
 

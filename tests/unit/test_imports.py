@@ -31,6 +31,7 @@ def test_every_floor_module_imports_with_lightning_blocked():
         f"for name in {modules!r}:\n"
         "    __import__(name)\n"
         "assert not [m for m in sys.modules if m.startswith('lightning.')], 'Lightning got imported'\n"
+        "assert 'lightning_ciuic.config' not in sys.modules, 'a floor imports the config: the arrow runs from it down'\n"
         "import lightning_ciuic\n"
         "assert lightning_ciuic.ParallelDims.__name__ == 'ParallelDims'  # public names of the floors load lazily\n"
     )

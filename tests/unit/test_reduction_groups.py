@@ -29,7 +29,7 @@ def _moe(layout: dict, world: int = 4):
     dims = config.resolve(world)
     torch.manual_seed(0)
     module = DeepSeekMini(**{**TINY_MODEL, "n_routed_experts": 4})
-    return module, parallelize(module, dims, config, mesh=dims.build_mesh("cpu")), config
+    return module, parallelize(module, dims.build("cpu"), config), config
 
 
 def test_a_replicated_expert_parallel_engine_counts_the_experts_gradient_bytes():
@@ -74,7 +74,7 @@ def test_build_engine_reads_the_bucket_size_and_timeout_from_the_config():
         module = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
         config = ParallelismConfig(data_parallel_size=2, bucket_size_mb=0.01, sync_timeout=12.0)
         dims = config.resolve(2)
-        engine = build_engine(parallelize(module, dims, config, mesh=dims.build_mesh("cpu")), config)
+        engine = build_engine(parallelize(module, dims.build("cpu"), config), config)
         assert engine.synchronizer.timeout == timedelta(seconds=12)
         assert len(engine.synchronizer.buckets) == 4  # 64 x 64 float32 weights are 16 KiB, over 10 KiB buckets
         engine.close()

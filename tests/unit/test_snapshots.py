@@ -225,12 +225,12 @@ def test_default_store_root_exists():
     assert os.path.isdir(SnapshotRecovery().shm_root)
 
 
-def _dims(world_size, tp=1, dp_shard=1):
-    return ParallelDims(pp=1, dp=world_size // tp, tp=tp, world_size=world_size, dp_shard=dp_shard)
+def _dims(world_size, tp=1, dp_shard=1, ep=1):
+    return ParallelDims(pp=1, dp=world_size // tp, tp=tp, world_size=world_size, dp_shard=dp_shard, ep=ep)
 
 
-def _holding(holder, step, world, rank, where="own", tp=1, dp_shard=1):
-    layout = _dims(world, tp, dp_shard).layout_key()
+def _holding(holder, step, world, rank, where="own", tp=1, dp_shard=1, ep=1):
+    layout = _dims(world, tp, dp_shard, ep).layout_key(rank)
     return Holding(holder=holder, where=where, step=step, world_size=world, rank=rank, layout=layout)
 
 
@@ -252,6 +252,16 @@ def test_restore_plans_across_a_data_parallel_size_change():
     tp_kept = plan_restores([_holding(0, 5, 2, 0, tp=2), _holding(1, 5, 2, 1, tp=2)], _dims(4, tp=2))
     assert [s.rank for s in tp_kept[0].sources] == [0, 1, 0, 1]  # the same tensor-parallel shard
     assert plan_restores([_holding(0, 5, 2, 0, tp=2), _holding(1, 5, 2, 1, tp=2)], _dims(2, tp=1)) == []
+
+
+def test_a_grown_expert_parallel_run_takes_each_ranks_state_from_a_rank_holding_its_experts():
+    """ep 2 over the data-parallel ranks: ranks 0, 2, ... hold the first half of the experts, 1, 3, ... the second.
+    Grown from 2 to 4 ranks, rank 3 must take rank 1's state (the tensor-parallel coordinate, equal for all, took
+    rank 0's: the other experts' weights in the shapes of its own)."""
+    held = [_holding(0, 9, 2, 0, ep=2), _holding(1, 9, 2, 1, ep=2)]
+    grown = plan_restores(held, _dims(4, ep=2))
+    assert [s.rank for s in grown[0].sources] == [0, 1, 0, 1] and grown[0].resharded
+    assert plan_restores(held, _dims(4)) == []  # without expert parallelism each rank needs every expert
 
 
 def test_a_sharded_runs_snapshots_restore_only_into_the_same_layout():

@@ -37,7 +37,7 @@ class Holding:
     step: int
     world_size: int  # of the run that took it
     rank: int  # the rank whose state it is, in that run
-    layout: str  # that run's ParallelDims.layout_key(): what the shapes of a rank's state depend on
+    layout: str  # that run's ParallelDims.layout_key(rank): what the shapes of the rank's state depend on
     loss: Optional[float] = None
 
 
@@ -59,26 +59,27 @@ class RestorePlan:
 def plan_restores(holdings: Iterable[Holding], dims: ParallelDims) -> list[RestorePlan]:
     """Every snapshot step the current run (``dims``: its world size and layout) can restore, newest first.
 
-    A rank restores its own state from the same layout (:meth:`ParallelDims.layout_key` and world size), or, when
-    only the data-parallel size changed in a replicated run without pipeline stages, the state of any rank with its
-    tensor-parallel coordinate: data-parallel replicas hold the same model and optimizer state. A sharded run's
-    snapshot holds one rank's shards: only the same layout restores it (another layout resumes from a checkpoint,
-    which DCP reshards). A holding on the rank itself is preferred to one another process must send.
+    A rank restores its own state from the same world size and its own holding of its layout key
+    (:meth:`ParallelDims.layout_key`: its coordinates on every axis that shapes what it holds), or, when only the
+    data-parallel size changed in a replicated run without pipeline stages, the state of any rank of its key:
+    data-parallel replicas with equal tensor-parallel and expert-parallel coordinates hold the same model and optimizer
+    state. A sharded run's snapshot holds one rank's shards: only the same layout restores it (another layout resumes
+    from a checkpoint, which DCP reshards). A holding on the rank itself is preferred to one another process must send.
     """
-    world_size, layout = dims.world_size, dims.layout_key()
+    world_size = dims.world_size
+    keys = [dims.layout_key(rank) for rank in range(world_size)]
     by_step: dict[tuple[int, int], list[Holding]] = {}
     for holding in holdings:
         by_step.setdefault((holding.step, holding.world_size), []).append(holding)
+    reshardable = not dims.pp_enabled and not dims.sharded
     plans = []
     for (step, world), found in by_step.items():
-        same_layout = world == world_size and all(h.layout == layout for h in found)
-        reshardable = not dims.pp_enabled and not dims.sharded and all(h.layout == layout for h in found)
         sources = []
-        for rank in range(world_size):
-            if same_layout:
-                fits = [h for h in found if h.rank == rank]
+        for rank, key in enumerate(keys):
+            if world == world_size:
+                fits = [h for h in found if h.rank == rank and h.layout == key]
             elif reshardable:
-                fits = [h for h in found if h.rank % dims.tp == rank % dims.tp]
+                fits = [h for h in found if h.layout == key]
             else:
                 fits = []
             if not fits:

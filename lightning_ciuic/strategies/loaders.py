@@ -1,0 +1,44 @@
+"""HybridParallelStrategy's data-loader glue: every loader split over the data-parallel ranks only.
+
+Contract: :func:`process_dataloader(strategy, dataloader)` checks a pipelined training loader's batch size against the
+micro-batches, points the loader at the data-parallel world (:func:`~lightning_ciuic.data.world.point_loader`:
+Lightning's samplers, LitData's streaming datasets, the user's ``DistributedSampler`` s and ``set_data_parallel``
+datasets; its notes said once, by rank zero), arms the replica's batch check for training loaders
+(:mod:`~lightning_ciuic.data.check`), keeps a map-style training loader's position for every checkpoint
+(:func:`~lightning_ciuic.data.resume.keep_position`), and returns the training loader wrapped for the pipeline's stages
+(:func:`~lightning_ciuic.data.stages.stage_loader`), any other loader as it was.
+
+Lightning is imported here (the strategy's glue).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_ciuic import compat
+from lightning_ciuic.data.resume import keep_position
+from lightning_ciuic.data.stages import stage_loader
+from lightning_ciuic.data.world import DataParallelWorld, point_loader
+
+if TYPE_CHECKING:
+    from lightning_ciuic.strategies.hybrid import HybridParallelStrategy
+
+
+def process_dataloader(strategy: HybridParallelStrategy, dataloader: object) -> object:
+    batch_size = getattr(dataloader, "batch_size", None)
+    training = strategy.lightning_module.trainer.state.stage == RunningStage.TRAINING
+    if strategy.pipeline is not None and training and isinstance(batch_size, int):
+        strategy.pipeline.check_batch_size(batch_size, where=f"the {type(dataloader).__name__}'s batch_size")
+    whole = DataParallelWorld(strategy.global_rank, strategy.world_size)
+    report = point_loader(dataloader, strategy.data_parallel_world, whole)
+    for note in report.notes:
+        rank_zero_info(f"HybridParallelStrategy: {report.description}: {note}.")
+    if not training:
+        return dataloader
+    strategy.batch_check.arm(report)
+    trainer = strategy.lightning_module.trainer
+    dataloader = keep_position(dataloader, lambda: compat.epoch_position(trainer))  # every checkpoint resumes at its batch
+    return stage_loader(dataloader, strategy.pipeline, strategy.lightning_module)

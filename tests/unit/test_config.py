@@ -1,0 +1,92 @@
+"""ParallelismConfig: the strategy's flat arguments packed by name, and every rule between arguments, each with its
+message (the strategy's own construction errors are in test_strategy_args.py)."""
+
+import inspect
+
+import pytest
+import torch
+
+from lightning_ciuic import DiLoCo, HybridParallelStrategy
+from lightning_ciuic.comm.hooks import GradientQuantizer
+from lightning_ciuic.config import STRATEGY_ARGS, ParallelismConfig
+
+
+def test_every_flat_argument_lands_in_its_field_by_name():
+    config = ParallelismConfig.from_strategy_args(
+        pipeline_parallel_size=2, data_parallel_size=4, tensor_parallel_size=2, data_parallel_shard_size=2,
+        pipeline_schedule="gpipe", num_microbatches=8, pipeline_split_points=["layers.2"],
+        fsdp_units=["layers.0"], reshard_after_forward=False, weight_all_gather_compression="int8",
+        communication_compression="bf16", compression_warmup_steps=3, process_group_backend="gloo",
+        gradient_checkpointing=1,
+    )
+    assert config.degrees == dict(
+        pipeline_parallel_size=2, data_parallel_size=4, tensor_parallel_size=2, data_parallel_shard_size=2,
+        expert_parallel_size=1,
+    )
+    assert (config.pipeline.schedule, config.pipeline.num_microbatches, config.pipeline.split_points) == ("gpipe", 8, ("layers.2",))
+    assert (config.sharding.units, config.sharding.reshard_after_forward, config.sharding.weight_codec) == (("layers.0",), False, "int8")
+    assert (config.compression.mode, config.compression.warmup_steps) == ("bf16", 3)
+    assert config.process_group_backend == "gloo" and config.gradient_checkpointing is True
+    assert ParallelismConfig.from_strategy_args() == ParallelismConfig()  # nothing given: every default
+    assert ParallelismConfig.from_strategy_args(weight_all_gather_compression="none").sharding.weight_codec is None
+
+
+def test_a_gradient_quantizer_gives_its_mode_and_error_feedback():
+    config = ParallelismConfig.from_strategy_args(communication_compression=GradientQuantizer(bits=4, error_feedback=False))
+    assert (config.compression.mode, config.compression.error_feedback) == ("nf4", False)
+
+
+def test_an_unknown_argument_is_named():
+    with pytest.raises(TypeError, match=r"unknown arguments \['bucket_sise_mb'\]; it takes \['allreduce_algorithm'"):
+        ParallelismConfig.from_strategy_args(bucket_sise_mb=4)
+
+
+def test_the_strategys_arguments_are_the_configs_by_the_same_names():
+    """The strategy packs its arguments by these names: each must be one of its parameters, with the same default."""
+    parameters = inspect.signature(HybridParallelStrategy.__init__).parameters
+    assert set(STRATEGY_ARGS) <= set(parameters)
+    defaults = {name: parameters[name].default for name in STRATEGY_ARGS}
+    assert ParallelismConfig.from_strategy_args(**defaults) == ParallelismConfig()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"communication_compression": "int8", "process_group_backend": "ucc"},
+            r"communication_compression='int8' needs all_to_all, all_gather_single and point-to-point sends, supported"
+            r" here on 'gloo' and 'nccl'; got process_group_backend='ucc'. Use 'gloo'/'nccl' or communication_compression='none'",
+        ),
+        ({"process_group_backend": "nccl2"}, r"process_group_backend='nccl2' is not a torch.distributed backend; use one of \('gloo'"),
+        ({"weight_all_gather_compression": "fp8"}, r"weight_all_gather_compression='fp8' is not one of 'none', 'int8'"),
+        (
+            {"weight_all_gather_compression": "int8"},
+            r"weight_all_gather_compression='int8' compresses the all-gather of sharded parameters, and"
+            r" data_parallel_shard_size=1 keeps whole replicas",
+        ),
+        (
+            {"diloco": DiLoCo(), "communication_compression": "fp16"},
+            r"communication_compression='fp16' compresses every step's gradient sync, which DiLoCo does not run",
+        ),
+        ({"expert_dispatch_compression": "fp8"}, r"expert_dispatch_compression='fp8' compresses the tokens .* expert_parallel_size=1 sends none"),
+    ],
+)
+def test_every_rule_between_arguments_says_what_was_given_and_what_works(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelismConfig.from_strategy_args(**kwargs)
+
+
+def test_the_rules_between_arguments_and_devices():
+    ParallelismConfig(process_group_backend="nccl").check_devices("cuda")
+    with pytest.raises(ValueError, match=r"process_group_backend='nccl' needs CUDA devices, but this run's devices are 'cpu'; use 'gloo'"):
+        ParallelismConfig(process_group_backend="nccl").check_devices("cpu")
+    with pytest.raises(ValueError, match=r"fsdp_cpu_offload=True keeps shards in host memory .* leave fsdp_cpu_offload=False"):
+        ParallelismConfig.from_strategy_args(fsdp_cpu_offload=True, data_parallel_shard_size=2).check_devices("cpu")
+
+
+def test_precision_is_resolved_in_one_place():
+    config = ParallelismConfig.from_strategy_args(data_parallel_shard_size=2, communication_compression="int8")
+    mixed = config.with_precision("bf16-mixed").sharding
+    assert (mixed.param_dtype, mixed.reduce_dtype, mixed.gradient_codec) == (torch.bfloat16, torch.float32, "int8")
+    full = config.with_precision("32-true").sharding
+    assert (full.param_dtype, full.reduce_dtype) == (None, None)
