@@ -270,6 +270,17 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def has_grouped_mm() -> bool:
+    """Whether this torch has ``torch._grouped_mm`` (private op, torch 2.8+)."""
+    return hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(rows, weights, offs=offsets)`` (private op, torch 2.8+): row group ``g`` (ending at
+    ``offsets[g]``) times ``weights[g]``: the experts' grouped GEMM."""
+    return torch._grouped_mm(rows, weights, offs=offsets)
+
+
 @contextmanager
 def forward_hooks_suspended(module: Any) -> Iterator[None]:
     """Calls of ``module`` run its ``forward`` alone, without its own forward (pre-)hooks, inside this context."""

@@ -212,3 +212,10 @@ def test_transformers_experts_are_told_by_their_decorators_forward_and_gating():
         assert compat.hugging_face_experts_layout(OwnGate(config))["default_gate"] is False
         assert compat.hugging_face_experts_layout(OwnForward(config)) is None
     assert compat.hugging_face_experts_layout(torch.nn.Linear(2, 2)) is None
+
+
+def test_grouped_mm_multiplies_each_row_group_by_its_own_weights():
+    assert compat.has_grouped_mm()
+    rows, weights = torch.randn(5, 16), torch.randn(2, 16, 8)
+    out = compat.grouped_mm(rows, weights, torch.tensor([2, 5], dtype=torch.int32))
+    torch.testing.assert_close(out, torch.cat([rows[:2] @ weights[0], rows[2:] @ weights[1]]))

@@ -15,10 +15,9 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from examples.deepseek import PackedExperts
-from lightning_ciuic.parallel import expert_forward
 from lightning_ciuic.parallel.dims import ParallelDims
-from lightning_ciuic.parallel.expert_forward import check_takeover, dispatched_output
-from lightning_ciuic.parallel.experts import shard_experts
+from lightning_ciuic.parallel.experts import check_takeover, dispatched_output, shard_experts
+from lightning_ciuic.parallel.experts import takeover as expert_forward
 
 E, H, I = 4, 16, 8
 FORM = r"Expert parallelism takes over packed SwiGLU experts: gate_up_proj \[E, 2I, H\] \(the I gate rows, then the I up rows\)"
