@@ -300,8 +300,6 @@ def repeated_layers(module: nn.Module) -> Optional[nn.ModuleList]:
 def _fake_rank(rank: int, plan: Any, build: ModuleFactory, config: ParallelismConfig, depth: Optional[int]) -> Iterator[Any]:
     """Inside: ``rank``'s part of the module ``build`` makes (its layer list cut to ``depth`` layers; None: whole),
     parallelized on the fake process group and allocated on fake tensors; yields the ``Parallelized`` and the mesh."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     dims = config.resolve(plan.world_size)
     with fake_world(rank, plan.world_size):
         mesh = dims.build_mesh("cpu")
@@ -313,7 +311,7 @@ def _fake_rank(rank: int, plan: Any, build: ModuleFactory, config: ParallelismCo
         if parallelized.experts is not None:
             parallelized.experts.assume_balanced = True  # the router's choices are values, which fake tensors lack
         with (
-            FakeTensorMode(allow_non_fake_inputs=True), compat.hugging_face_sequences_unpacked(),
+            compat.fake_tensor_mode(allow_non_fake_inputs=True), compat.hugging_face_sequences_unpacked(),
             compat.grouped_mm_on_fake_tensors_in_any_dtype(), compat.attention_held_as_cuda_holds_it(),
         ):
             materialize(module, torch.device("cpu"))

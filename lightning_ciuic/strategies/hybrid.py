@@ -389,7 +389,7 @@ class HybridParallelStrategy(ParallelStrategy):
         set_data_parallel_world(self.data_parallel_world)
         rank_zero_info(f"HybridParallelStrategy: {self.parallel_dims}, backend {self.process_group_backend}")
         if self.lightning_module is not None:  # set up without a module too (collectives only), as DDPStrategy is
-            self.lightning_module._device_mesh = self._device_mesh  # read by LightningModule.device_mesh
+            compat.set_module_device_mesh(self.lightning_module, self._device_mesh)  # LightningModule.device_mesh
 
     def _init_process_group(self) -> None:
         if dist.is_initialized():
