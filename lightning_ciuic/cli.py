@@ -223,7 +223,7 @@ def plan_command(argv: list[str]) -> int:
     2 when the layout does not work, 3 when a pipeline stage's step failed in a worker process (one line)."""
     from lightning_ciuic.planner import plan
     from lightning_ciuic.planner.estimate import Hardware, parse_flops, parse_links
-    from lightning_ciuic.planner.step import StepSpec
+    from lightning_ciuic.planner.train_step import StepSpec
     from lightning_ciuic.planner.workers import StageStepFailed
 
     parser = argparse.ArgumentParser(prog="lightning-ciuic plan", usage=PLAN_USAGE.removeprefix("usage: "), add_help=True)

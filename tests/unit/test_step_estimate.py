@@ -84,3 +84,27 @@ def test_the_uneven_shards_warning_says_the_ratio_the_cause_and_remedies_that_fi
     experts = imbalance([_sharded_layout("model.layers.3.mlp.experts.gate_up_proj", 8, 64, 48)])
     assert "all of it" in experts and "smaller than the ranks sharding it" in experts
     assert "shard the experts with expert_parallel_size" in experts
+
+
+def test_the_stage_boundaries_are_found_once_per_configuration_and_compared_across_them(monkeypatch):
+    import torch
+
+    from lightning_ciuic.config import ParallelismConfig
+    from lightning_ciuic.planner import step
+
+    found = []
+
+    def boundaries(world_size, build, config, spec, depth):
+        found.append((config, depth))
+        width = 8 if depth is None else depth
+        return {s: (torch.empty(2, width, device="meta"), torch.empty(2, width, device="meta")) for s in range(2)}
+
+    monkeypatch.setattr(step, "stage_boundaries", boundaries)
+    known, config, spec = step.StageBoundaries(), ParallelismConfig(), step.StepSpec(2, 4)
+    first = known.of(4, None, config, spec, 2)
+    assert known.of(4, None, config, spec, 2) is first and found == [(config, 2)]  # the second stage asks: no search
+    known.of(4, None, config, spec, 4)
+    assert found == [(config, 2), (config, 4)]
+    assert known.signature(1) == tuple(
+        (((2, w), (w, 1), torch.float32, False), ((2, w), (w, 1), torch.float32, False)) for w in (2, 4)
+    )
