@@ -126,11 +126,11 @@ def test_every_import_between_units_goes_down_the_floors():
     floor = {unit: i for i, unit in enumerate(FLOOR_ORDER)}
     imports = package_imports()
     assert len(imports) > 100  # the scan sees lazy imports too (cli.py's commands import inside functions)
-    upward = [
+    upward = list(dict.fromkeys(  # one line per import statement
         f"{where}  ({unit} imports {imported}, which is above it)"
         for unit, imported, where in imports
         if floor[imported] > floor[unit] and (unit, imported) not in PENDING
-    ]
+    ))
     assert not upward, "imports that run up the floors (FLOOR_ORDER):\n" + "\n".join(upward)
     still_pending = {(unit, imported) for unit, imported, _ in imports} & PENDING
     assert still_pending == PENDING, f"PENDING edges gone: delete {sorted(PENDING - still_pending)} from PENDING"
