@@ -4,9 +4,11 @@
 same command). Any LightningModule and LightningDataModule can be named in the config (``class_path``); the current
 directory is put on ``sys.path`` first (as uvicorn and pytest do) so a project's own modules, such as
 ``examples.deepseek``, resolve without being installed. A config file is YAML (or JSON), or TOML where its name ends in
-``.toml`` (the same keys and tables: ``[trainer.strategy.init_args]``): :data:`CONFIG_MODE`. ``lightning-ciuic --help``
+``.toml`` (the same keys and tables: ``[trainer.strategy.init_args]``):
+:data:`~lightning_ciuic.cli_parsing.CONFIG_MODE`. ``lightning-ciuic --help``
 lists the pack's commands beside Lightning's. A config whose classes cannot be built from it (a model's constructor
-refusing its arguments, ...) is said as that refusal, one line, and the command exits 2 (:class:`ConfigError`).
+refusing its arguments, ...) is said as that refusal, one line, and the command exits 2
+(:class:`~lightning_ciuic.cli_parsing.ConfigError`).
 
 ``lightning-ciuic advise RUN_DIR`` prints the CommunicationMonitor's summary and advice again, offline, from the
 ``monitor.json`` it wrote in ``RUN_DIR`` (or any folder below it); ``lightning-ciuic report RUN_DIR`` writes its
@@ -14,7 +16,9 @@ refusing its arguments, ...) is said as that refusal, one line, and the command 
 
 A bad ``communication_compression`` (``--trainer.strategy.communication_compression int9``, or the same in YAML) is
 said as the choices and what was given, instead of jsonargparse's error for each member of the argument's
-``Union[CompressionMode, GradientQuantizer]`` ("Expected a path", "dot import path", ...): :class:`PackArgumentParser`.
+``Union[CompressionMode, GradientQuantizer]`` ("Expected a path", "dot import path", ...):
+:class:`~lightning_ciuic.cli_parsing.PackArgumentParser`. The parsing lives in :mod:`lightning_ciuic.cli_parsing`,
+below this module and the planner, which reads configs with it too.
 A set-up error of the strategy (a tensor-parallel plan that does not fit, ...), of a checkpoint restore (a damaged
 checkpoint, a missing bucket, strict loading) or a pack callback's refusal at fit start is printed once, by the lowest
 rank that had it, and the command exits 1 (:func:`~lightning_ciuic.parallel.shutdown.agree_on_setup`,
@@ -45,66 +49,13 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, Optional
 
 import jsonargparse
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_ciuic  # noqa: F401  (registers the strategy names and classes)
-
-
-CONFIG_MODE = "yaml_or_toml"  # the parsers' mode: YAML (JSON is YAML), TOML for a file whose name ends in .toml
-
-
-def _toml_loads() -> tuple[Callable[[str], Any], type[Exception]]:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import toml as tomllib  # type: ignore[no-redef]
-
-        return tomllib.loads, tomllib.TomlDecodeError
-    return tomllib.loads, tomllib.TOMLDecodeError
-
-
-def load_config_text(text: str, path: Any = "") -> Any:
-    """A config's text as a Python value: TOML where ``path`` ends in ``.toml``, else jsonargparse's YAML loader (every
-    value given on the command line too)."""
-    if str(path).lower().endswith(".toml"):
-        return _toml_loads()[0](text)
-    return jsonargparse.get_loader("yaml")(text)
-
-
-def _register_config_mode() -> None:
-    import yaml
-
-    jsonargparse.set_loader(CONFIG_MODE, load_config_text, (yaml.YAMLError, _toml_loads()[1]))
-
-
-_register_config_mode()
-
-
-class ConfigError(ValueError):
-    """The config's classes could not be built from it: the refusal, as one message (see :func:`instantiation_error`)."""
-
-
-def instantiation_error(message: str) -> str:
-    """jsonargparse's ``message`` about a class it could not build, or, where it wraps one refusal in its list of every
-    type the value could have been ("Does not validate against any of the Union subtypes ... - Expected a <class
-    'NoneType'>"), that refusal alone."""
-    lines = message.splitlines()
-    if "Errors:" not in lines:
-        return message
-    items: list[list[str]] = []
-    for line in lines[lines.index("Errors:") + 1:]:
-        if line.startswith("  - "):
-            items.append([line[4:]])
-        elif line.startswith("    ") and items:
-            items[-1].append(line.strip())
-        else:
-            break
-    refusals = [" ".join(item) for item in items if not item[0].startswith("Expected a <class 'NoneType'>")]
-    return refusals[0] if len(refusals) == 1 else message
+from lightning_ciuic.cli_parsing import ConfigCLI, ConfigError
 
 
 def _latest_monitor_json(run_dir: str) -> Optional[Path]:
@@ -273,7 +224,7 @@ def plan_command(argv: list[str]) -> int:
     from lightning_ciuic.planner import plan
     from lightning_ciuic.planner.efficiency import KERNEL_EFFICIENCY
     from lightning_ciuic.planner.estimate import Hardware, parse_flops, parse_links
-    from lightning_ciuic.planner.step import StepSpec
+    from lightning_ciuic.planner.train_step import StepSpec
     from lightning_ciuic.planner.workers import StageStepFailed
 
     parser = argparse.ArgumentParser(prog="lightning-ciuic plan", usage=PLAN_USAGE.removeprefix("usage: "), add_help=True)
@@ -422,72 +373,9 @@ def main(args: Optional[list[str]] = None) -> None:
         raise SystemExit(f"lightning-ciuic: the config does not work: {err}") from None
 
 
-_PARSER_KEY = re.compile(r'Parser key "([^"]+)":')
-_GIVEN = re.compile(r"Given value type: <class '([^']+)'>\n\s*Given value: ([^\n]*)")
-_QUANTIZER_PROBLEM = re.compile(r"Problem with given class_path '[\w.]*GradientQuantizer':\n(.*?)\n\s*Given value type", re.S)
-
-
-def compression_error(message: str) -> str:
-    """jsonargparse's ``message``, or, where it is about ``communication_compression``, what was given and the choices."""
-    from lightning_ciuic.comm.compression import COMPRESSION_MODES
-    from lightning_ciuic.comm.hooks import GradientQuantizer
-
-    keys = list(_PARSER_KEY.finditer(message))
-    at = next((i for i, key in enumerate(keys) if key.group(1).split(".")[-1] == "communication_compression"), None)
-    if at is None:
-        return message
-    block = message[keys[at].start():]
-    given = _GIVEN.search(block)
-    if given is None:
-        return message
-    kind, value = given.groups()
-    name = ".".join(key.group(1) for key in keys[: at + 1])  # "trainer.strategy" + "communication_compression"
-    shown = repr(value) if kind == "str" else value
-    problem = _QUANTIZER_PROBLEM.search(block) if kind != "str" else None
-    why = ""
-    if problem is not None:
-        why = " (the GradientQuantizer given: " + "; ".join(line.strip() for line in problem.group(1).splitlines() if line.strip()) + ")"
-    *most, last = sorted(GradientQuantizer.MODES, reverse=True)
-    bits = f"{', '.join(str(b) for b in most)} or {last}"
-    return (
-        f"{name}={shown} is not one of {', '.join(repr(m) for m in COMPRESSION_MODES)}, nor a GradientQuantizer{why}."
-        f" Give one of those, or a GradientQuantizer: --{name} GradientQuantizer --{name}.bits 8 (bits {bits};"
-        " in YAML: class_path: lightning_ciuic.GradientQuantizer, init_args: {bits: 8})."
-    )
-
-
-class PackArgumentParser(LightningArgumentParser):
-    """Lightning's parser, reading TOML config files too (:data:`CONFIG_MODE`), with the errors about
-    ``communication_compression`` said as :func:`compression_error` says."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("parser_mode", CONFIG_MODE)
-        super().__init__(*args, **kwargs)
-
-    def add_argument(self, *args: Any, **kwargs: Any) -> Any:
-        if "--config" in args and isinstance(kwargs.get("action"), type) and issubclass(kwargs["action"], jsonargparse.ActionConfigFile):
-            kwargs["help"] = "Path to a configuration file: YAML or JSON, or TOML where its name ends in .toml."
-        return super().add_argument(*args, **kwargs)
-
-    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
-        # Only where the message is printed: a class's own parser (exit_on_error=False) raises it to the outer one,
-        # whose message holds the whole path of keys.
-        super().error(compression_error(message) if self.exit_on_error else message, ex)
-
-
-class PackCLI(LightningCLI):
-    """LightningCLI whose progress bar counts to ``max_steps`` (:mod:`lightning_ciuic.progress`) and that ends ``fit``
-    with the pack's summary (rank 0); its parser is :class:`PackArgumentParser`."""
-
-    def __init__(self, *args: Any, parser_class: type[LightningArgumentParser] = PackArgumentParser, **kwargs: Any) -> None:
-        super().__init__(*args, parser_class=parser_class, **kwargs)
-
-    def instantiate_classes(self) -> None:
-        """Lightning's; a class that refuses the config's arguments is a :class:`ConfigError` saying that refusal."""
-        try:
-            super().instantiate_classes()
-        except ValueError as err:
-            raise ConfigError(instantiation_error(str(err))) from err
+class PackCLI(ConfigCLI):
+    """:class:`~lightning_ciuic.cli_parsing.ConfigCLI` whose progress bar counts to ``max_steps``
+    (:mod:`lightning_ciuic.progress`) and that ends ``fit`` with the pack's summary (rank 0)."""
 
     def before_fit(self) -> None:
         from lightning_ciuic.progress import bound_to_max_steps

@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_ciuic import compat
 from lightning_ciuic.checkpoint.huggingface import load_weights, read_config
 from lightning_ciuic.parallel.pipeline import BlockCall
 from lightning_ciuic.parallel.tensor import hugging_face_plan
@@ -198,7 +199,7 @@ class HuggingFaceCausalLM(PipelineModule, LightningModule):
     def tensor_parallel_plan(self, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
         """The model's ``_tp_plan`` translated (what ``parallelize()`` applies); heads must split whole."""
         tp, config = tp_mesh.size(), self.model.config
-        plan, skipped = hugging_face_plan(self.model, self.model._tp_plan or {}, prefix="model.")
+        plan, skipped = hugging_face_plan(self.model, compat.hugging_face_tp_plan(self.model) or {}, prefix="model.")
         if any(".self_attn." in name for name in plan):  # heads are split: each rank must get whole heads
             for name in ("num_attention_heads", "num_key_value_heads"):
                 heads = getattr(config, name, None)
@@ -215,7 +216,7 @@ class HuggingFaceCausalLM(PipelineModule, LightningModule):
     def pipeline_blocks(self) -> list[str]:
         """The model's ``_pp_plan`` in forward order (base model's entries, then the head), layer lists expanded.
         A model transformers gives no ``_pp_plan`` is refused (pipeline stages and activation checkpointing cut by it)."""
-        plan = list(self.model._pp_plan or {})
+        plan = list(compat.hugging_face_pp_plan(self.model) or {})
         if not plan:
             raise ValueError(
                 f"model_type={self.hparams.model_type!r} ({type(self.model).__name__}) has no pipeline plan in"

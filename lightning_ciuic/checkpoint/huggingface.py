@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lightning_ciuic import compat
+
 CONFIG = "config.json"
 _BOOKKEEPING = ("architectures", "transformers_version", "_name_or_path", "auto_map", "dtype", "torch_dtype")
 _PACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
@@ -70,9 +72,7 @@ def _expert_range(tensor: torch.Tensor) -> tuple[int, int]:
     """The experts (dim 0) this rank holds of a packed expert tensor: ``(first, count)``; every other dim whole."""
     if not isinstance(tensor, DTensor):
         return 0, tensor.shape[0]
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    shape, offset = compat.local_shape_and_offset(tensor)
     if any(offset[1:]) or tuple(shape[1:]) != tuple(tensor.shape[1:]):
         raise ValueError(
             f"a packed expert tensor of shape {tuple(tensor.shape)} is split along a dimension other than the experts'"

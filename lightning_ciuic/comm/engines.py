@@ -12,7 +12,7 @@ Contract:
   it and the planner measures it: :class:`~lightning_ciuic.comm.sharded.Sharded` where there are FSDP2 units,
   else none without data parallelism, else :class:`~lightning_ciuic.comm.diloco.DiLoCoEngine` with
   ``config.diloco``, else :class:`~lightning_ciuic.comm.data_parallel.Replicated` (``config.bucket_size_mb``,
-  ``config.sync_timeout``). ``config`` is a :class:`~lightning_ciuic.config.ParallelismConfig` with the run's
+  ``config.sync_timeout``). ``config`` has :class:`EngineOptions` (a :class:`~lightning_ciuic.config.ParallelismConfig`) with the run's
   precision applied (``with_precision``: FSDP2's dtypes). Collective over the data-parallel ranks (the replicas'
   start is broadcast from the first).
 
@@ -21,17 +21,36 @@ No Lightning imports.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Protocol
 
 from lightning_ciuic.comm.compression import CompressionConfig
 from lightning_ciuic.comm.data_parallel import DataParallel, Replicated
-from lightning_ciuic.comm.diloco import DiLoCoEngine
+from lightning_ciuic.comm.diloco import DiLoCo, DiLoCoEngine
 from lightning_ciuic.comm.reduction import ReductionGroup
 from lightning_ciuic.comm.sharded import Sharded
+from lightning_ciuic.parallel.fsdp import ShardingConfig
 
-if TYPE_CHECKING:  # read, never built here: the config packs comm/'s settings, parallel/ is below comm/
-    from lightning_ciuic.config import ParallelismConfig
+if TYPE_CHECKING:
     from lightning_ciuic.parallel.parallelize import Parallelized
+
+
+class EngineOptions(Protocol):
+    """What :func:`build_engine` reads of a layout's options (``ParallelismConfig``, above comm/, has them)."""
+
+    @property
+    def sharding(self) -> ShardingConfig: ...
+
+    @property
+    def compression(self) -> CompressionConfig: ...
+
+    @property
+    def diloco(self) -> Optional[DiLoCo]: ...
+
+    @property
+    def bucket_size_mb(self) -> float: ...
+
+    @property
+    def sync_timeout(self) -> float: ...
 
 
 def reduction_groups(parallelized: Parallelized, compression: CompressionConfig) -> list[ReductionGroup]:
@@ -51,7 +70,7 @@ def reduction_groups(parallelized: Parallelized, compression: CompressionConfig)
     return groups
 
 
-def build_engine(parallelized: Parallelized, config: ParallelismConfig) -> Optional[DataParallel]:
+def build_engine(parallelized: Parallelized, config: EngineOptions) -> Optional[DataParallel]:
     """The engine of ``parallelized``, set up (see the module docstring); ``None`` without data parallelism."""
     engine: DataParallel
     if parallelized.fsdp is not None:

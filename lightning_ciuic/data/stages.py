@@ -15,7 +15,7 @@ Contract:
   - the rank holding the last stage reads its loader too (it needs the targets) and follows the first: it stops
     where the first stage's loader stops, and raises where its own loader ends before the first stage's;
   - a middle rank never iterates its loader (its dataset's ``__iter__`` / ``__getitem__`` are never called): it
-    yields one :class:`NotRead` per batch of the first stage, carrying that batch's inputs' shape and size, and stops
+    yields one :class:`~lightning_ciuic.parallel.pipeline_module.NotRead` per batch of the first stage, carrying that batch's inputs' shape and size, and stops
     where the first stage's loader stops, so an unsized stream ends on every stage together.
 
   A replica's data is therefore read by its first and its last pipeline stage (once per pipeline under the V-shaped
@@ -39,40 +39,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_ciuic.parallel.pipeline import stage_ids_of_rank
+from lightning_ciuic.parallel.pipeline_module import NotRead
 
 MAX_DIMS = 8  # dimensions of the inputs' shape the first stage can send
-
-
-class NotRead:
-    """What a middle pipeline stage's training loader yields in place of a batch: the first stage's inputs' ``shape``
-    (a ``torch.Size``, all the schedule needs) and ``batch_size``. It answers for the inputs' metadata only: indexing
-    it (``batch[0]``, ``batch["input_ids"]``) gives itself, and ``size()``, ``numel()``, ``dim()`` are the inputs',
-    so a step that counts tokens runs alike on every stage; it holds no values (arithmetic on it, iterating it
-    raise ``TypeError``)."""
-
-    __iter__ = None  # not iterable (indexing it gives itself)
-
-    def __init__(self, shape: tuple[int, ...]) -> None:
-        self.shape = torch.Size(shape)
-
-    @property
-    def batch_size(self) -> int:
-        return self.shape[0] if len(self.shape) else 1
-
-    def __getitem__(self, key: Any) -> NotRead:
-        return self
-
-    def size(self, dim: Optional[int] = None) -> Any:
-        return self.shape if dim is None else self.shape[dim]
-
-    def numel(self) -> int:
-        return self.shape.numel()
-
-    def dim(self) -> int:
-        return len(self.shape)
-
-    def __repr__(self) -> str:
-        return f"NotRead(shape={tuple(self.shape)})"
 
 
 def roles(pp_size: int, stages_per_rank: int, schedule: str) -> list[str]:

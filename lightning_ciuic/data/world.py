@@ -134,7 +134,7 @@ def _litdata_datasets(dataset: Any) -> list[Any]:
 
     if isinstance(dataset, StreamingDataset):
         return [dataset]
-    return [d for child in getattr(dataset, "_datasets", []) for d in _litdata_datasets(child)]
+    return [d for child in compat.litdata_children(dataset) for d in _litdata_datasets(child)]
 
 
 def _point_litdata(loader: Any, datasets: list[Any], world: DataParallelWorld, report: LoaderReport) -> None:

@@ -50,6 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_ciuic import compat
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.dims import Meshes, ParallelDims
 from lightning_ciuic.parallel.experts import DispatchCompression, ExpertLayout, shard_experts
@@ -152,7 +153,7 @@ def tensor_parallel_plan(module: nn.Module, tp_mesh: DeviceMesh) -> Optional[Map
     own = getattr(module, "tensor_parallel_plan", None)
     if callable(own):
         return own(tp_mesh)
-    hf_plan = getattr(module, "_tp_plan", None)
+    hf_plan = compat.hugging_face_tp_plan(module)
     if hf_plan:
         plan, _ = hugging_face_plan(module, hf_plan)
         return plan

@@ -256,7 +256,7 @@ def checkpoint_activations(blocks: Sequence[nn.Module]) -> None:
 def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
-    parent._modules[child] = module
+    parent.register_module(child, module)
 
 
 def block_modules(root: nn.Module, block_names: Sequence[str]) -> list[nn.Module]:
@@ -452,7 +452,7 @@ class PipelineRunner:
                     f" num_microbatches={self.num_microbatches} (drop_last=True)."
                 ) from err
             if self.stage_metadata is not None:
-                schedule._warmup_p2p = compat.static_pipeline_warmup
+                compat.use_static_pipeline_warmup(schedule)
             self._schedules[key] = schedule
         return self._schedules[key]
 

@@ -15,8 +15,13 @@ pipeline schedule runs the micro-batches through the stages, forward and backwar
 backward is then skipped), forward only in validation, and the mean loss, computed on the last stage, is
 returned on every rank, so ``self.log`` shows the true loss everywhere. ``self.pipelined_forward(inputs)``
 gives the model's output on every rank (``predict_step``). On a middle stage (neither first nor last) the training
-batch is a :class:`~lightning_ciuic.data.stages.NotRead` (that stage does not read the data): ``pipelined_loss``
-runs the schedule on its shape.
+batch is a :class:`NotRead` (that stage does not read the data: :mod:`lightning_ciuic.data.stages`, which yields it,
+also names it): ``pipelined_loss`` runs the schedule on its shape.
+
+The module's runner is handed to it explicitly: :func:`build_pipeline` attaches the runner it builds
+(:meth:`PipelineModule.attach_pipeline`), and ``self.pipeline`` is that runner (``None`` before a cut, and in
+copies of the module: a copy is no rank's stages); the module reads nothing of the strategy's. Under a Trainer,
+``pipelined_loss`` reads the Trainer's public ``accumulate_grad_batches``.
 
 :func:`build_pipeline` cuts the module's blocks into ``pipeline_parallel_size * stages_per_rank`` stages
 (balanced by parameter count unless split points are given), keeps this rank's stages in place (parameter
@@ -35,7 +40,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ciuic import compat
-from lightning_ciuic.data.stages import NotRead
 from lightning_ciuic.validation import check_int
 from lightning_ciuic.parallel.pipeline import (
     BlockCall,
@@ -48,6 +52,40 @@ from lightning_ciuic.parallel.pipeline import (
     split_at,
     stage_ids_of_rank,
 )
+
+_RUNNER = "_ciuic_pipeline_runner"  # where a PipelineModule keeps the runner attached to it
+
+
+class NotRead:
+    """What a middle pipeline stage's training loader yields in place of a batch: the first stage's inputs' ``shape``
+    (a ``torch.Size``, all the schedule needs) and ``batch_size``. It answers for the inputs' metadata only: indexing
+    it (``batch[0]``, ``batch["input_ids"]``) gives itself, and ``size()``, ``numel()``, ``dim()`` are the inputs',
+    so a step that counts tokens runs alike on every stage; it holds no values (arithmetic on it, iterating it
+    raise ``TypeError``)."""
+
+    __iter__ = None  # not iterable (indexing it gives itself)
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = torch.Size(shape)
+
+    @property
+    def batch_size(self) -> int:
+        return self.shape[0] if len(self.shape) else 1
+
+    def __getitem__(self, key: Any) -> NotRead:
+        return self
+
+    def size(self, dim: Optional[int] = None) -> Any:
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return f"NotRead(shape={tuple(self.shape)})"
 
 
 class PipelineModule(metaclass=abc.ABCMeta):
@@ -70,24 +108,33 @@ class PipelineModule(metaclass=abc.ABCMeta):
         """How to run blocks whose forward needs more than one tensor: ``{name: call(block, x) -> y}``."""
         return {}
 
+    def attach_pipeline(self, runner: Optional[PipelineRunner]) -> None:
+        """Run this module's steps through ``runner`` (its stages on this rank; ``None``: not pipelined)."""
+        self.__dict__[_RUNNER] = runner
+
     @property
     def pipeline(self) -> Optional[PipelineRunner]:
-        """The strategy's pipeline runner, or None when the module is not pipelined."""
-        trainer = getattr(self, "_trainer", None)
-        return getattr(trainer.strategy, "pipeline", None) if trainer is not None else None
+        """The pipeline runner :func:`build_pipeline` attached, or None when the module is not pipelined."""
+        return self.__dict__.get(_RUNNER)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``, pickling) holds no runner: the runner is this rank's process groups and stages."""
+        state = dict(super().__getstate__())  # type: ignore[misc]
+        state.pop(_RUNNER, None)
+        return state
 
     def pipelined_loss(self, batch: Any) -> torch.Tensor:
         """The batch's loss; under pipeline parallelism also runs backward when training (see module docstring)."""
         runner = self.pipeline
         if isinstance(batch, NotRead):  # a middle stage's training step: the schedule needs only the inputs' shape
-            compat.set_logged_batch_size(self._trainer, batch.batch_size)
+            compat.set_logged_batch_size(self.trainer, batch.batch_size)
             inputs, targets = batch, None
         else:
             inputs, targets = self.pipeline_inputs(batch)
         if runner is None:
             return self.pipeline_loss(self(inputs), targets)
         train = bool(self.training and torch.is_grad_enabled())
-        accumulation = self._trainer.accumulate_grad_batches if train else 1
+        accumulation = self.trainer.accumulate_grad_batches if train else 1
         return runner.run(inputs, targets, train=train, loss_divisor=accumulation)
 
     def pipelined_forward(self, inputs: Any) -> Any:
@@ -141,7 +188,8 @@ def build_pipeline(
     module: nn.Module, pp_mesh: DeviceMesh, config: PipelineConfig, device: torch.device
 ) -> PipelineRunner:
     """Cut ``module`` (a :class:`PipelineModule`) into stages over ``pp_mesh`` (the layout's ``pp`` view); keep this
-    rank's, in place."""
+    rank's, in place, and
+    attach the runner to the module (:meth:`PipelineModule.attach_pipeline`)."""
     if not isinstance(module, PipelineModule):
         raise TypeError(
             f"pipeline_parallel_size={pp_mesh.size()} needs a LightningModule that implements the PipelineModule"
@@ -159,7 +207,9 @@ def build_pipeline(
         module._pipeline_layout = layout
     my_stages = stage_ids_of_rank(pp_mesh.get_local_rank(), pp_mesh.size(), per_rank, config.schedule)
     stages = partition(module, names, layout[1], my_stages, module.pipeline_block_calls())
-    return PipelineRunner(
+    runner = PipelineRunner(
         stages, my_stages, num_stages, config.schedule, config.num_microbatches, module.pipeline_loss,
         pp_mesh.get_group(), device,
     )
+    module.attach_pipeline(runner)
+    return runner

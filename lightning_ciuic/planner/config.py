@@ -6,7 +6,7 @@ instantiates the model on the meta device (nothing allocated, whatever its size)
 :class:`RunConfig`. No Trainer is built, so a config for GPUs plans on a machine without any. The strategy must be a
 :class:`~lightning_ciuic.HybridParallelStrategy` (its layout is what is planned); anything else is refused, saying
 what to write; that refusal, and a class of the config refusing its arguments, are
-:class:`~lightning_ciuic.cli.ConfigError` s (``ValueError`` s). :func:`module_factory` gives, for each rank the
+:class:`~lightning_ciuic.cli_parsing.ConfigError` s (``ValueError`` s). :func:`module_factory` gives, for each rank the
 planner builds, a fresh copy of the module with the mesh set and ``configure_model()`` run, as the strategy's set-up
 does; :func:`optimizers_of` the module's optimizers as ``configure_optimizers()`` returns them, in any of Lightning's
 forms.
@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
+from lightning_ciuic import compat
 from lightning_ciuic.config import MIXED_PRECISION_DTYPES, ParallelismConfig
 from lightning_ciuic.planner.layout import ModuleFactory
 
@@ -46,10 +47,10 @@ class RunConfig:
 
 def from_config(config: Optional[str], cli_args: Sequence[str] = ()) -> RunConfig:
     """Parse a LightningCLI config (see the module docstring)."""
-    from lightning_ciuic import HybridParallelStrategy
-    from lightning_ciuic.cli import ConfigError, PackCLI
+    from lightning_ciuic.cli_parsing import ConfigCLI, ConfigError
+    from lightning_ciuic.strategies.hybrid import HybridParallelStrategy
 
-    class PlanCLI(PackCLI):
+    class PlanCLI(ConfigCLI):
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.add_argument("--ckpt_path", default=None, help="read as fit reads it; the plan does not resume")
 
@@ -95,7 +96,7 @@ class ModuleCopies:
         if dtype is not None:
             module = module.to(dtype)
         if isinstance(module, LightningModule):
-            module._device_mesh = mesh
+            compat.set_module_device_mesh(module, mesh)
             with torch.device("meta"):
                 module.configure_model()
         return module
@@ -103,8 +104,6 @@ class ModuleCopies:
 
 def optimizers_of(module: nn.Module) -> list[torch.optim.Optimizer]:
     """The optimizers ``module.configure_optimizers()`` returns (none for a module without the method)."""
-    from lightning_ciuic import compat
-
     configure = getattr(module, "configure_optimizers", None)
     if configure is None:
         return []

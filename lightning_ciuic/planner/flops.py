@@ -21,7 +21,6 @@ from typing import Any, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from lightning_ciuic import compat
@@ -36,16 +35,10 @@ def grouped_mm_flops(mat_a: torch.Tensor, mat_b: torch.Tensor, *args: Any, out_v
     return 2 * out_val.numel() * mat_a.shape[-1]
 
 
-FORMULAS = {
-    **flop_registry,
-    torch.ops.aten._grouped_mm: grouped_mm_flops,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[torch.ops.aten._scaled_dot_product_flash_attention],
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        flop_registry[torch.ops.aten._scaled_dot_product_flash_attention_backward],
-}
+FORMULAS = {**flop_registry, **compat.private_op_flop_formulas(grouped_mm_flops)}
 
 
-class LocalFlops(compat.WatchesShapePropagation, TorchDispatchMode):
+class LocalFlops(compat.WatchesShapePropagation, compat.TorchDispatchMode):
     """Counts this rank's FLOPs (see the module docstring)."""
 
     def __init__(self) -> None:
@@ -58,7 +51,7 @@ class LocalFlops(compat.WatchesShapePropagation, TorchDispatchMode):
             return NotImplemented  # DTensor runs the local ops, which come back here
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = FORMULAS.get(func._overloadpacket)
+        formula = FORMULAS.get(compat.overload_packet(func))
         if formula is not None and not self.propagating:
             flops = int(formula(*args, **kwargs, out_val=out))
             self.total += flops

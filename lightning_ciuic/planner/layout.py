@@ -48,13 +48,11 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
     at once and move nothing. ``sys.excepthook`` is left as it was: ``init_process_group`` wraps it to put
     ``[rank<r>]:`` before every line of an uncaught traceback, and a plan makes a group for each rank it builds, so
     the prefixes would pile up (``[rank1920]: [rank1792]: ...`` on every line)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError("plan() runs on torch's fake process group and a process group exists already: call it outside a run.")
     hook = sys.excepthook
     try:
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=world_size)
     finally:
         sys.excepthook = hook
     try:

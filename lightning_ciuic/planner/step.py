@@ -20,7 +20,8 @@ Pipeline stages (``pp > 1``): each step is the layout's own schedule (torch's, t
 :class:`~lightning_ciuic.parallel.pipeline.PipelineRunner`) over ``num_microbatches`` micro-batches of that size, in
 the schedule's action order, so the micro-batches in flight at the peak are the schedule's. A fake process group
 delivers nothing, so the stages are given what a real run's exchange on its first step: each stage's input and output
-(:func:`stage_boundaries`, stage by stage from a fake forward of the previous one's output); and a stage's sends keep
+(:func:`stage_boundaries`, stage by stage from a fake forward of the previous one's output, found once per
+configuration and shared by the stages: :class:`StageBoundaries`); and a stage's sends keep
 their tensors until the schedule waits for them, as a real process group's do
 (:func:`~lightning_ciuic.compat.pipeline_sends_held`). Point-to-point sends are counted with the collectives (axis
 ``pp``).
@@ -47,8 +48,8 @@ another size); the model states come from the static phase, for all ``L`` layers
 layer, or puts other blocks between two stages' layers, is stepped whole, as is every model when
 ``EXTRAPOLATION_DEPTH`` is larger than half the layers per stage.
 
-:func:`train_steps` is the one loop, run on fake tensors here and on real ones by the test that holds the planner to
-real runs. It drives a :class:`~lightning_ciuic.parallel.pipeline_module.PipelineModule` (``pipelined_loss`` on
+:func:`~lightning_ciuic.planner.train_step.train_steps` is the one loop, run on fake tensors here and on real ones by
+the test that holds the planner to real runs (:mod:`~lightning_ciuic.planner.train_step`). It drives a :class:`~lightning_ciuic.parallel.pipeline_module.PipelineModule` (``pipelined_loss`` on
 ``(input_ids, targets)``: the pack's causal LMs and ``HuggingFaceCausalLM``). Mixture-of-experts models step under
 expert parallelism, the pack's dispatch routing as if balanced (``ExpertLayout.assume_balanced``: the number of tokens
 each expert gets is a value, which fake tensors do not have); with ``expert_parallel_size=1`` their own experts'
@@ -62,94 +63,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ciuic import compat
-from lightning_ciuic.comm.data_parallel import DataParallel
 from lightning_ciuic.comm.engines import build_engine
 from lightning_ciuic.config import ParallelismConfig
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.experts import packed_experts
 from lightning_ciuic.parallel.fsdp import materialize
-from lightning_ciuic.parallel.parallelize import parallelize
-from lightning_ciuic.parallel.pipeline import PipelineRunner, forwards_in_flight, stage_ids_of_rank
+from lightning_ciuic.parallel.parallelize import Parallelized, parallelize
+from lightning_ciuic.parallel.pipeline import forwards_in_flight, stage_ids_of_rank
 from lightning_ciuic.parallel.pipeline_module import PipelineModule, stage_starts
-from lightning_ciuic.planner.flops import LocalFlops
 from lightning_ciuic.planner.layout import ModuleFactory, OptimizerFactory, fake_world, stage_representatives
-from lightning_ciuic.planner.traffic import CollectiveTraffic
-from lightning_ciuic.strategies.redirection import through_root
-from lightning_ciuic.tensors import local_tensor
+from lightning_ciuic.planner.report import Plan
+from lightning_ciuic.planner.train_step import StepFigures, StepSpec, token_batch, train_steps
 
-
-@dataclass(frozen=True)
-class StepSpec:
-    """The micro-batch a step phase runs: ``micro_batch_size`` sequences of ``sequence_length`` tokens."""
-
-    micro_batch_size: int
-    sequence_length: int
-
-    def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "sequence_length"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+Boundary = tuple[torch.Tensor, torch.Tensor]  # a pipeline stage's input and output for one micro-batch (meta tensors)
 
 
 EXTRAPOLATION_DEPTH = 2
-
-
-@dataclass(frozen=True)
-class StepFigures:
-    """What a plan takes from a step: bytes, FLOPs and the collectives' bytes and groups."""
-
-    activations: int  # the peak less the model states
-    traffic: dict[str, dict[str, int]]  # mesh axis -> collective -> bytes this rank sent in the step
-    axis_ranks: dict[str, list[int]]  # mesh axis -> the global ranks of this rank's group on it
-    flops: int  # recomputed forwards included
-    forward_flops: int
-
-    def extended(self, deeper: "StepFigures", depth: int, layers: int) -> "StepFigures":
-        """The figures at ``layers`` layers, on the line through ``self`` (``depth`` layers) and ``deeper`` (2x)."""
-
-        def line(a: int, b: int) -> int:
-            return a + round((b - a) * (layers - depth) / depth)
-
-        axes = set(self.traffic) | set(deeper.traffic)
-        traffic = {
-            axis: {
-                name: line(self.traffic.get(axis, {}).get(name, 0), deeper.traffic.get(axis, {}).get(name, 0))
-                for name in set(self.traffic.get(axis, {})) | set(deeper.traffic.get(axis, {}))
-            }
-            for axis in axes
-        }
-        return StepFigures(
-            line(self.activations, deeper.activations), traffic, {**self.axis_ranks, **deeper.axis_ranks},
-            line(self.flops, deeper.flops), line(self.forward_flops, deeper.forward_flops),
-        )
-
-
-@dataclass(frozen=True)
-class StepMemory:
-    """What :func:`train_steps` measured on one rank (bytes)."""
-
-    peak: int
-    model_states: int  # parameters, gradients, optimizer state and engine buffers held after the step (held_bytes)
-    traffic: dict[str, dict[str, int]]  # mesh axis -> collective -> bytes this rank sent in the last step
-    axis_ranks: dict[str, list[int]]  # mesh axis -> the global ranks of this rank's group on it
-    flops: int  # counted in the last step (recomputed forwards included)
-    forward_flops: int  # counted in its forward
-
-    @property
-    def activations(self) -> int:
-        return self.peak - self.model_states
-
-    def figures(self) -> StepFigures:
-        return StepFigures(self.activations, self.traffic, self.axis_ranks, self.flops, self.forward_flops)
 
 
 def check_steppable(module: nn.Module, dims: ParallelDims) -> None:
@@ -166,116 +103,6 @@ def check_steppable(module: nn.Module, dims: ParallelDims) -> None:
             f"the step phase runs pipelined_loss((input_ids, targets)), the pack's protocol for causal LMs, and"
             f" {type(module).__name__} is not a PipelineModule: plan it without --micro-batch-size/--sequence-length."
         )
-
-
-def token_batch(module: nn.Module, spec: StepSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, targets)`` of ``spec``'s shape, within the vocabulary of the module's first embedding."""
-    embedding = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
-    vocabulary = embedding.num_embeddings if embedding is not None else 2
-    shape = (spec.micro_batch_size, spec.sequence_length)
-    return torch.randint(0, vocabulary, shape, device=device), torch.randint(0, vocabulary, shape, device=device)
-
-
-def train_steps(
-    module: nn.Module, engine: Optional[DataParallel], optimizers: Sequence[torch.optim.Optimizer],
-    batch: tuple[torch.Tensor, torch.Tensor], mesh: Any = None, steps: int = 2, pipeline: Optional[PipelineRunner] = None,
-    warm_from_zero_gradients: bool = False,
-) -> StepMemory:
-    """``steps`` training steps tracked by ``MemTracker``; the last step's peak, FLOPs and collective bytes
-    (:class:`~lightning_ciuic.planner.traffic.CollectiveTraffic`; ``mesh``: the layout's, to name its axes), and the
-    model states after it. With ``pipeline`` (this rank's stages), each step is its schedule over the whole ``batch``
-    (forward and backward of every micro-batch, in the schedule's order); MemTracker then keeps totals only
-    (:func:`~lightning_ciuic.compat.memory_tracker` without per-module statistics: a schedule calls each stage once per
-    micro-batch).
-
-    The last step is measured warm: the optimizer's state and the engine's made by the steps before it, or, with
-    ``warm_from_zero_gradients``, before the first step by what a step ends with, on zero gradients and without a
-    forward or backward (the engine's synchronization of the gradients, the optimizer's step, the gradients cleared):
-    the step phase's warm-up, a whole schedule cheaper (the tests hold its figures to real runs warmed by a step)."""
-    tracker = compat.memory_tracker(per_module=pipeline is None)
-    tracker.track_external(module, *optimizers)
-    device = batch[0].device
-    step_module = _Step(module)
-    traffic, flops = CollectiveTraffic(mesh), LocalFlops()
-    with tracker:
-        if warm_from_zero_gradients:
-            _warm_on_zero_gradients(module, engine, optimizers)
-        for step in range(steps):
-            last = step == steps - 1
-            if last:
-                tracker.reset_mod_stats()
-            with traffic if last else contextlib.nullcontext(), flops if last else contextlib.nullcontext():
-                if pipeline is None:
-                    step_module(batch).backward()
-                else:
-                    pipeline.run(*batch, train=True)
-                _end_step(engine, optimizers)
-            if not last:
-                for optimizer in optimizers:
-                    optimizer.zero_grad(set_to_none=True)
-        peak = _total(tracker.get_tracker_snapshot("peak"), device)
-    held = sum(v for k, v in held_bytes(module, engine, optimizers).items() if k != "parameters")
-    return StepMemory(
-        peak, held, {axis: dict(by) for axis, by in traffic.bytes.items()}, dict(traffic.ranks),
-        flops=flops.total, forward_flops=flops.forward,
-    )
-
-
-def _end_step(engine: Optional[DataParallel], optimizers: Sequence[torch.optim.Optimizer], accumulated: bool = False) -> None:
-    """What follows a step's backward: the engine's gradient synchronization, the optimizers' step."""
-    if engine is not None:
-        engine.after_backward(accumulated)
-    for optimizer in optimizers:
-        optimizer.step()
-
-
-def _warm_on_zero_gradients(module: nn.Module, engine: Optional[DataParallel], optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """The end of a step on zero gradients, each in its parameter's placements: the optimizers' and the engine's
-    state made as a step makes them (the engine takes the gradients as accumulated ones, present without its
-    backward hooks)."""
-    trained = [p for p in module.parameters() if p.requires_grad]
-    for p in trained:
-        p.grad = torch.zeros_like(p)
-    _end_step(engine, optimizers, accumulated=True)
-    for p in trained:
-        p.grad = None
-
-
-class _Step(nn.Module):
-    """One training step's loss as a module call: ``MemTracker`` takes a second call of its root module for the next
-    step, and an FSDP2 root is called twice in a step (its step routed through its forward, then ``self(x)``)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        if isinstance(self.module, FSDPModule):
-            return through_root(self.module, "pipelined_loss", batch)
-        return self.module.pipelined_loss(batch)
-
-
-def held_bytes(module: nn.Module, engine: Optional[DataParallel], optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, int]:
-    """What a rank holds between steps, counted on its own tensors (local shards): the static phase's figures."""
-
-    def nbytes(t: torch.Tensor) -> int:
-        local = local_tensor(t)
-        return local.numel() * local.element_size()
-
-    params = list(module.parameters())
-    states = [v for o in optimizers for state in o.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return {
-        "parameters": sum(local_tensor(p).numel() for p in params),
-        "parameter_bytes": sum(nbytes(p) for p in params),
-        "gradient_bytes": sum(nbytes(p.grad) for p in params if p.grad is not None),
-        "optimizer_bytes": sum(nbytes(t) for t in states),
-        "buffer_bytes": engine.buffer_bytes() if engine is not None else 0,
-    }
-
-
-def _total(snapshot: dict[Any, dict[Any, int]], device: torch.device) -> int:
-    per_device = snapshot.get(device) or next(iter(snapshot.values()), {})
-    return int(per_device.get("Total", 0))
 
 
 def repeated_layers(module: nn.Module) -> Optional[nn.ModuleList]:
@@ -298,13 +125,13 @@ def repeated_layers(module: nn.Module) -> Optional[nn.ModuleList]:
 
 
 @contextlib.contextmanager
-def _fake_rank(rank: int, plan: Any, build: ModuleFactory, config: ParallelismConfig, depth: Optional[int]) -> Iterator[Any]:
+def _fake_rank(
+    rank: int, world_size: int, build: ModuleFactory, config: ParallelismConfig, depth: Optional[int],
+) -> Iterator[tuple[Parallelized, DeviceMesh]]:
     """Inside: ``rank``'s part of the module ``build`` makes (its layer list cut to ``depth`` layers; None: whole),
     parallelized on the fake process group and allocated on fake tensors; yields the ``Parallelized`` and the mesh."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    dims = config.resolve(plan.world_size)
-    with fake_world(rank, plan.world_size):
+    dims = config.resolve(world_size)
+    with fake_world(rank, world_size):
         meshes = dims.build("cpu")
         mesh = meshes.world
         module = build(mesh)
@@ -315,7 +142,7 @@ def _fake_rank(rank: int, plan: Any, build: ModuleFactory, config: ParallelismCo
         if parallelized.experts is not None:
             parallelized.experts.assume_balanced = True  # the router's choices are values, which fake tensors lack
         with (
-            FakeTensorMode(allow_non_fake_inputs=True), compat.hugging_face_sequences_unpacked(),
+            compat.fake_tensor_mode(allow_non_fake_inputs=True), compat.hugging_face_sequences_unpacked(),
             compat.grouped_mm_on_fake_tensors_in_any_dtype(), compat.attention_held_as_cuda_holds_it(),
         ):
             materialize(module, torch.device("cpu"))
@@ -323,18 +150,15 @@ def _fake_rank(rank: int, plan: Any, build: ModuleFactory, config: ParallelismCo
 
 
 def _measure(
-    rank: int, plan: Any, build: ModuleFactory, config: ParallelismConfig, optimizers: OptimizerFactory,
-    spec: StepSpec, depth: Optional[int], known_boundaries: Optional[dict] = None,
+    rank: int, world_size: int, build: ModuleFactory, config: ParallelismConfig, optimizers: OptimizerFactory,
+    spec: StepSpec, depth: Optional[int], known: Optional[StageBoundaries] = None,
 ) -> StepFigures:
     """One rank's fake step on the module ``build`` makes, its layer list cut to ``depth`` layers (None: whole).
-    ``known_boundaries``: :func:`stage_boundaries` by ``(config, depth)``, filled in here, for the stages to share."""
-    boundaries = None
+    ``known``: the stages' boundaries found so far, filled in here, for the stages to share."""
+    boundaries: dict[int, Boundary] = {}
     if config.pipeline_parallel_size > 1:
-        known = {} if known_boundaries is None else known_boundaries
-        if (config, depth) not in known:
-            known[config, depth] = stage_boundaries(plan, build, config, spec, depth)
-        boundaries = known[config, depth]
-    with _fake_rank(rank, plan, build, config, depth) as (parallelized, mesh):
+        boundaries = (StageBoundaries() if known is None else known).of(world_size, build, config, spec, depth)
+    with _fake_rank(rank, world_size, build, config, depth) as (parallelized, mesh):
         module, pipeline = parallelized.module, parallelized.pipeline
         if pipeline is not None:
             pipeline.stage_metadata = {stage: boundaries[stage] for stage in pipeline.stage_ids}
@@ -357,23 +181,24 @@ def _empty_like(tensor: torch.Tensor, device: str) -> torch.Tensor:
 
 
 def stage_boundaries(
-    plan: Any, build: ModuleFactory, config: ParallelismConfig, spec: StepSpec, depth: Optional[int],
-) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    world_size: int, build: ModuleFactory, config: ParallelismConfig, spec: StepSpec, depth: Optional[int],
+) -> dict[int, Boundary]:
     """Each pipeline stage's input and output for one micro-batch, as meta tensors, not fake ones (shape, stride,
     dtype, ``requires_grad``): stage by stage, a fake forward of the stage (on a rank that holds it) of the previous
     one's output, the first's input being ``spec``'s token ids. What a real run's stages exchange on their first
     step."""
-    dims = config.resolve(plan.world_size)
-    per_stage, local = plan.world_size // dims.pp, config.pipeline.local_stages
+    dims = config.resolve(world_size)
+    per_stage, local = world_size // dims.pp, config.pipeline.local_stages
     holder = {
         stage: pp_rank * per_stage
         for pp_rank in range(dims.pp) for stage in stage_ids_of_rank(pp_rank, dims.pp, local, config.pipeline.schedule)
     }
-    boundaries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    boundaries: dict[int, Boundary] = {}
     previous: Optional[torch.Tensor] = None
     for stage in range(dims.pp * local):
-        with _fake_rank(holder[stage], plan, build, config, depth) as (parallelized, _):
+        with _fake_rank(holder[stage], world_size, build, config, depth) as (parallelized, _):
             pipeline = parallelized.pipeline
+            assert pipeline is not None
             if previous is None:
                 inputs = token_batch(parallelized.module, spec, torch.device("cpu"))[0]
             else:
@@ -424,45 +249,59 @@ def _split_every(config: ParallelismConfig, module: nn.Module, depth: int) -> Pa
 
 
 def step_figures(
-    rank: int, plan: Any, build: ModuleFactory, config: ParallelismConfig, optimizers: OptimizerFactory,
-    spec: StepSpec, depth: Optional[int] = None, known_boundaries: Optional[dict] = None,
+    rank: int, world_size: int, build: ModuleFactory, config: ParallelismConfig, optimizers: OptimizerFactory,
+    spec: StepSpec, depth: Optional[int] = None, known: Optional[StageBoundaries] = None,
 ) -> StepFigures:
-    """The step's figures for ``rank``: measured whole, or extended from ``depth`` (default ``EXTRAPOLATION_DEPTH``)
-    and ``2 depth`` layers per stage (see the module docstring). ``known_boundaries``: a dict the calls for a layout's
-    stages share, so that its stages' boundaries are computed once (see :func:`_measure`)."""
+    """The step's figures for ``rank`` of ``world_size``: measured whole, or extended from ``depth`` (default
+    ``EXTRAPOLATION_DEPTH``) and ``2 depth`` layers per stage (see the module docstring). ``known``: the boundaries the
+    calls for a layout's stages share, so that its stages' boundaries are computed once (see :func:`_measure`)."""
     depth = EXTRAPOLATION_DEPTH if depth is None else depth
-    dims = config.resolve(plan.world_size)
+    dims = config.resolve(world_size)
     local = config.pipeline.local_stages if dims.pp_enabled else 1
-    with fake_world(rank, plan.world_size):
+    with fake_world(rank, world_size):
         module = build(dims.build("cpu").world)
         layers = repeated_layers(module)
         held = None
         if layers is not None and len(layers) > 2 * depth * dims.pp * local:
             held = _layers_per_rank(module, config, dims) if dims.pp_enabled else [len(layers)]
     if held is None:
-        return _measure(rank, plan, build, config, optimizers, spec, None, known_boundaries)
+        return _measure(rank, world_size, build, config, optimizers, spec, None, known)
     shallow, deeper = (
-        _measure(rank, plan, build, _split_every(config, module, d), optimizers, spec, d * dims.pp * local, known_boundaries)
+        _measure(rank, world_size, build, _split_every(config, module, d), optimizers, spec, d * dims.pp * local, known)
         for d in (depth, 2 * depth)
     )
-    return shallow.extended(deeper, depth * local, held[rank // (plan.world_size // dims.pp)])
+    return shallow.extended(deeper, depth * local, held[rank // (world_size // dims.pp)])
 
 
-def _boundary_signature(stage: int, known_boundaries: dict) -> tuple:
-    """Stage ``stage``'s input and output (shape, stride, dtype, ``requires_grad``) in every configuration stepped."""
-    return tuple(
-        tuple((tuple(t.shape), t.stride(), t.dtype, t.requires_grad) for t in boundaries[stage])
-        for boundaries in known_boundaries.values()
-    )
+@dataclass
+class StageBoundaries:
+    """The pipeline stages' inputs and outputs (:func:`stage_boundaries`) of each configuration stepped, ``(layout,
+    depth)`` -> stage -> :data:`Boundary`: found by the first stage stepped and shared by the others (handed to the
+    step workers with the :class:`StageStep`), and compared by :func:`alike_stages`."""
+
+    found: dict[tuple[ParallelismConfig, Optional[int]], dict[int, Boundary]] = field(default_factory=dict)
+
+    def of(self, world_size: int, build: ModuleFactory, config: ParallelismConfig, spec: StepSpec, depth: Optional[int]) -> dict[int, Boundary]:
+        """The boundaries of ``config`` with its layer list cut to ``depth`` layers, found on first asking."""
+        if (config, depth) not in self.found:
+            self.found[config, depth] = stage_boundaries(world_size, build, config, spec, depth)
+        return self.found[config, depth]
+
+    def signature(self, stage: int) -> tuple:
+        """Stage ``stage``'s input and output (shape, stride, dtype, ``requires_grad``) in every configuration."""
+        return tuple(
+            tuple((tuple(t.shape), t.stride(), t.dtype, t.requires_grad) for t in boundaries[stage])
+            for boundaries in self.found.values()
+        )
 
 
 def alike_stages(
-    structures: Sequence[tuple], known_boundaries: dict, config: ParallelismConfig, stages: int,
+    structures: Sequence[tuple], known: StageBoundaries, config: ParallelismConfig, stages: int,
 ) -> list[list[int]]:
     """Groups of pipeline stages whose ranks step alike but for the micro-batches they hold in flight: stages neither
     first nor last (those take token ids, or compute the loss) of equal :meth:`StageLayout.structure
     <lightning_ciuic.planner.layout.StageLayout.structure>` and equal inputs and outputs in every configuration stepped
-    (``known_boundaries``), under a schedule of one stage per rank, and all with or all without a steady phase (fewer
+    (``known``), under a schedule of one stage per rank, and all with or all without a steady phase (fewer
     forwards in flight than micro-batches). Empty where the schedule places several stages on a rank."""
     pipeline = config.pipeline
     if config.pipeline_parallel_size == 1 or pipeline.local_stages != 1:
@@ -472,7 +311,7 @@ def alike_stages(
         in_flight = forwards_in_flight(pipeline.schedule, stage, stages, pipeline.num_microbatches)
         if in_flight is None:
             return []
-        key = (structures[stage], _boundary_signature(stage, known_boundaries), in_flight < pipeline.num_microbatches)
+        key = (structures[stage], known.signature(stage), in_flight < pipeline.num_microbatches)
         groups.setdefault(key, []).append(stage)
     return list(groups.values())
 
@@ -504,7 +343,7 @@ def _between(low: tuple[int, StepFigures], high: tuple[int, StepFigures], stage:
 class StageStep:
     """One pipeline stage's step (:func:`step_figures` on the stage's first rank) as a callable that pickles: what a
     worker process of :func:`~lightning_ciuic.planner.workers.step_stages` is given, and all it is given.
-    ``known_boundaries`` is filled in by the first stage stepped (see :func:`_measure`); ``depth`` is fixed here, in
+    ``known`` is filled in by the first stage stepped (see :func:`_measure`); ``depth`` is fixed here, in
     the planner's process (a worker reads nothing of it, ``EXTRAPOLATION_DEPTH`` included)."""
 
     representatives: list[int]  # each stage's first rank
@@ -514,27 +353,20 @@ class StageStep:
     optimizers: OptimizerFactory
     spec: StepSpec
     depth: int
-    known_boundaries: dict = dataclasses.field(default_factory=dict)
+    known: StageBoundaries = field(default_factory=StageBoundaries)
 
     def rank(self, stage: int) -> int:
         return self.representatives[stage]
 
     def __call__(self, stage: int) -> StepFigures:
         return step_figures(
-            self.rank(stage), _World(self.world_size), self.build, self.config, self.optimizers, self.spec,
-            depth=self.depth, known_boundaries=self.known_boundaries,
+            self.rank(stage), self.world_size, self.build, self.config, self.optimizers, self.spec, depth=self.depth,
+            known=self.known,
         )
 
 
-@dataclass(frozen=True)
-class _World:
-    """What :func:`step_figures` reads of a plan: its world size."""
-
-    world_size: int
-
-
 def run_step_phase(
-    plan: Any, build: ModuleFactory, config: ParallelismConfig, optimizers: OptimizerFactory, spec: StepSpec,
+    plan: Plan, build: ModuleFactory, config: ParallelismConfig, optimizers: OptimizerFactory, spec: StepSpec,
     structures: Optional[Sequence[tuple]] = None, processes: int = 1,
 ) -> None:
     """Fill in each rank class's activations and peak, and each pipeline stage's step figures (see the module
@@ -547,8 +379,8 @@ def run_step_phase(
     representatives = stage_representatives(config.resolve(plan.world_size))
     per_stage, stages = plan.world_size // len(representatives), len(representatives)
     step = StageStep(list(representatives), plan.world_size, build, config, optimizers, spec, EXTRAPOLATION_DEPTH)
-    figures = {0: step(0)}  # fills step.known_boundaries with every configuration the stages step
-    groups = alike_stages(structures, step.known_boundaries, config, stages) if structures is not None else []
+    figures = {0: step(0)}  # fills step.known with every configuration the stages step
+    groups = alike_stages(structures, step.known, config, stages) if structures is not None else []
     between = {stage: group for group in groups if len(group) > 2 for stage in group[1:-1]}
     figures.update(step_stages([s for s in range(1, stages) if s not in between], step, processes))
     for stage, group in between.items():

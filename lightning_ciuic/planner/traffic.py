@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_ciuic import compat
 from lightning_ciuic.parallel.axes import MESH_ALIASES
 
 _NO_PAYLOAD = {"wait_tensor", "barrier", "monitored_barrier_", "check_for_nan", "recv_", "recv_any_source_", "irecv"}
@@ -93,12 +93,10 @@ _RULES: dict[str, tuple[str, _Rule]] = {
 
 def _group(args: Iterable[Any], functional: bool) -> Optional[dist.ProcessGroup]:
     """The op's process group: a boxed ``ProcessGroup`` (c10d) or a registered group's name (functional)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     for arg in args:
         if functional and isinstance(arg, str):
             try:
-                return _resolve_process_group(arg)
+                return compat.resolve_process_group(arg)
             except (RuntimeError, ValueError):
                 continue  # a reduce op's name ("sum"), not a group
         if not functional and isinstance(arg, torch.ScriptObject):
@@ -128,7 +126,7 @@ def world_axis_of(mesh: Optional[DeviceMesh]) -> str:
     return " x ".join(names) or "world"
 
 
-class CollectiveTraffic(TorchDispatchMode):
+class CollectiveTraffic(compat.TorchDispatchMode):
     """Counts the bytes this rank's collectives send, per axis and collective (see the module docstring)."""
 
     def __init__(self, mesh: Optional[DeviceMesh] = None) -> None:
@@ -144,7 +142,7 @@ class CollectiveTraffic(TorchDispatchMode):
         kwargs = kwargs or {}
         namespace = func.namespace
         if namespace in ("c10d", "_c10d_functional"):
-            name = func._overloadpacket.__name__
+            name = compat.overload_packet(func).__name__
             if name not in _NO_PAYLOAD:
                 group = _group([*args, *kwargs.values()], functional=namespace == "_c10d_functional")
                 if group is not None:

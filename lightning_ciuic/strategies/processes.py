@@ -46,7 +46,7 @@ def configure_launcher(strategy: HybridParallelStrategy) -> None:
     assert strategy.cluster_environment is not None
     kind = device_type(strategy)  # the devices' kind: this rank's own device is not known yet
     strategy.parallelism.check_devices(kind)  # before any process starts
-    if strategy._layer_sync is not None and kind == "cpu":
+    if compat.layer_sync(strategy) is not None and kind == "cpu":
         raise ValueError(
             "Trainer(sync_batchnorm=True) converts batch norm layers to torch's SyncBatchNorm, which runs on CUDA"
             " (and XPU) devices only, and this run computes on the CPU: leave sync_batchnorm off (each replica"
@@ -63,9 +63,9 @@ def configure_launcher(strategy: HybridParallelStrategy) -> None:
         return
     if strategy._start_method == "popen":
         script_launcher = compat.launchers()[0]
-        strategy._launcher = script_launcher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+        compat.set_launcher(strategy, script_launcher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes))
     else:
-        strategy._launcher = FullWeightsMultiProcessingLauncher(strategy, start_method=strategy._start_method)
+        compat.set_launcher(strategy, FullWeightsMultiProcessingLauncher(strategy, start_method=strategy._start_method))
 
 
 def set_world_ranks(strategy: HybridParallelStrategy) -> None:
@@ -91,7 +91,7 @@ def start(strategy: HybridParallelStrategy) -> None:
     set_data_parallel_world(strategy.data_parallel_world)
     rank_zero_info(f"HybridParallelStrategy: {strategy.parallel_dims}, backend {strategy.process_group_backend}")
     if strategy.lightning_module is not None:  # set up without a module too (collectives only), as DDPStrategy is
-        strategy.lightning_module._device_mesh = strategy.meshes.world  # read by LightningModule.device_mesh
+        compat.set_module_device_mesh(strategy.lightning_module, strategy.meshes.world)  # LightningModule.device_mesh
 
 
 def init_process_group(strategy: HybridParallelStrategy) -> None:

@@ -107,7 +107,7 @@ def test_plan_says_a_model_the_config_cannot_build_in_one_line(overrides, messag
 
 
 def test_instantiation_errors_keep_the_one_refusal_jsonargparse_wraps():
-    from lightning_ciuic.cli import instantiation_error
+    from lightning_ciuic.cli_parsing import instantiation_error
 
     wrapped = (
         "Does not validate against any of the Union subtypes\nSubtypes: [LightningModule, NoneType]\nErrors:\n"

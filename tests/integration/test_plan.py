@@ -23,7 +23,7 @@ from lightning_ciuic.parallel.parallelize import parallelize
 from lightning_ciuic.parallel.pipeline_module import PipelineConfig
 from lightning_ciuic.planner.config import optimizers_of
 from lightning_ciuic.comm.engines import build_engine
-from lightning_ciuic.planner.step import StepSpec, held_bytes, token_batch, train_steps
+from lightning_ciuic.planner.train_step import StepSpec, held_bytes, token_batch, train_steps
 from tests.helpers import TINY_MODEL, loader, run_workers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -349,8 +349,8 @@ def test_a_deep_models_step_extended_from_two_and_four_layers_is_the_whole_step(
     config = ParallelismConfig(**layout)
     build = functools.partial(_deep_llama, layers=layers)
     shell = plan_layout(build, config, 4, optimizers=optimizers_of)
-    extended = step_figures(rank, shell, build, config, optimizers_of, STEP, depth=2)
-    whole = _measure(rank, shell, build, config, optimizers_of, STEP, None)
+    extended = step_figures(rank, shell.world_size, build, config, optimizers_of, STEP, depth=2)
+    whole = _measure(rank, shell.world_size, build, config, optimizers_of, STEP, None)
     assert (extended.flops, extended.forward_flops, extended.traffic) == (whole.flops, whole.forward_flops, whole.traffic)
     assert extended.activations == whole.activations, (extended.activations, whole.activations)
 

@@ -1,4 +1,4 @@
-"""One check per private part of Lightning and torch the pack touches (lightning_ciuic/compat.py): an upgrade
+"""One check per private part of Lightning and torch the pack touches (lightning_ciuic/compat/): an upgrade
 that moves one fails here, by name, rather than in a training run."""
 
 import inspect
@@ -212,3 +212,72 @@ def test_transformers_experts_are_told_by_their_decorators_forward_and_gating():
         assert compat.hugging_face_experts_layout(OwnGate(config))["default_gate"] is False
         assert compat.hugging_face_experts_layout(OwnForward(config)) is None
     assert compat.hugging_face_experts_layout(torch.nn.Linear(2, 2)) is None
+
+
+def test_grouped_mm_multiplies_each_row_group_by_its_own_weights():
+    assert compat.has_grouped_mm()
+    rows, weights = torch.randn(5, 16), torch.randn(2, 16, 8)
+    out = compat.grouped_mm(rows, weights, torch.tensor([2, 5], dtype=torch.int32))
+    torch.testing.assert_close(out, torch.cat([rows[:2] @ weights[0], rows[2:] @ weights[1]]))
+
+
+def test_the_touch_points_issue_46_moved_here_still_answer():
+    from lightning.pytorch import LightningModule
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+        shard = distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)])
+        assert compat.local_shape_and_offset(shard) == ((4, 3), (0, 0))
+        assert compat.resolve_process_group(mesh.get_group().group_name) is mesh.get_group()
+        module = LightningModule()
+        compat.set_module_device_mesh(module, mesh)
+        assert module.device_mesh is mesh
+    finally:
+        dist.destroy_process_group()
+    assert compat.overload_packet(torch.ops.aten.mm.default) is torch.ops.aten.mm
+    formulas = compat.private_op_flop_formulas(len)
+    assert formulas[torch.ops.aten._grouped_mm] is len and len(formulas) == 3
+    with compat.fake_tensor_mode():
+        assert type(torch.empty(2)).__name__ == "FakeTensor"
+    assert type(compat.fake_store()).__name__ == "FakeStore"
+
+    class Schedule:
+        pass
+
+    schedule = Schedule()
+    compat.use_static_pipeline_warmup(schedule)
+    assert schedule._warmup_p2p is compat.static_pipeline_warmup
+
+
+def test_transformers_models_give_their_parallel_plans():
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2))
+    assert "model.layers.*.self_attn.q_proj" in compat.hugging_face_tp_plan(model)
+    assert list(compat.hugging_face_pp_plan(model.model))[0] == "embed_tokens"
+    assert compat.hugging_face_tp_plan(torch.nn.Linear(2, 2)) is None
+
+
+def test_a_litdata_combined_dataset_holds_its_children():
+    pytest.importorskip("litdata", reason="litdata (test extra) is not installed")
+    from litdata import CombinedStreamingDataset
+
+    assert "self._datasets = datasets" in inspect.getsource(CombinedStreamingDataset.__init__)  # where it keeps them
+    children = [object.__new__(CombinedStreamingDataset)]
+    combined = object.__new__(CombinedStreamingDataset)
+    combined._datasets = children
+    assert compat.litdata_children(combined) == children and compat.litdata_children(object()) == []
+
+
+def test_every_overridden_private_hook_still_exists():
+    import importlib
+
+    for path in compat.OVERRIDDEN_PRIVATE_HOOKS:
+        module, cls, hook = path.rsplit(".", 2)
+        assert callable(getattr(getattr(importlib.import_module(module), cls), hook)), path

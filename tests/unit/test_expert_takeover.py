@@ -15,10 +15,9 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from examples.deepseek import PackedExperts
-from lightning_ciuic.parallel import expert_forward
 from lightning_ciuic.parallel.dims import ParallelDims
-from lightning_ciuic.parallel.expert_forward import check_takeover, dispatched_output
-from lightning_ciuic.parallel.experts import shard_experts
+from lightning_ciuic.parallel.experts import check_takeover, dispatched_output, shard_experts
+from lightning_ciuic.parallel.experts import takeover
 
 E, H, I = 4, 16, 8
 FORM = r"Expert parallelism takes over packed SwiGLU experts: gate_up_proj \[E, 2I, H\] \(the I gate rows, then the I up rows\)"
@@ -170,7 +169,7 @@ def test_transformers_experts_compute_what_the_dispatcher_computes(model_type):
     experts = _hugging_face_experts(model_type).double()
     for param in experts.parameters():
         nn.init.normal_(param, std=0.3)
-    assert expert_forward.probe(experts) is None
+    assert takeover.probe(experts) is None
 
 
 def test_the_check_does_not_touch_the_module_or_its_hooks():
@@ -184,14 +183,14 @@ def test_the_check_does_not_touch_the_module_or_its_hooks():
 
 def test_past_the_limit_the_modules_own_weights_are_checked_and_a_meta_one_is_refused():
     experts = PackedExperts(E, H, I).double()
-    assert expert_forward.probe(experts, limit=0) is None
-    assert "up rows first" in expert_forward.probe(UpFirstExperts(E, H, I).double(), limit=0)
+    assert takeover.probe(experts, limit=0) is None
+    assert "up rows first" in takeover.probe(UpFirstExperts(E, H, I).double(), limit=0)
     zero = PackedExperts(E, H, I)
     nn.init.zeros_(zero.gate_up_proj)
-    assert "give no output to compare" in expert_forward.probe(zero, limit=0)
+    assert "give no output to compare" in takeover.probe(zero, limit=0)
     with torch.device("meta"):
         meta = PackedExperts(E, H, I)
-    assert "it is on the meta device, and checking its forward needs random weights" in expert_forward.probe(meta, limit=0)
+    assert "it is on the meta device, and checking its forward needs random weights" in takeover.probe(meta, limit=0)
 
 
 def test_the_dispatchers_formula_is_the_example_experts_forward():
@@ -205,8 +204,8 @@ def test_the_dispatchers_formula_is_the_example_experts_forward():
 
 def test_a_models_layers_of_one_class_and_shape_are_checked_once(ep2, monkeypatch):
     checked = []
-    probe = expert_forward.probe
-    monkeypatch.setattr(expert_forward, "probe", lambda module, *a: checked.append(module) or probe(module, *a))
+    probe = takeover.probe
+    monkeypatch.setattr(takeover, "probe", lambda module, *a: checked.append(module) or probe(module, *a))
     model = nn.ModuleList([Holder(PackedExperts(E, H, I)), Holder(PackedExperts(E, H, I)), Holder(PackedExperts(E, 2 * H, I))])
     layout = ep2(model)
     assert len(layout.modules) == 3 and len(checked) == 2  # the third's shapes differ

@@ -57,6 +57,7 @@ def _local_shapes(rank: int) -> dict[str, tuple[int, ...]]:
             module = Tiny()
         result = parallelize(module, config.resolve(64), config, materialize=False)
         assert result.pipeline is not None and result.fsdp is not None
+        assert module.pipeline is result.pipeline  # handed to the module by the cut, read from nothing else
         return {name: tuple(p.to_local().shape) for name, p in module.named_parameters() if isinstance(p, DTensor)}
     finally:
         dist.destroy_process_group()

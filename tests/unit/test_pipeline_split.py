@@ -93,3 +93,34 @@ def test_activation_checkpointing_recomputes_in_backward_with_equal_gradients():
     assert len(calls) == 2, "forward once, then once more in backward"
     torch.testing.assert_close(recomputed[0].weight.grad, plain[0].weight.grad)
     assert set(recomputed.state_dict()) == set(plain.state_dict())
+
+
+def test_a_pipeline_module_runs_through_the_runner_attached_to_it_and_its_copies_hold_none():
+    import copy
+
+    from lightning_ciuic.parallel.pipeline_module import PipelineModule
+
+    class Two(PipelineModule, nn.Module):
+        def __init__(self) -> None:
+            nn.Module.__init__(self)
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 1)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+        def pipeline_blocks(self):
+            return ["a", "b"]
+
+        def pipeline_loss(self, outputs, targets):
+            return (outputs - targets).pow(2).mean()
+
+    class Runner:  # what the cut hands the module: its stages' schedule
+        def forward(self, inputs):
+            return "through the runner"
+
+    module = Two()
+    x = torch.ones(3, 2)
+    assert module.pipeline is None and torch.equal(module.pipelined_forward(x), module(x))
+    module.attach_pipeline(Runner())
+    assert module.pipelined_forward(x) == "through the runner"
+    assert copy.deepcopy(module).pipeline is None  # a copy is no rank's stages

@@ -129,3 +129,25 @@ def test_an_all_to_all_over_nodes_splits_its_bytes_by_where_they_go_and_a_ring_c
     assert estimate.to_json()["link_bytes"]["ep"] == {"intra": 7e9, "inter": 8e9}
     # groups spread unevenly: each member's share of peers on its node, averaged (3 of 4 on node 0, 1 on node 1)
     assert hardware.local_share([0, 1, 2, 8]) == pytest.approx((2 + 2 + 2 + 0) / 12)
+def test_the_stage_boundaries_are_found_once_per_configuration_and_compared_across_them(monkeypatch):
+    import torch
+
+    from lightning_ciuic.config import ParallelismConfig
+    from lightning_ciuic.planner import step
+
+    found = []
+
+    def boundaries(world_size, build, config, spec, depth):
+        found.append((config, depth))
+        width = 8 if depth is None else depth
+        return {s: (torch.empty(2, width, device="meta"), torch.empty(2, width, device="meta")) for s in range(2)}
+
+    monkeypatch.setattr(step, "stage_boundaries", boundaries)
+    known, config, spec = step.StageBoundaries(), ParallelismConfig(), step.StepSpec(2, 4)
+    first = known.of(4, None, config, spec, 2)
+    assert known.of(4, None, config, spec, 2) is first and found == [(config, 2)]  # the second stage asks: no search
+    known.of(4, None, config, spec, 4)
+    assert found == [(config, 2), (config, 4)]
+    assert known.signature(1) == tuple(
+        (((2, w), (w, 1), torch.float32, False), ((2, w), (w, 1), torch.float32, False)) for w in (2, 4)
+    )

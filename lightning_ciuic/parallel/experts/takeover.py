@@ -3,11 +3,12 @@
 Contract:
 
 * **The form** (:data:`FORM`): expert parallelism replaces a packed-experts module's ``forward`` by its own
-  (:func:`~lightning_ciuic.parallel.experts.expert_parallel_forward`), which computes, for each token, the sum over its
-  ``k`` experts ``e`` of ``top_k_weights * down_proj[e] @ (act_fn(gate) * up)``, ``gate`` and ``up`` the first and the
-  last ``I`` rows of ``gate_up_proj[e] @ hidden``: ``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``, the
-  module's ``act_fn``, nothing else (no bias, no norm). :func:`run_local_experts` is that computation on the rows of
-  each expert a rank holds; :func:`dispatched_output` the whole of it on one rank that holds every expert.
+  (:func:`~lightning_ciuic.parallel.experts.forward.expert_parallel_forward`), which computes, for each token, the sum
+  over its ``k`` experts ``e`` of ``top_k_weights * down_proj[e] @ (act_fn(gate) * up)``, ``gate`` and ``up`` the first
+  and the last ``I`` rows of ``gate_up_proj[e] @ hidden``: ``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``,
+  the module's ``act_fn``, nothing else (no bias, no norm). :func:`~lightning_ciuic.parallel.experts.gemm.run_local_experts`
+  is that computation on the rows of each expert a rank holds; :func:`dispatched_output` the whole of it on one rank
+  that holds every expert.
 * :func:`check_takeover(name, module, verdicts)` raises ``ValueError`` unless the module's own forward is known to
   compute exactly that, naming the module (its path and class), why not, and the form that works; ``None`` when it
   is (``verdicts`` keeps the answers by class, forward, ``act_fn`` and parameter shapes: a model's layers are checked
@@ -32,8 +33,6 @@ No Lightning imports.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -41,6 +40,7 @@ import torch
 from torch import nn
 
 from lightning_ciuic import compat
+from lightning_ciuic.parallel.experts.gemm import run_local_experts
 from lightning_ciuic.tensors import local_tensor
 
 FORM = (
@@ -54,46 +54,7 @@ HUGGING_FACE_FLAGS = {
     "is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True, "has_post_expert_norm": False,
 }
 PROBE_BYTES = 1 << 30  # the check's random weights at most; past it, the module's own weights (see the contract)
-_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-2}  # of the largest output; else 5e-2 (half precision)
-
-
-class _ScaleGradient(torch.autograd.Function):
-    """Identity forward; the gradient times ``scale`` backward."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.scale = scale
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad * ctx.scale, None
-
-
-def run_local_experts(experts: Any, rows: torch.Tensor, counts: Sequence[int], grad_scale: float) -> torch.Tensor:
-    """This rank's experts on ``rows`` sorted by local expert (``counts[e]`` rows each): SwiGLU per expert.
-    ``experts``: anything with ``gate_up_proj``, ``down_proj`` (tensors or DTensors: their local part) and ``act_fn``."""
-    gate_up = _ScaleGradient.apply(local_tensor(experts.gate_up_proj), grad_scale)
-    down = _ScaleGradient.apply(local_tensor(experts.down_proj), grad_scale)
-    if _grouped_mm_fits(rows, gate_up, down):
-        offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows.device)
-        hidden = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offsets)
-        gate, up = hidden.chunk(2, dim=-1)
-        return torch._grouped_mm((experts.act_fn(gate) * up).contiguous(), down.transpose(-2, -1), offs=offsets)
-    outputs = []
-    for e, chunk in enumerate(rows.split(list(counts))):
-        gate, up = nn.functional.linear(chunk, gate_up[e]).chunk(2, dim=-1)
-        outputs.append(nn.functional.linear(experts.act_fn(gate) * up, down[e]))
-    return torch.cat(outputs) if outputs else rows.new_empty((0, down.shape[1]))
-
-
-def _grouped_mm_fits(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """torch's grouped GEMM: float32/bf16/fp16, every row a multiple of 16 bytes."""
-    if not hasattr(torch, "_grouped_mm") or rows.dtype not in _GROUPED_MM_DTYPES or gate_up.dtype != rows.dtype:
-        return False
-    size = rows.element_size()
-    return all((d * size) % 16 == 0 for d in (gate_up.shape[-1], gate_up.shape[-2] // 2, down.shape[-2]))
 
 
 @dataclass(frozen=True)

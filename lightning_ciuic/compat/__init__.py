@@ -1,0 +1,242 @@
+"""Every private part of Lightning, torch, transformers and LitData the pack touches, in one room.
+
+Contract: the rest of the package reaches Lightning's and torch's private classes, attributes and hooks only
+through the names below, so an upgrade that moves one breaks this package and its test (``tests/unit/test_compat.py``,
+one check per touch point), loudly, instead of a training run somewhere else; ``tests/unit/test_privates.py`` checks
+that no other module reaches one. The names live in four rooms by library, all importable from here:
+:mod:`.lightning` (Lightning, LitData), :mod:`.distributed` (torch.distributed), :mod:`.modules` (autograd,
+``nn.Module``, ops, transformers' models) and :mod:`.tracing` (the planner's fake step). Importing this module warns
+once when the installed Lightning or torch is outside the range the suite ran on (:data:`TESTED`), and silences the
+deprecation warnings of :data:`THIRD_PARTY_DEPRECATIONS`: raised inside Lightning by the torch we run on, once per
+rank, about code neither we nor our users can change.
+
+Touch points:
+
+* Lightning: the launchers ``_SubprocessScriptLauncher`` / ``_MultiProcessingLauncher`` and its
+  ``_WorkerOutput`` (our strategy starts processes as ``DDPStrategy`` does), with what it hands a spawned rank
+  (``_GlobalStateSnapshot``, ``_disable_module_memory_sharing``: ours hands a forkserver rank the same); ``Strategy._reset_optimizers_and_schedulers``; the optimizer a
+  ``LightningOptimizer`` wraps (``_optimizer``); the fit loop's progress counters (epoch and batch position,
+  optimizer-step totals, ``_batches_that_stepped``) that snapshots rewind; the barrier that ends ``fit``'s restore and the
+  loader states it leaves pending (``_load_combined_loader_states``); ``ModelCheckpoint._find_last_checkpoints``
+  (what ``ckpt_path="last"`` resolves), which ``AsyncCheckpointer`` overrides.
+* torch: ``PipelineStage._to_tensor`` (shape inference on zeros), ``torch.utils._python_dispatch.TorchDispatchMode``
+  (timing tensor-parallel collectives), DCP's ``_load_state_dict`` with ``_EmptyStateDictLoadPlanner`` (loading a
+  checkpoint whole in one process, as torch's own ``dcp_to_torch_save`` does), ``DeviceMesh._flatten`` (two mesh
+  axes named as one, as torchtitan names ``dp_replicate x dp_shard`` "dp"), FSDP2's ``ReduceScatter`` interface
+  (``set_custom_reduce_scatter`` is public, the class it takes is not), and the mesh of a user's ``fully_shard``
+  unit (its state's parameter group); autograd's current graph task (``in_backward``: an activation-checkpointing
+  recompute runs a module's forward again inside backward); ``DeviceMesh._unflatten`` (the expert view of a mesh
+  axis, as torchtitan splits ``dp_shard`` into ``efsdp x ep``); ``nn.Module``'s own forward-hook tables (suspended while a step is routed
+  through an FSDP2 root, so its hooks run once per step); a pipeline schedule's warm-up (``_warmup_p2p``, replaced where
+  the planner gives stages their metadata), its point-to-point batches (``schedules._batch_p2p``: on the fake process
+  group, their works made to hold their tensors) and ``MemTracker``'s module tracker (``_mod_tracker``: none for a
+  pipeline's steps); fake tensors' rules (``fake_impls.op_implementations_dict``) and the meta kernel of
+  ``_grouped_mm`` (a float32 rule beside it while the planner steps).
+* LitData (optional): its ``_DistributedEnv`` (the world a ``StreamingDataset`` splits its chunks over, kept as the
+  dataset's ``distributed_env``; ``StreamingDataLoader.load_state_dict`` asks ``_DistributedEnv.detect()`` for it
+  again), set to the data-parallel world by :mod:`lightning_ciuic.data.world`.
+* transformers: the forward its ``use_experts_implementation`` gives an experts class, and its default gating
+  (``integrations.moe._default_apply_gate``) against a class's own ``_apply_gate``
+  (:func:`hugging_face_experts_layout`: which experts expert parallelism may take over without running them).
+* Reached directly elsewhere until issue 46, each now one named function here: ``torch._grouped_mm`` (the experts'
+  grouped GEMM), DTensor's ``compute_local_shape_and_global_offset`` (``torch.distributed.tensor._utils``), a
+  transformers model's ``_tp_plan`` / ``_pp_plan``, ``LightningModule._device_mesh``, a LitData combined dataset's
+  ``_datasets``, a schedule's ``_warmup_p2p`` replaced, ``OpOverload._overloadpacket``, c10d's
+  ``_resolve_process_group``, the fake process group's ``FakeStore`` (``torch.testing._internal``), ``FakeTensorMode``
+  (``torch._subclasses``) and the FLOP formulas of private aten ops (``_grouped_mm``, the CPU's flash attention).
+"""
+
+
+from __future__ import annotations
+
+import importlib.metadata
+import warnings
+
+import torch
+
+from lightning_ciuic.compat.distributed import (
+    EmptyStateDictLoadPlanner,
+    FSDPAllGather,
+    FSDPReduceScatter,
+    all_gather_single,
+    fake_store,
+    flatten_mesh,
+    forget_dtensor_meshes,
+    fsdp_gathered_params,
+    fsdp_mesh,
+    load_state_dict_into,
+    local_shape,
+    local_shape_and_offset,
+    mesh_coordinates,
+    pipeline_sends_held,
+    resolve_process_group,
+    static_pipeline_warmup,
+    unflatten_mesh,
+    use_static_pipeline_warmup,
+)
+from lightning_ciuic.compat.lightning import (
+    RESTORE_DONE_BARRIER,
+    batch_index,
+    epoch_position,
+    launchers,
+    layer_sync,
+    litdata_children,
+    litdata_detects,
+    litdata_distributed_env,
+    load_pending_loader_states,
+    optimizers_of,
+    reset_optimizers_and_schedulers,
+    rewind_step_counters,
+    set_launcher,
+    set_litdata_world,
+    set_logged_batch_size,
+    set_module_device_mesh,
+    shift_batch_counters,
+    spawn_handoff,
+    unwrap_optimizer,
+)
+from lightning_ciuic.compat.modules import (
+    HUGGING_FACE_EXPERTS_FLAGS,
+    forward_hooks_suspended,
+    grouped_mm,
+    has_grouped_mm,
+    hugging_face_experts_layout,
+    hugging_face_pp_plan,
+    hugging_face_tp_plan,
+    in_backward,
+)
+from lightning_ciuic.compat.tracing import (
+    TorchDispatchMode,
+    WatchesShapePropagation,
+    attention_held_as_cuda_holds_it,
+    dtensor_shape_propagation_marked,
+    fake_tensor_mode,
+    grouped_mm_on_fake_tensors_in_any_dtype,
+    hugging_face_sequences_unpacked,
+    memory_tracker,
+    overload_packet,
+    private_op_flop_formulas,
+)
+
+# Private hooks of Lightning's and torch's classes the pack's subclasses override (a subclass defines them by name, so
+# they cannot go through a function here): "module.Class._hook" -> who overrides it, why, and since which version.
+# tests/unit/test_privates.py holds this to what the package overrides; tests/unit/test_compat.py checks each exists.
+OVERRIDDEN_PRIVATE_HOOKS = {
+    "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint._find_last_checkpoints":
+        "AsyncCheckpointer: what ckpt_path='last' resolves (Lightning 2.0+)",
+    "lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher._wrapping_function":
+        "FullWeightsMultiProcessingLauncher: a forkserver rank's environment, streams and random state (Lightning 2.0+)",
+    "lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher._collect_rank_zero_results":
+        "FullWeightsMultiProcessingLauncher: full (gathered, all stages) weights handed back (Lightning 2.0+)",
+    "lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher._recover_results_in_main_process":
+        "FullWeightsMultiProcessingLauncher: those weights loaded in the main process (Lightning 2.0+)",
+    "lightning.pytorch.strategies.strategy.Strategy._configure_launcher":
+        "HybridParallelStrategy: its launchers, as every Lightning strategy sets them (Lightning 2.0+)",
+    "torch.distributed.pipelining.stage.PipelineStage._to_tensor":
+        "parallel/pipeline.py's stage: shape inference on zeros (torch 2.4+)",
+    "torch.distributed.tensor.parallel.style.ParallelStyle._apply":
+        "HeadwiseReplicated, SharedRotaryKey: torch's way to write a ParallelStyle (torch 2.2+)",
+}
+
+# The ranges the suite ran on: (lowest, first untested) major.minor
+TESTED = {"torch": ((2, 13), (2, 15)), "lightning": ((2, 6), (2, 7))}
+
+__all__ = [
+    "layer_sync",
+    "set_launcher",
+    "EmptyStateDictLoadPlanner",
+    "OVERRIDDEN_PRIVATE_HOOKS",
+    "FSDPAllGather",
+    "FSDPReduceScatter",
+    "HUGGING_FACE_EXPERTS_FLAGS",
+    "RESTORE_DONE_BARRIER",
+    "TESTED",
+    "THIRD_PARTY_DEPRECATIONS",
+    "TorchDispatchMode",
+    "WatchesShapePropagation",
+    "all_gather_single",
+    "attention_held_as_cuda_holds_it",
+    "batch_index",
+    "check_versions",
+    "dtensor_shape_propagation_marked",
+    "epoch_position",
+    "fake_store",
+    "fake_tensor_mode",
+    "flatten_mesh",
+    "forget_dtensor_meshes",
+    "forward_hooks_suspended",
+    "fsdp_gathered_params",
+    "fsdp_mesh",
+    "grouped_mm",
+    "grouped_mm_on_fake_tensors_in_any_dtype",
+    "has_grouped_mm",
+    "hugging_face_experts_layout",
+    "hugging_face_pp_plan",
+    "hugging_face_sequences_unpacked",
+    "hugging_face_tp_plan",
+    "in_backward",
+    "launchers",
+    "litdata_children",
+    "litdata_detects",
+    "litdata_distributed_env",
+    "load_pending_loader_states",
+    "load_state_dict_into",
+    "local_shape",
+    "local_shape_and_offset",
+    "memory_tracker",
+    "mesh_coordinates",
+    "optimizers_of",
+    "overload_packet",
+    "pipeline_sends_held",
+    "private_op_flop_formulas",
+    "reset_optimizers_and_schedulers",
+    "resolve_process_group",
+    "rewind_step_counters",
+    "set_litdata_world",
+    "set_logged_batch_size",
+    "set_module_device_mesh",
+    "shift_batch_counters",
+    "spawn_handoff",
+    "static_pipeline_warmup",
+    "unflatten_mesh",
+    "unwrap_optimizer",
+    "use_static_pipeline_warmup",
+]
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def check_versions(versions: dict[str, str]) -> list[str]:
+    """One message per package whose version is outside :data:`TESTED` (empty when all are inside)."""
+    messages = []
+    for package, version in versions.items():
+        low, high = TESTED[package]
+        if not low <= _major_minor(version) < high:
+            messages.append(
+                f"lightning_ciuic was tested with {package} {low[0]}.{low[1]} up to before {high[0]}.{high[1]}, found"
+                f" {version}: it touches private parts of {package} (lightning_ciuic/compat/ lists them)."
+            )
+    return messages
+
+
+def _warn_untested() -> None:
+    versions = {"torch": torch.__version__}
+    try:  # the installed version, without importing Lightning (the framework-free floors import this module)
+        versions["lightning"] = importlib.metadata.version("lightning")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for message in check_versions(versions):
+        warnings.warn(message, stacklevel=2)
+
+
+_warn_untested()
+
+THIRD_PARTY_DEPRECATIONS = (
+    # Lightning 2.6's pytree helpers on torch >= 2.10 (lightning/pytorch/utilities/_pytree.py)
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+)
+for _message in THIRD_PARTY_DEPRECATIONS:
+    warnings.filterwarnings("ignore", message=_message)

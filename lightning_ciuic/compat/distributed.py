@@ -1,0 +1,166 @@
+"""torch.distributed's private parts the pack touches (see :mod:`lightning_ciuic.compat`): DCP's whole-checkpoint load,
+FSDP2's collectives' interfaces and unit state, DeviceMesh's flatten/unflatten and layout, DTensor's shard rule and
+caches, c10d's group registry, the fake process group's store, and a pipeline schedule's warm-up and point-to-point
+batches."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+# re-exported by lightning_ciuic.compat: DCP's whole-checkpoint load in one process (torch 2.2+), FSDP2's collectives
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner  # noqa: F401
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as load_state_dict_into  # noqa: F401
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather  # noqa: F401
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FSDPReduceScatter  # noqa: F401
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor) -> None:
+    """``torch.distributed.all_gather_single`` (torch >= 2.13, where ``all_gather_into_tensor`` warns deprecated)."""
+    import torch.distributed as dist
+
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(output, input)
+
+
+def flatten_mesh(mesh: Any, axes: tuple[str, ...], name: str) -> Any:
+    """Name ``axes`` of ``mesh`` together as one axis ``name`` (``mesh[name]`` works afterwards); returns it."""
+    return mesh[axes]._flatten(name)
+
+
+def unflatten_mesh(mesh: Any, axis: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """The mesh with ``axis`` split into ``names`` of ``sizes`` (same ranks, same root: FSDP2 accepts DTensors on one
+    for units on the other)."""
+    return mesh._unflatten(axis, sizes, names)
+
+
+def fsdp_mesh(unit: Any) -> Any:
+    """The mesh an FSDP2 unit (a ``fully_shard`` ed module) shards its own parameters over; ``None`` if it owns none."""
+    group = unit._get_fsdp_state()._fsdp_param_group
+    return group.mesh_info.mesh if group is not None else None
+
+
+def mesh_coordinates(mesh: Any) -> dict[int, tuple[int, ...]]:
+    """Every global rank's coordinate on ``mesh``'s axes, for every group of ranks such a mesh has (a sub-mesh
+    ``mesh["tp"]`` holds only this rank's group; its layout gives them all): ``{rank: coordinate}``."""
+    full = mesh._layout.remap_to_tensor(mesh._rank_map).reshape(-1, *mesh.shape)
+    coordinates: dict[int, tuple[int, ...]] = {}
+    for group in full:
+        for index in range(group.numel()):
+            coordinates[int(group.flatten()[index])] = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), tuple(mesh.shape)))
+    return coordinates
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def local_shape(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], placements: Any) -> tuple[int, ...]:
+    """(Cached: a model repeats its layers' shapes.) The shape of the shard a rank at ``coordinate`` of a mesh of ``mesh_shape`` holds of a DTensor of
+    ``global_shape`` placed by ``placements`` (DTensor's own rule: ``torch.chunk`` sizes, uneven shards last)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    return tuple(_compute_local_shape_and_global_offset(global_shape, mesh_shape, list(coordinate), placements, skip_offset=True)[0])
+
+
+def fsdp_gathered_params(unit: Any) -> list[tuple[int, int]]:
+    """``(values gathered, element size)`` of each parameter an FSDP2 unit owns: its padded shard times the sharding
+    ranks (what the unit's all-gather outputs), in the shard's dtype."""
+    group = unit._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return []
+    ranks = group.mesh_info.shard_mesh_size
+    return [(fp.padded_sharded_param_size.numel() * ranks, fp.sharded_param.element_size()) for fp in group.fsdp_params]
+
+
+def forget_dtensor_meshes() -> None:
+    """Forget the meshes DTensor keeps between calls, when their process groups end (a planner starts a fake world per
+    rank it builds): its random-number tracker (made on the first mesh it saw) and its sharding-propagation cache,
+    whose entries hold the meshes of earlier worlds (meshes compare equal across worlds, their groups do not), and
+    its redistribution plans (a flattened transform keeps its mesh), and the C++ fast path's sharding cache."""
+    import torch.distributed.tensor._random as dtensor_random
+    import torch.distributed.tensor._redistribute as redistribute
+    from torch.distributed.tensor import DTensor
+
+    dtensor_random._rng_tracker = None
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    if hasattr(propagator._propagate_tensor_meta_cached, "cache_clear"):
+        propagator._propagate_tensor_meta_cached.cache_clear()
+    if hasattr(redistribute._gen_transform_infos, "cache_clear"):
+        redistribute._gen_transform_infos.cache_clear()
+    if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):  # the C++ dispatch fast path's own cache
+        torch._C._clear_DTensor_sharding_propagator_cache()
+
+
+def static_pipeline_warmup(stages: Any, has_backward: bool, p2p_done: bool) -> None:
+    """A pipeline schedule's warm-up (``_warmup_p2p``) for stages given the metadata of their inputs and outputs:
+    each set to torch's STATIC inference mode, without the vote torch's warm-up sends between stages (on a fake
+    process group a receive delivers nothing, and on fake tensors the vote's ``.item()`` has no value)."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    for stage in stages:
+        stage._inference_mode = InferenceMode.STATIC
+
+
+class _HoldingWork:
+    """A point-to-point work that keeps its tensors until it is waited on (and is otherwise the work)."""
+
+    def __init__(self, work: Any, tensors: list) -> None:
+        self._work, self._tensors = work, tensors
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._tensors = []
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+@contextmanager
+def pipeline_sends_held() -> Iterator[None]:
+    """Inside, the works of a pipeline schedule's point-to-point batches (``schedules._batch_p2p``) keep their tensors
+    until waited, as gloo's and NCCL's do. The fake process group's works keep nothing, so an activation a stage sends
+    would be freed at once where a real run holds it until the schedule waits (the multi-stage schedules wait for
+    their sends at the end of the step)."""
+    from torch.distributed.pipelining import schedules
+
+    batch = schedules._batch_p2p
+
+    def holding(p2p_ops: Any, desc: Any = None) -> list:
+        tensors = [op.tensor for op in p2p_ops]
+        return [_HoldingWork(work, tensors) for work in batch(p2p_ops, desc)]
+
+    schedules._batch_p2p = holding
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = batch
+
+
+def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape and global offset of this rank's shard of a DTensor (``torch.distributed.tensor._utils.
+    compute_local_shape_and_global_offset``: a private module, torch 2.4+)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(shape), tuple(offset)
+
+
+def use_static_pipeline_warmup(schedule: Any) -> None:
+    """A pipeline schedule warms up by :func:`static_pipeline_warmup` (its ``_warmup_p2p`` replaced, torch 2.13)."""
+    schedule._warmup_p2p = static_pipeline_warmup
+
+
+def resolve_process_group(name: str) -> Any:
+    """The ``ProcessGroup`` a functional collective names (``distributed_c10d._resolve_process_group``, torch 2.3+)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def fake_store() -> Any:
+    """A store for torch's fake process group (``torch.testing._internal.distributed.fake_pg.FakeStore``, torch 2.2+)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()

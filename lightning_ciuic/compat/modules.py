@@ -1,0 +1,82 @@
+"""Private parts of autograd, ``nn.Module``, torch's ops and transformers' models the pack touches (see
+:mod:`lightning_ciuic.compat`): the current graph task, forward-hook tables, ``torch._grouped_mm``, transformers'
+experts implementation and its models' tensor- and pipeline-parallel plans."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (a checkpointed block's forward recomputed)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def has_grouped_mm() -> bool:
+    """Whether this torch has ``torch._grouped_mm`` (private op, torch 2.8+)."""
+    return hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(rows, weights, offs=offsets)`` (private op, torch 2.8+): row group ``g`` (ending at
+    ``offsets[g]``) times ``weights[g]``: the experts' grouped GEMM."""
+    return torch._grouped_mm(rows, weights, offs=offsets)
+
+
+@contextmanager
+def forward_hooks_suspended(module: Any) -> Iterator[None]:
+    """Calls of ``module`` run its ``forward`` alone, without its own forward (pre-)hooks, inside this context."""
+    saved = module._forward_pre_hooks, module._forward_hooks
+    module._forward_pre_hooks, module._forward_hooks = OrderedDict(), OrderedDict()
+    try:
+        yield
+    finally:
+        module._forward_pre_hooks, module._forward_hooks = saved
+
+
+@functools.cache
+def _hugging_face_experts_forward() -> Any:
+    """The code of the forward transformers' ``use_experts_implementation`` gives every experts class it decorates
+    (one function, defined once in the decorator), and transformers' default gating; ``None`` without them."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return None
+    decorated = moe.use_experts_implementation(type("_Experts", (torch.nn.Module,), {"forward": lambda self: None}))
+    return decorated.forward.__code__, moe._default_apply_gate
+
+
+HUGGING_FACE_EXPERTS_FLAGS = ("is_concatenated", "is_transposed", "has_bias", "has_gate", "has_post_expert_norm")
+
+
+def hugging_face_experts_layout(module: Any) -> Any:
+    """For a transformers experts module (its class decorated by ``use_experts_implementation``, its forward that
+    decorator's: not replaced by a subclass or on the instance), ``{flag: value}`` of the decorator's layout flags
+    (:data:`HUGGING_FACE_EXPERTS_FLAGS`) and ``default_gate``: whether it gates as transformers does by default,
+    ``act_fn(gate) * up`` (its class has no ``_apply_gate`` of its own). ``None`` for any other module."""
+    if "transformers" not in sys.modules:
+        return None  # nothing was built from a transformers class
+    found = _hugging_face_experts_forward()
+    forward = getattr(getattr(type(module), "forward", None), "__code__", None)
+    if found is None or forward is not found[0] or "forward" in vars(module):
+        return None
+    layout = {flag: getattr(module, flag, None) for flag in HUGGING_FACE_EXPERTS_FLAGS}
+    layout["default_gate"] = getattr(type(module), "_apply_gate", None) is found[1]
+    return layout
+
+
+def hugging_face_tp_plan(model: Any) -> Any:
+    """A transformers model's tensor-parallel plan (``PreTrainedModel._tp_plan``, transformers 4.50+); None if none."""
+    return getattr(model, "_tp_plan", None)
+
+
+def hugging_face_pp_plan(model: Any) -> Any:
+    """A transformers model's pipeline plan (``PreTrainedModel._pp_plan``, transformers 4.50+); None if none."""
+    return getattr(model, "_pp_plan", None)

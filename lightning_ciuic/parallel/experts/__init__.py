@@ -1,0 +1,50 @@
+"""Expert parallelism: each rank of the ``ep`` axis holds its share of every mixture-of-experts layer's experts, and
+tokens travel to the rank that holds their expert and back (docs/expert_parallel.md).
+
+One module per job, each with its contract:
+
+* :mod:`.layout`: which modules hold packed experts (:func:`packed_experts`), the :class:`ExpertLayout` sharding makes,
+  the dispatch compressions and their codecs, :class:`DispatchStats`.
+* :mod:`.shard`: :func:`shard_experts`, the entry point (checks, then shards and replaces the forwards).
+* :mod:`.takeover`: the form expert parallelism computes and which modules it may take over (:func:`check_takeover`).
+* :mod:`.forward`: the replaced forward (:func:`expert_parallel_forward`): route, dispatch, compute, combine; the
+  split over tensor-parallel peers.
+* :mod:`.dispatch`: the routing counted and exchanged, the rows' all-to-alls (compressed dispatch, timed).
+* :mod:`.gemm`: the local experts run by grouped GEMM or a loop (:func:`run_local_experts`).
+* :mod:`.grad_scale`: the experts' gradient scale (``1/ep_data_ranks``).
+* :mod:`.counts`: :class:`RoutedTokens`, the tokens routed to each expert.
+
+The names below are the public ones, importable from here.
+
+No Lightning imports.
+"""
+
+from lightning_ciuic.parallel.experts.counts import RoutedTokens
+from lightning_ciuic.parallel.experts.forward import expert_parallel_forward
+from lightning_ciuic.parallel.experts.layout import (
+    DISPATCH_COMPRESSIONS,
+    DispatchCompression,
+    DispatchStats,
+    ExpertLayout,
+    dispatch_codec,
+    is_packed_experts,
+    packed_experts,
+)
+from lightning_ciuic.parallel.experts.shard import shard_experts
+from lightning_ciuic.parallel.experts.takeover import FORM, check_takeover, dispatched_output
+
+__all__ = [
+    "DISPATCH_COMPRESSIONS",
+    "FORM",
+    "DispatchCompression",
+    "DispatchStats",
+    "ExpertLayout",
+    "RoutedTokens",
+    "check_takeover",
+    "dispatch_codec",
+    "dispatched_output",
+    "expert_parallel_forward",
+    "is_packed_experts",
+    "packed_experts",
+    "shard_experts",
+]

@@ -1,0 +1,92 @@
+"""The packed experts' forward under expert parallelism: bound to each sharded module in place of its own.
+
+Contract (:func:`expert_parallel_forward(self, hidden, top_k_index, top_k_weights)`): the ``T k`` (token, expert)
+pairs sorted by expert, their routing exchanged (:mod:`~lightning_ciuic.parallel.experts.dispatch`), the rows sent to
+their experts' ranks (``codec``-encoded: the dispatch compression), the local experts run on what arrived
+(:func:`~lightning_ciuic.parallel.experts.gemm.run_local_experts`, their gradients scaled by the layout's
+``grad_scale``), the results sent back in the working precision, and each token's outputs summed with its routing
+weights, on the sender (the router's gradient stays local). A rank that receives no token still takes part in every
+collective. Backward runs the same exchanges in reverse, in the working precision.
+
+Over tensor-parallel peers (``layout.tp_mesh``: ``ep`` takes the tp peers too, which hold the same tokens): each peer
+dispatches its share of the tokens, and the shares' outputs are all-gathered; the inputs' gradients are summed over the
+peers (Megatron's copy-to-tensor-parallel-region), each peer keeps its share's output gradient.
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_ciuic.parallel.experts.dispatch import Exchange, balanced_routing, routing
+from lightning_ciuic.parallel.experts.gemm import run_local_experts
+from lightning_ciuic.parallel.experts.layout import ExpertLayout
+from lightning_ciuic.parallel.tensor import sum_grad_over
+
+LAYOUT_ATTRIBUTE = "_expert_layout"  # where shard_experts keeps a sharded module's ExpertLayout
+
+
+def expert_parallel_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The packed experts' forward under expert parallelism (see the module docstring)."""
+    layout: ExpertLayout = getattr(self, LAYOUT_ATTRIBUTE)
+    if layout.tp_mesh is not None:
+        return _split_over_tensor_parallel_peers(self, layout, hidden, top_k_index, top_k_weights)
+    return _dispatch_and_combine(self, layout, hidden, top_k_index, top_k_weights)
+
+
+def _split_over_tensor_parallel_peers(experts, layout, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+    """ep includes the tp peers, which hold the same tokens: each dispatches its share and the shares' outputs are
+    gathered. The inputs' gradients are summed over the peers (each saw one share), the output's gradient is the
+    same on every peer (the rest of the layer is replicated or tensor-parallel), so each keeps its share's."""
+    tp_mesh = layout.tp_mesh
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    tokens = hidden.shape[0]
+    sizes = [tokens // tp + (1 if i < tokens % tp else 0) for i in range(tp)]
+    start = sum(sizes[:rank])
+    share = slice(start, start + sizes[rank])
+    hidden, top_k_weights = sum_grad_over(hidden, tp_mesh), sum_grad_over(top_k_weights, tp_mesh)
+    out = _dispatch_and_combine(experts, layout, hidden[share], top_k_index[share], top_k_weights[share])
+    return _GatherShares.apply(out, sizes, rank, tp_mesh.get_group())
+
+
+class _GatherShares(torch.autograd.Function):
+    """Forward: every peer's rows (``sizes[i]`` from peer ``i``) concatenated; backward: this peer's rows' gradient."""
+
+    @staticmethod
+    def forward(ctx, rows, sizes, rank, group):  # type: ignore[override]
+        ctx.share = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+        widest = max(sizes)
+        padded = rows.new_zeros((widest, *rows.shape[1:]))
+        padded[: rows.shape[0]] = rows
+        gathered = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(gathered, padded.contiguous(), group=group)
+        return torch.cat([part[:n] for part, n in zip(gathered, sizes)])
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad[ctx.share].contiguous(), None, None, None
+
+
+def _dispatch_and_combine(self, layout: ExpertLayout, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+    """Route, send, compute, send back, combine (see the module docstring)."""
+    n_experts = self.gate_up_proj.shape[0]
+    tokens, k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, so by destination rank
+    source_token = order // k
+    routed = (balanced_routing if layout.assume_balanced else routing)(layout, flat, n_experts)
+    received = Exchange.apply(
+        hidden.index_select(0, source_token), routed.send_rows, routed.recv_rows, layout, layout.codec, "dispatch"
+    )
+    # what arrived is grouped by source rank, then expert; the experts want it grouped by expert
+    by_expert = routed.expert_of_row.argsort(stable=True)
+    computed = run_local_experts(self, received.index_select(0, by_expert), routed.per_local_expert, layout.grad_scale)
+    layout.stats.received_tokens += computed.shape[0]
+    unsorted = torch.empty_like(computed).index_copy(0, by_expert, computed)
+    returned = Exchange.apply(unsorted, routed.recv_rows, routed.send_rows, layout, None, "combine")
+    weights = top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(returned.dtype)
+    combined = hidden.new_zeros((tokens, returned.shape[1]), dtype=returned.dtype)
+    return combined.index_add(0, source_token, returned * weights).to(hidden.dtype)

@@ -1,0 +1,51 @@
+"""This rank's experts on the rows routed to them: SwiGLU per expert, by grouped GEMM where it fits.
+
+Contract: :func:`run_local_experts(experts, rows, counts, grad_scale)` takes ``rows`` sorted by local expert
+(``counts[e]`` rows for expert ``e``) and returns, row by row, ``down_proj[e] @ (act_fn(gate) * up)``, ``gate`` and
+``up`` the first and last ``I`` rows of ``gate_up_proj[e] @ row``. It runs torch's grouped GEMM
+(:func:`lightning_ciuic.compat.grouped_mm`) for float32/bf16/fp16 rows of 16-byte multiples, else a loop over the
+experts (float64, odd widths). The weights' gradients are scaled by ``grad_scale`` on their way back
+(:mod:`~lightning_ciuic.parallel.experts.grad_scale`).
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ciuic import compat
+from lightning_ciuic.parallel.experts.grad_scale import ScaleGradient
+from lightning_ciuic.tensors import local_tensor
+
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def run_local_experts(experts: Any, rows: torch.Tensor, counts: Sequence[int], grad_scale: float) -> torch.Tensor:
+    """This rank's experts on ``rows`` sorted by local expert (``counts[e]`` rows each): SwiGLU per expert.
+    ``experts``: anything with ``gate_up_proj``, ``down_proj`` (tensors or DTensors: their local part) and ``act_fn``."""
+    gate_up = ScaleGradient.apply(local_tensor(experts.gate_up_proj), grad_scale)
+    down = ScaleGradient.apply(local_tensor(experts.down_proj), grad_scale)
+    if _grouped_mm_fits(rows, gate_up, down):
+        offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows.device)
+        hidden = compat.grouped_mm(rows, gate_up.transpose(-2, -1), offsets)
+        gate, up = hidden.chunk(2, dim=-1)
+        return compat.grouped_mm((experts.act_fn(gate) * up).contiguous(), down.transpose(-2, -1), offsets)
+    outputs = []
+    for e, chunk in enumerate(rows.split(list(counts))):
+        gate, up = nn.functional.linear(chunk, gate_up[e]).chunk(2, dim=-1)
+        outputs.append(nn.functional.linear(experts.act_fn(gate) * up, down[e]))
+    return torch.cat(outputs) if outputs else rows.new_empty((0, down.shape[1]))
+
+
+def _grouped_mm_fits(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """torch's grouped GEMM: float32/bf16/fp16, every row a multiple of 16 bytes."""
+    if not compat.has_grouped_mm() or rows.dtype not in _GROUPED_MM_DTYPES or gate_up.dtype != rows.dtype:
+        return False
+    size = rows.element_size()
+    return all((d * size) % 16 == 0 for d in (gate_up.shape[-1], gate_up.shape[-2] // 2, down.shape[-2]))

@@ -1,0 +1,124 @@
+"""Which modules hold packed experts, and the layout expert parallelism makes of them.
+
+Contract:
+
+* **Packed experts** (:func:`packed_experts`): a layer's experts held as two 3-D parameters, ``gate_up_proj``
+  ``[E, 2I, H]`` (gate rows, then up rows) and ``down_proj`` ``[E, H, I]``, and an ``act_fn``, computing
+  ``forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``. transformers' DeepSeek-V3,
+  Qwen3-MoE and Mixtral experts are such modules, and so is the pack's example model's. Found by their parameters'
+  and ``act_fn``'s names and ranks (what the balance callbacks and the monitor count).
+* :class:`ExpertLayout`: what :func:`~lightning_ciuic.parallel.experts.shard.shard_experts` made: the expert view of
+  the mesh (``(pp, [dp_replicate,] edp, ep, tp)``), its ``ep`` mesh, the sharded modules, the dispatch compression and
+  its codec (:func:`dispatch_codec`), the experts' gradient scale
+  (:func:`~lightning_ciuic.parallel.experts.grad_scale.expert_grad_scale`), the tensor-parallel peers that split
+  their tokens (``dims.ep_over_tp``), a :class:`~lightning_ciuic.wire.timing.DeviceClock` and the
+  :class:`DispatchStats` the forwards add to. ``assume_balanced``: route as if balanced (the planner's fake tensors).
+* :class:`DispatchStats`: running totals of the bytes each way, the rows this rank's experts computed and the
+  seconds spent in the all-to-alls.
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_ciuic.wire.codecs import BlockFP8, BlockInt8, Codec, HalfPrecision
+from lightning_ciuic.wire.timing import DeviceClock
+from lightning_ciuic.parallel.axes import Axis
+from lightning_ciuic.parallel.dims import Meshes, ParallelDims
+from lightning_ciuic.parallel.experts.grad_scale import expert_grad_scale
+
+DispatchCompression = Literal["none", "bf16", "fp8", "int8"]
+DISPATCH_COMPRESSIONS = ("none", "bf16", "fp8", "int8")
+DISPATCH_BLOCK = 128  # values per scale of the fp8/int8 dispatch (DeepSeek-V3's 1x128 activation tiles)
+
+
+def dispatch_codec(name: str) -> Optional[Codec]:
+    """The codec the dispatched rows cross the all-to-all with (``None``: their own dtype, exactly)."""
+    codecs = {"none": None, "bf16": HalfPrecision(torch.bfloat16), "fp8": BlockFP8(DISPATCH_BLOCK), "int8": BlockInt8(DISPATCH_BLOCK)}
+    if name not in codecs:
+        raise ValueError(f"expert_dispatch_compression={name!r}: use one of {list(DISPATCH_COMPRESSIONS)}.")
+    return codecs[name]
+
+
+def is_packed_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds its experts packed (see the module docstring)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (
+        isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3 and down.dim() == 3
+        and gate_up.shape[0] == down.shape[0] and callable(getattr(module, "act_fn", None))
+    )
+
+
+def packed_experts(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every packed-experts module inside ``module``."""
+    return [(name, sub) for name, sub in module.named_modules() if is_packed_experts(sub)]
+
+
+@dataclass
+class DispatchStats:
+    """What the expert-parallel forwards of one layout moved (running totals)."""
+
+    dispatch_bytes: int = 0  # sent by this rank to other ranks' experts (encoded)
+    dispatch_rows: int = 0  # the rows (token, expert pairs) those bytes carried
+    combine_bytes: int = 0  # results this rank sent back to the ranks that routed them
+    combine_rows: int = 0
+    received_tokens: int = 0  # rows this rank's experts computed
+    seconds: float = 0.0  # in the token all-to-alls, forward and backward (waiting for the other ranks included)
+
+    def add_seconds(self, seconds: float) -> None:
+        self.seconds += seconds
+
+
+@dataclass
+class ExpertLayout:
+    """What :func:`~lightning_ciuic.parallel.experts.shard.shard_experts` made (see the module docstring): the layout's
+    meshes (their expert views), the sharded modules and the dispatch's stats."""
+
+    meshes: Meshes
+    modules: dict[str, nn.Module]
+    dispatch: DispatchCompression = "none"
+    stats: DispatchStats = field(default_factory=DispatchStats)
+    codec: Optional[Codec] = field(init=False)
+    grad_scale: float = field(init=False)
+    tp_mesh: Optional[DeviceMesh] = field(init=False)
+    clock: DeviceClock = field(init=False)
+    assume_balanced: bool = False  # route as if balanced, whatever the router chose (the planner's fake tensors)
+
+    def __post_init__(self) -> None:
+        self.clock = DeviceClock(torch.device(self.meshes.world.device_type))
+        self.codec = dispatch_codec(self.dispatch)
+        self.grad_scale = expert_grad_scale(self.dims)
+        self.tp_mesh = self.meshes.mesh(Axis.TP) if self.dims.ep_over_tp else None  # peers that split their tokens
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.meshes.dims
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        """The ranks that exchange tokens."""
+        return self.meshes.ep_mesh
+
+    @property
+    def data_mesh(self) -> DeviceMesh:
+        """The ranks holding the same experts, over which their gradients are averaged (and, sharded, split)."""
+        return self.meshes.expert_data_mesh
+
+    def keep_within(self, stages: Sequence[nn.Module]) -> None:
+        """Forget the experts of pipeline stages this rank does not run (after the cut)."""
+        here = {id(m) for stage in stages for m in stage.modules()}
+        self.modules = {name: m for name, m in self.modules.items() if id(m) in here}
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for module in self.modules.values() for p in (module.gate_up_proj, module.down_proj)]
+
+    def parameter_ids(self) -> set[int]:
+        return {id(p) for p in self.parameters()}
