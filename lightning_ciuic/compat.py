@@ -22,7 +22,10 @@ Touch points:
   axes named as one, as torchtitan names ``dp_replicate x dp_shard`` "dp"), FSDP2's ``ReduceScatter`` interface
   (``set_custom_reduce_scatter`` is public, the class it takes is not), and the mesh of a user's ``fully_shard``
   unit (its state's parameter group); autograd's current graph task (``in_backward``: an activation-checkpointing
-  recompute runs a module's forward again inside backward); ``DeviceMesh._unflatten`` (the expert view of a mesh
+  recompute runs a module's forward again inside backward); the attention kernels' private aten ops
+  (``ATTENTION_OPS``: ``aten._scaled_dot_product_*``, whose outputs selective recomputation keeps); the profiler's
+  record_function ops passed through selective checkpointing (``SAC_IGNORED_OPS``); a view's base
+  tensor (``view_base``: ``Tensor._base``, how recomputation knows a view of a recomputed output); ``DeviceMesh._unflatten`` (the expert view of a mesh
   axis, as torchtitan splits ``dp_shard`` into ``efsdp x ep``); ``nn.Module``'s own forward-hook tables (suspended while a step is routed
   through an FSDP2 root, so its hooks run once per step); a pipeline schedule's warm-up (``_warmup_p2p``, replaced where
   the planner gives stages their metadata), its point-to-point batches (``schedules._batch_p2p``: on the fake process
@@ -60,6 +63,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 TESTED = {"torch": ((2, 13), (2, 15)), "lightning": ((2, 6), (2, 7))}
 
 __all__ = [
+    "ATTENTION_OPS",
     "EmptyStateDictLoadPlanner",
     "FSDPAllGather",
     "FSDPReduceScatter",
@@ -78,6 +82,8 @@ __all__ = [
     "litdata_detects",
     "set_litdata_world",
     "unflatten_mesh",
+    "view_base",
+    "profiler_ops_pass_selective_checkpointing",
     "load_state_dict_into",
     "reset_optimizers_and_schedulers",
     "rewind_step_counters",
@@ -268,6 +274,36 @@ def fsdp_mesh(unit: Any) -> Any:
 def in_backward() -> bool:
     """Whether autograd is running a backward pass on this thread (a checkpointed block's forward recomputed)."""
     return torch._C._current_graph_task_id() != -1
+
+
+# The attention kernels' private aten ops (those this torch build has), whose outputs selective activation
+# checkpointing keeps (parallel/recompute.py), as torchtitan's policy does.
+ATTENTION_OPS = tuple(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(torch.ops.aten, name)
+)
+
+
+def profiler_ops_pass_selective_checkpointing() -> None:
+    """Selective activation checkpointing runs the profiler's record_function ops as they come, neither kept nor
+    counted (torch's ``SAC_IGNORED_OPS``): FSDP2's hooks open more of them in a recomputed forward than in the forward
+    (a unit inside a block: the experts), which SAC took for a different forward ("invocation index 2 encountered
+    during backward but not found in storage")."""
+    from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
+        packet = getattr(torch.ops.profiler, name, None)
+        if packet is not None:
+            SAC_IGNORED_OPS.update(getattr(packet, overload) for overload in packet.overloads())
+
+
+def view_base(tensor: torch.Tensor) -> Any:
+    """The tensor ``tensor`` is a view of (autograd's ``_base``: the root, for a view of a view), else ``None``."""
+    return tensor._base
 
 
 @contextmanager

@@ -6,7 +6,8 @@ was given and what would work: each degree a positive integer (``data_parallel_s
 parallelism only with the codecs and schedules it supports; DiLoCo only with whole replicas and no per-step
 compression; ``expert_parallel_size`` a positive integer dividing the innermost data-parallel degree (checked
 against the world by ``resolve``), ``expert_dispatch_compression`` one of ``"none"``, ``"bf16"``, ``"fp8"``,
-``"int8"`` and only with expert parallelism. ``resolve(world_size)`` gives the :class:`~lightning_ciuic.parallel.dims.ParallelDims` (degrees against
+``"int8"`` and only with expert parallelism; ``gradient_checkpointing`` one of the recomputation modes of
+:class:`~lightning_ciuic.parallel.recompute.Recompute` (kept as the parsed ``Recompute``). ``resolve(world_size)`` gives the :class:`~lightning_ciuic.parallel.dims.ParallelDims` (degrees against
 the world: errors name every factor). The pieces are the configs of the parts that use them:
 :class:`~lightning_ciuic.parallel.pipeline_module.PipelineConfig`, :class:`~lightning_ciuic.parallel.fsdp.ShardingConfig`,
 :class:`~lightning_ciuic.comm.compression.CompressionConfig` and :class:`~lightning_ciuic.comm.diloco.DiLoCo`.
@@ -29,6 +30,7 @@ from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.experts import DISPATCH_COMPRESSIONS, DispatchCompression
 from lightning_ciuic.parallel.fsdp import ShardingConfig
 from lightning_ciuic.parallel.pipeline_module import PipelineConfig
+from lightning_ciuic.parallel.recompute import GradientCheckpointing, Recompute
 
 Degree = Union[int, Literal["auto"]]
 SHARDED_REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # the reduce-scatter's dtype
@@ -51,9 +53,10 @@ class ParallelismConfig:
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     diloco: Optional[DiLoCo] = None
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: Union[GradientCheckpointing, Recompute] = False  # parsed into a Recompute
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "gradient_checkpointing", Recompute.parse(self.gradient_checkpointing))
         ParallelDims.check_degrees(**self.degrees)
         if self.sharding.weight_codec is not None and self.data_parallel_shard_size == 1:
             raise ValueError(

@@ -244,7 +244,18 @@ MOE_STEP_LAYOUTS = {
     "mixtral-dp4-ep4": ("mixtral", dict(data_parallel_size=4, expert_parallel_size=4)),
     "mixtral-dp2-tp2-ep4": ("mixtral", dict(data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=4)),
 }
-LAYOUTS = {**{name: ("llama", layout) for name, layout in STEP_LAYOUTS.items()}, **MOE_STEP_LAYOUTS}
+# Each recomputation mode but "full" (the pipelined cases above recompute nothing): what it keeps is what the plan holds.
+RECOMPUTE_STEP_LAYOUTS = {
+    "selective-fsdp4": ("llama", dict(data_parallel_size=4, data_parallel_shard_size=4, gradient_checkpointing="selective")),
+    "every-2nd-block-dp2-tp2": ("llama", dict(data_parallel_size=2, tensor_parallel_size=2, gradient_checkpointing="full:2")),
+    "deepseek-recipe-pp2-dp2-ep2": ("deepseek-mini", dict(
+        pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2,
+        gradient_checkpointing={"recompute": ["norm", "mla_up"]},
+    )),
+}
+LAYOUTS = {
+    **{name: ("llama", layout) for name, layout in STEP_LAYOUTS.items()}, **MOE_STEP_LAYOUTS, **RECOMPUTE_STEP_LAYOUTS,
+}
 
 
 def _build_llama(mesh):
