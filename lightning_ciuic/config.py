@@ -8,7 +8,8 @@ compression; ``expert_parallel_size`` a positive integer dividing the innermost 
 against the world by ``resolve``), ``expert_dispatch_compression`` one of ``"none"``, ``"bf16"``, ``"fp8"``,
 ``"int8"`` and only with expert parallelism; per-step compression only on a process-group backend that has the
 collectives it needs (``process_group_backend`` ``None``, ``"gloo"`` or ``"nccl"``); ``weight_all_gather_compression``
-``"none"`` or ``"int8"``. ``resolve(world_size)`` gives the :class:`~lightning_ciuic.parallel.dims.ParallelDims` (degrees against
+``"none"`` or ``"int8"``; ``gradient_checkpointing`` one of the recomputation modes of
+:class:`~lightning_ciuic.parallel.recompute.Recompute` (kept as the parsed ``Recompute``). ``resolve(world_size)`` gives the :class:`~lightning_ciuic.parallel.dims.ParallelDims` (degrees against
 the world: errors name every factor). The pieces are the configs of the parts that use them:
 :class:`~lightning_ciuic.parallel.pipeline_module.PipelineConfig`, :class:`~lightning_ciuic.parallel.fsdp.ShardingConfig`,
 :class:`~lightning_ciuic.comm.compression.CompressionConfig` and :class:`~lightning_ciuic.comm.diloco.DiLoCo`.
@@ -41,6 +42,7 @@ from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.experts import DISPATCH_COMPRESSIONS, DispatchCompression
 from lightning_ciuic.parallel.fsdp import ShardingConfig, check_offload
 from lightning_ciuic.parallel.pipeline_module import PipelineConfig
+from lightning_ciuic.parallel.recompute import GradientCheckpointing, Recompute
 
 Degree = Union[int, Literal["auto"]]
 SHARDED_REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # the reduce-scatter's dtype
@@ -91,7 +93,7 @@ class ParallelismConfig:
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     diloco: Optional[DiLoCo] = None
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: Union[GradientCheckpointing, Recompute] = False  # parsed into a Recompute
     bucket_size_mb: float = 25.0  # the replicated engine's gradient buckets
     sync_timeout: float = 300.0  # seconds a gradient collective may take
 
@@ -118,13 +120,14 @@ class ParallelismConfig:
             piece, attr = STRATEGY_ARGS[name]
             if isinstance(value, list):
                 value = tuple(value)
-            if attr in ("gradient_checkpointing", "reshard_after_forward", "cpu_offload"):
+            if attr in ("reshard_after_forward", "cpu_offload"):
                 value = bool(value)
             pieces[piece][attr] = value
         top = pieces.pop("")
         return cls(**top, **{piece: _PIECES[piece](**fields) for piece, fields in pieces.items()})
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "gradient_checkpointing", Recompute.parse(self.gradient_checkpointing))
         ParallelDims.check_degrees(**self.degrees)
         self._check_choices()
         check_bucket_size(self.bucket_size_mb)

@@ -104,6 +104,10 @@ from lightning_ciuic.compat.modules import (
     hugging_face_pp_plan,
     hugging_face_tp_plan,
     in_backward,
+    ATTENTION_OPS,
+    FUNCTIONAL_REDUCE_SCATTER,
+    profiler_ops_pass_selective_checkpointing,
+    view_base,
 )
 from lightning_ciuic.compat.tracing import (
     TorchDispatchMode,
@@ -142,6 +146,10 @@ OVERRIDDEN_PRIVATE_HOOKS = {
 TESTED = {"torch": ((2, 13), (2, 15)), "lightning": ((2, 6), (2, 7))}
 
 __all__ = [
+    "ATTENTION_OPS",
+    "FUNCTIONAL_REDUCE_SCATTER",
+    "profiler_ops_pass_selective_checkpointing",
+    "view_base",
     "layer_sync",
     "set_launcher",
     "EmptyStateDictLoadPlanner",

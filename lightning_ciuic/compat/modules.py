@@ -1,6 +1,7 @@
 """Private parts of autograd, ``nn.Module``, torch's ops and transformers' models the pack touches (see
 :mod:`lightning_ciuic.compat`): the current graph task, forward-hook tables, ``torch._grouped_mm``, transformers'
-experts implementation and its models' tensor- and pipeline-parallel plans."""
+experts implementation and its models' tensor- and pipeline-parallel plans; the attention kernels' aten ops
+(``ATTENTION_OPS``), the profiler ops passed through selective checkpointing, a view's base (``view_base``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,42 @@ import torch
 def in_backward() -> bool:
     """Whether autograd is running a backward pass on this thread (a checkpointed block's forward recomputed)."""
     return torch._C._current_graph_task_id() != -1
+
+
+# The attention kernels' private aten ops (those this torch build has), whose outputs selective activation
+# checkpointing keeps (parallel/recompute.py), as torchtitan's policy does.
+ATTENTION_OPS = tuple(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(torch.ops.aten, name)
+)
+
+
+# The functional reduce-scatter (``torch.ops._c10d_functional``, a private op namespace: DTensor's and FSDP2's), whose
+# output selective recomputation keeps rather than running the collective again.
+FUNCTIONAL_REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+
+
+def profiler_ops_pass_selective_checkpointing() -> None:
+    """Selective activation checkpointing runs the profiler's record_function ops as they come, neither kept nor
+    counted (torch's ``SAC_IGNORED_OPS``): FSDP2's hooks open more of them in a recomputed forward than in the forward
+    (a unit inside a block: the experts), which SAC took for a different forward ("invocation index 2 encountered
+    during backward but not found in storage")."""
+    from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
+        packet = getattr(torch.ops.profiler, name, None)
+        if packet is not None:
+            SAC_IGNORED_OPS.update(getattr(packet, overload) for overload in packet.overloads())
+
+
+def view_base(tensor: torch.Tensor) -> Any:
+    """The tensor ``tensor`` is a view of (autograd's ``_base``, a private attribute: the root, for a view of a view),
+    else ``None``."""
+    return tensor._base
 
 
 def has_grouped_mm() -> bool:

@@ -20,7 +20,9 @@ is one: this module does not import it, the arrow runs from the config to ``para
    (:func:`~lightning_ciuic.parallel.experts.shard_experts`); ``Parallelized.experts`` is its layout, which the
    data-parallel engine reads (expert gradients are averaged over the ranks holding the same experts). Sharded,
    each experts module becomes its own FSDP2 unit over those ranks (step 5).
-3. **Activation checkpointing** (``options.gradient_checkpointing``): each pipeline block of a
+3. **Activation recomputation** (``options.gradient_checkpointing``, a
+   :class:`~lightning_ciuic.parallel.recompute.Recompute`: full, every k-th block, torchtitan's op-level selective
+   policy, or named sub-modules such as DeepSeek-V3's norms and MLA up-projections): over each pipeline block of a
    :class:`~lightning_ciuic.parallel.pipeline_module.PipelineModule`, else each block of the module's outermost
    ``nn.ModuleList`` s; a module with neither is an error.
 4. **Pipeline cut** over ``pp`` (:func:`~lightning_ciuic.parallel.pipeline_module.build_pipeline`): this rank's
@@ -56,8 +58,9 @@ from lightning_ciuic.parallel.dims import Meshes, ParallelDims
 from lightning_ciuic.parallel.experts import DispatchCompression, ExpertLayout, shard_experts
 from lightning_ciuic.parallel.fsdp import FSDPLayout, ShardingConfig, default_units, found_sharding, has_meta_tensors, shard
 from lightning_ciuic.parallel.fsdp import materialize as materialize_meta
-from lightning_ciuic.parallel.pipeline import PipelineRunner, block_modules, checkpoint_activations
+from lightning_ciuic.parallel.pipeline import PipelineRunner, block_modules
 from lightning_ciuic.parallel.pipeline_module import PipelineConfig, PipelineModule, build_pipeline
+from lightning_ciuic.parallel.recompute import Recompute, recompute_blocks
 from lightning_ciuic.parallel.tensor import apply_tensor_parallel, gradients_in_parameter_placements, hugging_face_plan
 from lightning_ciuic.tensors import device_of
 from lightning_ciuic.wire.replicas import broadcast_from_first
@@ -74,7 +77,7 @@ class ParallelizeOptions(Protocol):
     def sharding(self) -> ShardingConfig: ...  # with FSDP2's dtypes for the precision already in it
 
     @property
-    def gradient_checkpointing(self) -> bool: ...
+    def gradient_checkpointing(self) -> Recompute: ...
 
     @property
     def expert_dispatch_compression(self) -> DispatchCompression: ...
@@ -127,7 +130,7 @@ def parallelize(
             )
         result.experts = shard_experts(module, meshes, options.expert_dispatch_compression)
     if options.gradient_checkpointing:
-        checkpoint_blocks(module)
+        checkpoint_blocks(module, options.gradient_checkpointing)
     if dims.pp_enabled:
         if user_fsdp is not None:
             raise ValueError(
@@ -175,19 +178,22 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     apply_tensor_parallel(module, tp_mesh, plan)
 
 
-def checkpoint_blocks(module: nn.Module) -> None:
-    """Step 3: activation checkpointing for each block (pipeline blocks, else the outermost layer lists' blocks)."""
+def checkpoint_blocks(module: nn.Module, recompute: Recompute) -> None:
+    """Step 3: ``recompute`` over the blocks (pipeline blocks, else the outermost layer lists' blocks)."""
     if isinstance(module, PipelineModule):
-        blocks = block_modules(module, list(module.pipeline_blocks()))
+        names = list(module.pipeline_blocks())
+        blocks = block_modules(module, names)
     else:
+        named = {id(m): n for n, m in module.named_modules()}
         blocks = default_units(module)
+        names = [named[id(b)] for b in blocks]
     if not blocks:
         raise TypeError(
-            f"gradient_checkpointing=True recomputes each block of the model, and {type(module).__name__} has neither"
-            " pipeline blocks (the PipelineModule protocol: pipeline_blocks(), docs/pipeline.md) nor an nn.ModuleList"
-            " of layers: give it one of them, or set gradient_checkpointing=False."
+            f"gradient_checkpointing={recompute} recomputes in each block of the model, and {type(module).__name__} has"
+            " neither pipeline blocks (the PipelineModule protocol: pipeline_blocks(), docs/pipeline.md) nor an"
+            " nn.ModuleList of layers: give it one of them, or set gradient_checkpointing=False."
         )
-    checkpoint_activations(blocks)
+    recompute_blocks(blocks, recompute, names)
 
 
 def check_user_sharding(module: nn.Module, layout: FSDPLayout, dp_mesh: DeviceMesh, options: ParallelizeOptions) -> None:

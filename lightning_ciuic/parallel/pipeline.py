@@ -44,7 +44,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
-from torch.utils.checkpoint import checkpoint
 
 from lightning_ciuic import compat
 from lightning_ciuic.timeline import timeline
@@ -232,25 +231,6 @@ class StageModule(nn.Module):
         for block, call in zip(self.blocks, self.calls):
             x = block(x) if call is None else call(block, x)
         return x
-
-
-class _Recomputed:
-    """A block's forward whose activations are recomputed in backward instead of kept (when grads are on)."""
-
-    def __init__(self, forward: Callable[..., Any]) -> None:
-        self.forward = forward
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return self.forward(*args, **kwargs)
-        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
-
-
-def checkpoint_activations(blocks: Sequence[nn.Module]) -> None:
-    """Activation checkpointing per block, in place (parameter names unchanged); applying it twice is a no-op."""
-    for block in blocks:
-        if not isinstance(block.__dict__.get("forward"), _Recomputed):
-            block.forward = _Recomputed(block.forward)
 
 
 def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:

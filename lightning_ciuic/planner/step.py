@@ -46,7 +46,8 @@ k``. Alike layers add the same saved activations, FLOPs and collectives each, so
 it with whole steps, pipelined too) from two layers on (with one, FSDP2's prefetch of the next unit finds a unit of
 another size); the model states come from the static phase, for all ``L`` layers. A split that leaves a stage no
 layer, or puts other blocks between two stages' layers, is stepped whole, as is every model when
-``EXTRAPOLATION_DEPTH`` is larger than half the layers per stage.
+``EXTRAPOLATION_DEPTH`` is larger than half the layers per stage, or recomputes every k-th block
+(``gradient_checkpointing="full:<k>"``, whose layers are not alike; nor are its stages, all stepped).
 
 :func:`~lightning_ciuic.planner.train_step.train_steps` is the one loop, run on fake tensors here and on real ones by
 the test that holds the planner to real runs (:mod:`~lightning_ciuic.planner.train_step`). It drives a :class:`~lightning_ciuic.parallel.pipeline_module.PipelineModule` (``pipelined_loss`` on
@@ -262,7 +263,7 @@ def step_figures(
         module = build(dims.build("cpu").world)
         layers = repeated_layers(module)
         held = None
-        if layers is not None and len(layers) > 2 * depth * dims.pp * local:
+        if layers is not None and len(layers) > 2 * depth * dims.pp * local and config.gradient_checkpointing.every == 1:
             held = _layers_per_rank(module, config, dims) if dims.pp_enabled else [len(layers)]
     if held is None:
         return _measure(rank, world_size, build, config, optimizers, spec, None, known)
@@ -302,10 +303,11 @@ def alike_stages(
     first nor last (those take token ids, or compute the loss) of equal :meth:`StageLayout.structure
     <lightning_ciuic.planner.layout.StageLayout.structure>` and equal inputs and outputs in every configuration stepped
     (``known``), under a schedule of one stage per rank, and all with or all without a steady phase (fewer
-    forwards in flight than micro-batches). Empty where the schedule places several stages on a rank."""
+    forwards in flight than micro-batches). Empty where the schedule places several stages on a rank, or a layer
+    stride recomputes every k-th block."""
     pipeline = config.pipeline
-    if config.pipeline_parallel_size == 1 or pipeline.local_stages != 1:
-        return []
+    if config.pipeline_parallel_size == 1 or pipeline.local_stages != 1 or config.gradient_checkpointing.every > 1:
+        return []  # (a layer stride recomputes other layers on each stage)
     groups: dict[tuple, list[int]] = {}
     for stage in range(1, stages - 1):
         in_flight = forwards_in_flight(pipeline.schedule, stage, stages, pipeline.num_microbatches)

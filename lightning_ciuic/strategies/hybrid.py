@@ -85,6 +85,7 @@ from lightning_ciuic.parallel.parallelize import Parallelized, parallelize
 from lightning_ciuic.parallel.pipeline import PipelineRunner, PipelineScheduleName
 from lightning_ciuic.parallel.shutdown import agree_on_setup, setup_vote_group
 from lightning_ciuic.strategies import checkpointing, collectives, loaders, processes, restore_point, steps
+from lightning_ciuic.parallel.recompute import GradientCheckpointing
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -108,7 +109,9 @@ class HybridParallelStrategy(ParallelStrategy):
             ``"interleaved_zero_bubble"``, ``"zbv_zero_bubble"`` or ``"dualpipev"`` (torch's schedules).
         num_microbatches: micro-batches each batch is cut into for the pipeline; must divide the batch size.
         stages_per_rank: virtual stages per rank (interleaved schedules need >= 2; V schedules use 2).
-        gradient_checkpointing: recompute each pipeline block's activations in backward instead of keeping them.
+        gradient_checkpointing: activations recomputed in backward instead of kept: ``False``, ``True``/``"full"``
+            (each block), ``"full:<k>"`` (every k-th block), ``"selective"`` (torchtitan's op-level policy) or
+            ``{"recompute": ["norm", "mla_up", <sub-module patterns>]}`` (docs/hybrid_parallel_strategy.md).
         pipeline_split_points: names of the blocks where stages 2, 3, ... begin (default: balanced by
             parameter count).
         bucket_size_mb: size of each gradient bucket all-reduced as one collective.
@@ -167,7 +170,7 @@ class HybridParallelStrategy(ParallelStrategy):
         pipeline_schedule: PipelineScheduleName = "1f1b",
         num_microbatches: int = 4,
         stages_per_rank: Optional[int] = None,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: GradientCheckpointing = False,
         pipeline_split_points: Optional[list[str]] = None,
         bucket_size_mb: float = 25.0,
         sync_timeout: float = 300.0,

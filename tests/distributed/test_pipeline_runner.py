@@ -11,11 +11,11 @@ from torch import nn
 from lightning_ciuic.parallel.pipeline import (
     PipelineRunner,
     balanced_split,
-    checkpoint_activations,
     partition,
     resolve_stages_per_rank,
     stage_ids_of_rank,
 )
+from lightning_ciuic.parallel.recompute import checkpoint_activations
 from tests.helpers import run_workers
 
 BLOCKS = [f"layers.{i}" for i in range(8)]

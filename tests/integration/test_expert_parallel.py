@@ -33,9 +33,13 @@ def test_expert_parallel_layout_matches_single_process(dp, shard, pp, tp, ep, cl
     _fit_and_compare(dp, shard, pp, tp, ep, clip)
 
 
-def test_accumulation_and_activation_checkpointing_with_experts_sharded():
-    """Two micro-batches per step, every block recomputed in backward."""
-    _fit_and_compare(2, 2, 1, 1, 2, 0.05, accumulate=2, gradient_checkpointing=True)
+@pytest.mark.parametrize(
+    "recompute", [True, "selective", {"recompute": ["norm", "mla_up"]}], ids=["full", "selective", "deepseek-recipe"],
+)
+def test_accumulation_and_activation_checkpointing_with_experts_sharded(recompute):
+    """Two micro-batches per step, activations recomputed in backward: every block, torchtitan's op-level policy
+    (the dispatch's all-to-alls recomputed), DeepSeek-V3's norms and MLA up-projections."""
+    _fit_and_compare(2, 2, 1, 1, 2, 0.05, accumulate=2, gradient_checkpointing=recompute)
 
 
 def _fit_and_compare(dp, shard, pp, tp, ep, clip, accumulate=1, gradient_checkpointing=False):

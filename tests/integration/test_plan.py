@@ -246,7 +246,18 @@ MOE_STEP_LAYOUTS = {
     "mixtral-dp4-ep4": ("mixtral", dict(data_parallel_size=4, expert_parallel_size=4)),
     "mixtral-dp2-tp2-ep4": ("mixtral", dict(data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=4)),
 }
-LAYOUTS = {**{name: ("llama", layout) for name, layout in STEP_LAYOUTS.items()}, **MOE_STEP_LAYOUTS}
+# Each recomputation mode but "full" (the pipelined cases above recompute nothing): what it keeps is what the plan holds.
+RECOMPUTE_STEP_LAYOUTS = {
+    "selective-fsdp4": ("llama", dict(data_parallel_size=4, data_parallel_shard_size=4, gradient_checkpointing="selective")),
+    "every-2nd-block-dp2-tp2": ("llama", dict(data_parallel_size=2, tensor_parallel_size=2, gradient_checkpointing="full:2")),
+    "deepseek-recipe-pp2-dp2-ep2": ("deepseek-mini", dict(
+        pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2,
+        gradient_checkpointing={"recompute": ["norm", "mla_up"]},
+    )),
+}
+LAYOUTS = {
+    **{name: ("llama", layout) for name, layout in STEP_LAYOUTS.items()}, **MOE_STEP_LAYOUTS, **RECOMPUTE_STEP_LAYOUTS,
+}
 
 
 def _build_llama(mesh):
@@ -448,3 +459,17 @@ def test_search_without_the_step_phase_plans_pipelines_too_and_ranks_by_memory()
     ranked = search(_build_llama, config, 4, optimizers=optimizers_of, devices_per_node=4, device_memory=tight)
     fits = [c.plan.all_fit for c in ranked if c.plan is not None]
     assert True in fits and False in fits and fits == sorted(fits, reverse=True), fits
+
+
+def test_the_plans_activations_fall_as_more_is_recomputed():
+    """On the example model: selective keeps less than nothing recomputed and more than full recomputation; DeepSeek-V3's
+    recipe less than nothing recomputed (each mode's plan is held to a real run above)."""
+    activations = {
+        str(mode): plan_layout(
+            _builder("deepseek-mini"), ParallelismConfig(data_parallel_size=2, expert_parallel_size=2, gradient_checkpointing=mode),
+            2, optimizers=optimizers_of, step=STEP,
+        ).classes[0].activations
+        for mode in (False, True, "selective", {"recompute": ["norm", "mla_up"]})
+    }
+    none, full, selective, recipe = activations.values()
+    assert full < selective < none and recipe < none, activations

@@ -87,6 +87,22 @@ def test_torch_private_helpers():
     assert inspect.isclass(compat.TorchDispatchMode)
 
 
+def test_the_attention_kernels_ops_are_the_ones_sdpa_runs():
+    names = {op.name() for op in compat.ATTENTION_OPS}
+    assert {"aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention_for_cpu"} <= names
+    seen = []
+
+    class Ops(compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(1, 2, 4, 8)
+    with Ops():
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert set(seen) & set(compat.ATTENTION_OPS), f"CPU attention ran {seen}, none of {compat.ATTENTION_OPS}"
+
+
 def test_backward_is_told_from_forward():
     seen = []
 

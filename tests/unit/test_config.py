@@ -8,6 +8,7 @@ import torch
 
 from lightning_ciuic import DiLoCo, HybridParallelStrategy
 from lightning_ciuic.comm.hooks import GradientQuantizer
+from lightning_ciuic.parallel.recompute import Recompute
 from lightning_ciuic.config import STRATEGY_ARGS, ParallelismConfig
 
 
@@ -17,7 +18,7 @@ def test_every_flat_argument_lands_in_its_field_by_name():
         pipeline_schedule="gpipe", num_microbatches=8, pipeline_split_points=["layers.2"],
         fsdp_units=["layers.0"], reshard_after_forward=False, weight_all_gather_compression="int8",
         communication_compression="bf16", compression_warmup_steps=3, process_group_backend="gloo",
-        gradient_checkpointing=1,
+        gradient_checkpointing=True,
     )
     assert config.degrees == dict(
         pipeline_parallel_size=2, data_parallel_size=4, tensor_parallel_size=2, data_parallel_shard_size=2,
@@ -26,7 +27,7 @@ def test_every_flat_argument_lands_in_its_field_by_name():
     assert (config.pipeline.schedule, config.pipeline.num_microbatches, config.pipeline.split_points) == ("gpipe", 8, ("layers.2",))
     assert (config.sharding.units, config.sharding.reshard_after_forward, config.sharding.weight_codec) == (("layers.0",), False, "int8")
     assert (config.compression.mode, config.compression.warmup_steps) == ("bf16", 3)
-    assert config.process_group_backend == "gloo" and config.gradient_checkpointing is True
+    assert config.process_group_backend == "gloo" and config.gradient_checkpointing == Recompute.parse(True)
     assert ParallelismConfig.from_strategy_args() == ParallelismConfig()  # nothing given: every default
     assert ParallelismConfig.from_strategy_args(weight_all_gather_compression="none").sharding.weight_codec is None
 

@@ -12,6 +12,7 @@ from lightning_ciuic import DiLoCo, HybridParallelStrategy
 from lightning_ciuic.config import ParallelismConfig
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.parallelize import parallelize
+from lightning_ciuic.parallel.recompute import Recompute
 
 
 @pytest.mark.parametrize(
@@ -86,7 +87,7 @@ def test_routed_tokens_are_counted_once_when_blocks_are_recomputed_in_backward()
 
     torch.manual_seed(0)
     model = DeepSeekMini(dim=32, n_layers=2, n_heads=2, kv_lora_rank=8, n_routed_experts=4, moe_inter_dim=16).train()
-    checkpoint_blocks(model)  # every block's forward runs again inside backward
+    checkpoint_blocks(model, Recompute.parse(True))  # every block's forward runs again inside backward
     routed = RoutedTokens(model)
     tokens = torch.randint(0, 256, (2, 8))
     model(tokens).sum().backward()

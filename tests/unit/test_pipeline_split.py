@@ -1,4 +1,4 @@
-"""Pipeline stage splitting without processes: balance, split points, placement, partition, checkpointing."""
+"""Pipeline stage splitting without processes: balance, split points, placement, partition."""
 
 import pytest
 import torch
@@ -8,7 +8,6 @@ from lightning_ciuic.parallel.pipeline import (
     OnAnotherStage,
     balanced_split,
     block_modules,
-    checkpoint_activations,
     partition,
     split_at,
     stage_ids_of_rank,
@@ -77,22 +76,6 @@ def test_block_protocol_errors():
         block_modules(tied, BLOCKS)
     with pytest.raises(ValueError, match="pipeline blocks must be distinct"):
         block_modules(Net(), ["embed", "embed"])
-
-
-def test_activation_checkpointing_recomputes_in_backward_with_equal_gradients():
-    torch.manual_seed(0)
-    plain, recomputed = nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-    recomputed.load_state_dict(plain.state_dict())
-    calls = []
-    recomputed[0].register_forward_hook(lambda *_: calls.append(1))
-    checkpoint_activations([recomputed])
-    checkpoint_activations([recomputed])  # twice: still one level
-    x = torch.randn(3, 4)
-    plain(x).sum().backward()
-    recomputed(x).sum().backward()
-    assert len(calls) == 2, "forward once, then once more in backward"
-    torch.testing.assert_close(recomputed[0].weight.grad, plain[0].weight.grad)
-    assert set(recomputed.state_dict()) == set(plain.state_dict())
 
 
 def test_a_pipeline_module_runs_through_the_runner_attached_to_it_and_its_copies_hold_none():

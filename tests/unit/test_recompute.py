@@ -1,0 +1,143 @@
+"""Activation recomputation modes (parallel/recompute.py): parsed and refused, and each one's gradients equal to
+keeping every activation (float64, one process), with the recomputation it promises happening in backward."""
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from examples.deepseek import DeepSeekConfig, DeepSeekTransformer
+from lightning_ciuic import compat
+from lightning_ciuic.config import ParallelismConfig
+from lightning_ciuic.parallel.recompute import Recompute, checkpoint_activations, recompute_blocks
+
+RECIPE = {"recompute": ["norm", "mla_up"]}  # DeepSeek-V3's
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        (False, Recompute("none")), ("none", Recompute("none")), (True, Recompute("full")), ("full", Recompute("full")),
+        ("full:3", Recompute("full", every=3)), ("selective", Recompute("selective")),
+        (RECIPE, Recompute("modules", modules=("norm", "mla_up"))), ({"recompute": "attn.*"}, Recompute("modules", modules=("attn.*",))),
+    ],
+)
+def test_each_spelling_is_one_mode_kept_parsed_by_the_config(given, expected):
+    config = ParallelismConfig(gradient_checkpointing=given)
+    assert config.gradient_checkpointing == expected and bool(expected) == (expected.mode != "none")
+    assert ParallelismConfig(gradient_checkpointing=config.gradient_checkpointing) == config  # parsed once, as it is
+    hash(config)
+
+
+@pytest.mark.parametrize("given", ["partial", "full:0", "full:x", "selective:2", 2, {"keep": ["norm"]}, {"recompute": []}, {"recompute": [3]}])
+def test_anything_else_is_refused_naming_it_and_every_spelling(given):
+    with pytest.raises(ValueError, match=r"gradient_checkpointing=.* is not a recomputation mode: use False or 'none'.*"
+                                         r"'full:<k>'.*'selective'.*\['mla_up', 'norm'\].*\{'recompute': \['norm', 'mla_up'\]\}"):
+        ParallelismConfig(gradient_checkpointing=given)
+
+
+def _model() -> DeepSeekTransformer:
+    torch.manual_seed(0)
+    return DeepSeekTransformer(DeepSeekConfig(n_layers=3, n_dense_layers=1)).double()
+
+
+class _Ops(compat.TorchDispatchMode):
+    """The ops run in backward (a recomputed forward's among them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ran: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if compat.in_backward():
+            self.ran.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _step(model: nn.Module, mode) -> tuple[dict, list]:
+    names = model.block_names()
+    if mode is not None:
+        recompute_blocks([model.get_submodule(n) for n in names], Recompute.parse(mode), names)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with _Ops() as ops:
+        for _ in range(2):  # twice: a second step after the first recomputed as the first did
+            model(tokens).logsumexp(-1).mean().backward()
+    return {n: p.grad for n, p in model.named_parameters()}, ops.ran
+
+
+@pytest.mark.parametrize("mode", [True, "full:2", "selective", RECIPE, {"recompute": ["ffn", "attn.w*"]}])
+def test_each_mode_recomputes_in_backward_and_its_gradients_equal_keeping_everything(mode):
+    model = _model()
+    expected, kept = _step(copy.deepcopy(model), None)
+    grads, ran = _step(model, mode)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-13, msg=lambda m: f"{name}: {m}")
+    recomputed = Counter(ran) - Counter(kept)  # what ran in backward beyond backward itself: forwards again
+    norms = mode != {"recompute": ["ffn", "attn.w*"]}  # every other mode recomputes RMSNorm (its rsqrt)
+    assert ("aten.rsqrt" in recomputed) == norms, (mode, recomputed)
+    # The recipe's up-projections feed the next ones' (kept) inputs, which come from their own checkpoint: no product
+    # needs running again; every other mode recomputes some (selective: every other one).
+    assert ("aten.mm" in recomputed) == (mode != RECIPE), (mode, recomputed)
+
+
+def test_a_recomputed_modules_output_is_not_kept_by_its_consumers():
+    """DeepSeek-V3's recipe keeps fewer bytes from the forward than keeping everything (the norms' and up-projections'
+    outputs too, which their consumers would keep), and more than recomputing each block whole."""
+    def held_after_forward(mode) -> int:
+        model = _model()
+        names = model.block_names()
+        if mode is not None:
+            recompute_blocks([model.get_submodule(n) for n in names], Recompute.parse(mode), names)
+        tracker = compat.memory_tracker(per_module=False)
+        with tracker:
+            loss = model(torch.randint(0, 256, (2, 16))).sum()
+            held = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+            loss.backward()
+        return held
+
+    none, recipe, full = (held_after_forward(mode) for mode in (None, RECIPE, True))
+    assert full < recipe < none, (full, recipe, none)
+
+
+def test_a_name_that_matches_nothing_is_refused_with_the_names_there_are():
+    model = _model()
+    names = model.block_names()
+    with pytest.raises(ValueError, match=r"\['ffn_up'\] name no sub-module of any block of \['embed', 'layers.0'.*"
+                                         r"look like \['attn_norm', 'attn', 'attn.wq'"):
+        recompute_blocks([model.get_submodule(n) for n in names], Recompute.parse({"recompute": ["norm", "ffn_up"]}), names)
+
+
+def test_the_presets_name_transformers_deepseek_v3s_norms_and_up_projections():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from lightning_ciuic.parallel.recompute import module_matches
+
+    config = DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,
+    )
+    layer = DeepseekV3ForCausalLM(config).model.layers[0]
+    named = {e: sorted(n for n, m in layer.named_modules() if n and module_matches(n, m, e)) for e in ("norm", "mla_up")}
+    assert named == {
+        "norm": ["input_layernorm", "post_attention_layernorm", "self_attn.kv_a_layernorm", "self_attn.q_a_layernorm"],
+        "mla_up": ["self_attn.kv_b_proj", "self_attn.q_b_proj"],
+    }
+
+
+def test_activation_checkpointing_recomputes_in_backward_with_equal_gradients():
+    torch.manual_seed(0)
+    plain, recomputed = nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    recomputed.load_state_dict(plain.state_dict())
+    calls = []
+    recomputed[0].register_forward_hook(lambda *_: calls.append(1))
+    checkpoint_activations([recomputed])
+    checkpoint_activations([recomputed])  # twice: still one level
+    x = torch.randn(3, 4)
+    plain(x).sum().backward()
+    recomputed(x).sum().backward()
+    assert len(calls) == 2, "forward once, then once more in backward"
+    torch.testing.assert_close(recomputed[0].weight.grad, plain[0].weight.grad)
+    assert set(recomputed.state_dict()) == set(plain.state_dict())
