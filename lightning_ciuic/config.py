@@ -52,6 +52,7 @@ class ParallelismConfig:
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     diloco: Optional[DiLoCo] = None
     gradient_checkpointing: bool = False
+    sequence_parallel: bool = True  # with tensor_parallel_size > 1: sequence and loss parallelism
 
     def __post_init__(self) -> None:
         ParallelDims.check_degrees(**self.degrees)

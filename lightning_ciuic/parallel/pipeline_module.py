@@ -49,6 +49,7 @@ from lightning_ciuic.parallel.pipeline import (
     stage_ids_of_rank,
 )
 from lightning_ciuic.parallel.axes import Axis
+from lightning_ciuic.parallel.tensor import local_loss
 
 
 class PipelineModule(metaclass=abc.ABCMeta):
@@ -86,7 +87,7 @@ class PipelineModule(metaclass=abc.ABCMeta):
         else:
             inputs, targets = self.pipeline_inputs(batch)
         if runner is None:
-            return self.pipeline_loss(self(inputs), targets)
+            return local_loss(self.pipeline_loss(self(inputs), targets))  # vocabulary-sharded logits: a DTensor loss
         train = bool(self.training and torch.is_grad_enabled())
         accumulation = self._trainer.accumulate_grad_batches if train else 1
         return runner.run(inputs, targets, train=train, loss_divisor=accumulation)

@@ -40,21 +40,47 @@ embedding's comes back ``Replicate``: the whole table on every tp rank, tp times
 need the parameter's own shard. From ``Replicate`` to a shard is a local slice; from ``Partial``, a sum over tp.
 ``parallelize`` applies it where FSDP2 does not shard the module (FSDP2 redistributes its unsharded gradients itself).
 
+Sequence and loss parallelism (the strategy's ``sequence_parallel``, on by default under tp): the residual stream
+between the tensor-parallel linears (embedding output, norms, residual adds) holds ``1/tp`` of the sequence
+(``Shard(1)``). The styles a plan builds it from, torchtitan's: :func:`scattered_output` (a replicated module's output
+cut to this rank's part of the sequence), torch's ``SequenceParallel`` (norms: parameters replicated, the gradient each
+rank's sequence gives summed over tp), :func:`gathered_input` (an attention or feed-forward gathers the sequence and
+its row-parallel output projection reduce-scatters it back: ``RowwiseParallel(output_layouts=Shard(1))``),
+:func:`gathered_input_scattered_output` (a module whose output is whole on every rank, e.g. a mixture of experts routing
+the gathered sequence), and :func:`vocabulary_sharded_head` (the LM head gathers the sequence and keeps its logits a
+DTensor sharded on the vocabulary). Those logits' cross-entropy is computed from the shards inside torch's
+``loss_parallel()`` (:func:`loss_parallel_context`, which the strategy enters around each step and its backward);
+inside it, :class:`PlainLosses` hands the replicated DTensor loss back as a plain tensor (:func:`local_loss`, its
+gradient still flowing), so a user's ``F.cross_entropy(logits.flatten(0, 1), targets.flatten())``, ``self.log`` and
+the step's output work unchanged; anything else mixing the sharded logits with plain tensors fails naming the fix.
+
 No Lightning imports.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.overrides import TorchFunctionMode
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 
 def _sharded_dimension(module: nn.Module, style: ParallelStyle) -> tuple[str, int] | None:
@@ -133,6 +159,82 @@ def sum_grad_over(activation: torch.Tensor, tp_mesh: DeviceMesh | None) -> torch
         return activation
     replicated = DTensor.from_local(activation, tp_mesh, [Replicate()], run_check=False)
     return replicated.to_local(grad_placements=[Partial()])
+
+
+SEQUENCE = Shard(1)  # the residual stream's layout under sequence parallelism: [batch, sequence/tp, hidden]
+
+
+def scattered_output() -> ParallelStyle:
+    """A replicated module (e.g. the token embedding) whose whole output each rank cuts to its part of the sequence."""
+    return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=SEQUENCE)
+
+
+def gathered_input() -> ParallelStyle:
+    """A module between the sequence-parallel norms (attention, MLP) that gathers its sequence-sharded input."""
+    return PrepareModuleInput(input_layouts=SEQUENCE, desired_input_layouts=Replicate(), use_local_output=True)
+
+
+def gathered_input_scattered_output() -> ParallelStyle:
+    """A module run on the gathered sequence whose output is whole on every rank, cut back to this rank's part."""
+    return PrepareModuleInputOutput(
+        input_layouts=SEQUENCE, desired_input_layouts=Replicate(), use_local_input=True,
+        output_layouts=Replicate(), desired_output_layouts=SEQUENCE,
+    )
+
+
+def vocabulary_sharded_head(input_layout: Any = SEQUENCE) -> ParallelStyle:
+    """The LM head: column-parallel, its logits kept a DTensor sharded on the vocabulary (loss parallelism)."""
+    return ColwiseParallel(input_layouts=input_layout, output_layouts=Shard(-1), use_local_output=False)
+
+
+def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
+    """Where ``enabled``: torch's ``loss_parallel()`` (the cross-entropy of vocabulary-sharded DTensor logits computed
+    from the shards, forward and backward) and :class:`PlainLosses` (that loss handed back a plain tensor). Plain
+    tensors are unaffected."""
+    if not enabled:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(loss_parallel())
+    stack.enter_context(PlainLosses())
+    return stack
+
+
+SHARDED_LOGITS_ADVICE = (
+    "Under tensor_parallel_size > 1 with sequence_parallel=True (the default) the model's logits are a DTensor sharded"
+    " on the vocabulary, and their loss is computed from the shards by F.cross_entropy / nn.CrossEntropyLoss (torch's"
+    " loss_parallel). Compute the loss with one of them, call .full_tensor() on the logits for anything else (which"
+    " gathers the vocabulary), or pass sequence_parallel=False to the strategy."
+)
+
+
+class PlainLosses(TorchFunctionMode):
+    """``F.cross_entropy`` / ``F.nll_loss`` of DTensor inputs return the plain tensor each rank holds
+    (:func:`local_loss`), so a step's loss, what it logs and what it returns are ordinary tensors; an operation mixing
+    the sharded logits with a plain tensor (which DTensor refuses) fails saying what works instead."""
+
+    LOSSES = frozenset({F.cross_entropy, F.nll_loss})
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        try:
+            result = func(*args, **(kwargs or {}))
+        except RuntimeError as err:
+            if "mixed torch.Tensor and DTensor" in str(err) and "loss_parallel" not in str(err):
+                raise RuntimeError(f"{err} {SHARDED_LOGITS_ADVICE}") from err
+            raise
+        return local_loss(result) if func in self.LOSSES else result
+
+
+def local_loss(loss: Any) -> Any:
+    """A DTensor loss (replicated: torch's parallel cross-entropy) as the plain tensor each rank holds, in a step's
+    output (a tensor, or a mapping's values: Lightning's ``{"loss": ...}``); anything else as given. The gradient
+    flows back through it."""
+    if isinstance(loss, Mapping):
+        return {key: local_loss(value) for key, value in loss.items()}
+    if isinstance(loss, DTensor):
+        if any(not p.is_replicate() for p in loss.placements):
+            loss = loss.redistribute(loss.device_mesh, [Replicate()] * loss.device_mesh.ndim)
+        return loss.to_local()
+    return loss
 
 
 class HeadwiseReplicated(ParallelStyle):

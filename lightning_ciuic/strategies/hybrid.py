@@ -39,6 +39,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -82,6 +83,7 @@ from lightning_ciuic.parallel.fsdp import ShardingConfig, check_offload, has_met
 from lightning_ciuic.parallel.parallelize import Parallelized, parallelize
 from lightning_ciuic.parallel.grad_norm import clip_grad_norm_
 from lightning_ciuic.parallel.pipeline import PipelineRunner, PipelineScheduleName
+from lightning_ciuic.parallel.tensor import local_loss, loss_parallel_context
 from lightning_ciuic.parallel.shutdown import agree_on_setup, leave_at_exit, setup_vote_group
 from lightning_ciuic.strategies import checkpointing, restore_point
 from lightning_ciuic.strategies.launchers import FullWeightsMultiProcessingLauncher
@@ -114,6 +116,8 @@ class HybridParallelStrategy(ParallelStrategy):
     Args:
         tensor_parallel_size: ranks that shard each layer (``tp`` axis); the module gives its plan as
             ``tensor_parallel_plan(tp_mesh)`` (or applies it in ``configure_model()`` on ``self.device_mesh["tp"]``).
+        sequence_parallel: under ``tensor_parallel_size > 1``, norms and residuals hold ``1/tp`` of the sequence and the
+            LM head's logits stay vocabulary-sharded, the loss computed from the shards (docs/hybrid_parallel_strategy.md).
         data_parallel_size: model replicas (``dp`` axis); ``"auto"`` takes what is left of the world size.
         pipeline_parallel_size: pipeline stages (``pp`` axis); the module implements ``PipelineModule``.
         pipeline_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"looped_bfs"``,
@@ -201,6 +205,7 @@ class HybridParallelStrategy(ParallelStrategy):
         diloco: Optional[DiLoCo] = None,
         expert_parallel_size: int = 1,
         expert_dispatch_compression: DispatchCompression = "none",
+        sequence_parallel: bool = True,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -255,6 +260,7 @@ class HybridParallelStrategy(ParallelStrategy):
             ),
             diloco=diloco,
             gradient_checkpointing=bool(gradient_checkpointing),
+            sequence_parallel=bool(sequence_parallel),
         )
         self.pipeline: Optional[PipelineRunner] = None
         self.parallelized: Optional[Parallelized] = None
@@ -491,6 +497,10 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_parallel():
+            return local_loss(self._training_step(*args, **kwargs))
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.batch_check.armed:
             self.batch_check.run(args[0] if args else kwargs.get("batch"), self.parallel_dims, self.root_device)
         if self.data_parallel is not None:
@@ -503,15 +513,26 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._sharded_root:
-            return self._through_root(self.precision_plugin.val_step_context, "validation_step", *args, **kwargs)
-        return super().validation_step(*args, **kwargs)
+        with self._loss_parallel():
+            if self._sharded_root:
+                output = self._through_root(self.precision_plugin.val_step_context, "validation_step", *args, **kwargs)
+            else:
+                output = super().validation_step(*args, **kwargs)
+        return local_loss(output)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._sharded_root:
-            return self._through_root(self.precision_plugin.test_step_context, "test_step", *args, **kwargs)
-        return super().test_step(*args, **kwargs)
+        with self._loss_parallel():
+            if self._sharded_root:
+                output = self._through_root(self.precision_plugin.test_step_context, "test_step", *args, **kwargs)
+            else:
+                output = super().test_step(*args, **kwargs)
+        return local_loss(output)
+
+    def _loss_parallel(self) -> contextlib.AbstractContextManager:
+        """torch's ``loss_parallel()`` while the model's logits are vocabulary-sharded (sequence parallelism's plan):
+        a step's cross-entropy, and its backward, computed from the shards."""
+        return loss_parallel_context(self.parallelized is not None and self.parallelized.loss_parallel)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -617,7 +638,8 @@ class HybridParallelStrategy(ParallelStrategy):
         self, closure_loss: torch.Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any
     ) -> torch.Tensor:
         if self.pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            with self._loss_parallel():
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The pipeline schedule already ran backward inside training_step: only Lightning's hooks remain.
         for p, grad in zip(self.pipeline.parameters(), self._pipeline_grads):
             p.grad = grad
@@ -693,9 +715,11 @@ class HybridParallelStrategy(ParallelStrategy):
         self, tensor: Union[torch.Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Union[torch.Tensor, Any]:
         """Reduce over ``group`` (default: all ranks). Values are equal across ``tp`` ranks, so the mean
-        over all ranks equals the mean over data-parallel replicas."""
+        over all ranks equals the mean over data-parallel replicas. A DTensor (a loss logged from vocabulary-sharded
+        logits) is reduced as its whole value."""
         if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
             return tensor
+        tensor = local_loss(tensor)
         op_name = "mean" if reduce_op is None else getattr(reduce_op, "name", str(reduce_op)).split(".")[-1].lower()
         if op_name not in _REDUCE_OPS:
             raise ValueError(f"reduce_op={reduce_op!r} is not supported; use one of {sorted(_REDUCE_OPS)}.")
