@@ -7,7 +7,7 @@ and no Trainer. ``mesh`` is the layout's device mesh (built from ``dims`` when n
 
 1. **Tensor parallel** over ``tp``: the plan of the module's ``tensor_parallel_plan(tp_mesh)`` (names relative to
    the module; the method may keep ``tp_mesh`` for its own collectives; one that takes a ``sequence_parallel``
-   keyword is given ``config.sequence_parallel``, and its plan then shards the residual stream on the sequence and
+   keyword is given ``config.sequence_parallel`` (False under pipeline parallelism, for now), and its plan then shards the residual stream on the sequence and
    keeps the logits vocabulary-sharded), else a Hugging Face ``_tp_plan`` translated
    (:func:`~lightning_ciuic.parallel.tensor.hugging_face_plan`).
    ``Parallelized.loss_parallel`` says whether the module's logits come out vocabulary-sharded: the caller computes
@@ -95,7 +95,9 @@ def parallelize(
     user_fsdp = found_sharding(module)
     result = Parallelized(module, dims, mesh)
     if dims.tp_enabled:
-        result.loss_parallel = tensor_parallel(module, mesh[Axis.TP], config.sequence_parallel)
+        # Sequence parallelism is not yet checked against one process under pipeline parallelism: off there.
+        sequence_parallel = config.sequence_parallel and not dims.pp_enabled
+        result.loss_parallel = tensor_parallel(module, mesh[Axis.TP], sequence_parallel)
         if user_fsdp is None and not dims.sharded:  # FSDP2 redistributes the gradients it reduces itself
             gradients_in_parameter_placements(module)
     if user_fsdp is None and (dims.sharded or dims.ep_enabled):
