@@ -19,8 +19,9 @@ one tensor; :class:`DeepSeekMini` names them in ``pipeline_blocks()`` (the ``Pip
 Tensor parallelism: :meth:`DeepSeekTransformer.tensor_parallel_plan` shards attention heads (query and latent
 up-projections column-wise, output row-wise) and the dense and shared-expert feed-forwards (gate/up column-wise,
 down row-wise); the router, norms, embeddings and routed experts stay replicated over tp (expert parallelism,
-``expert_parallel_size``, shards the routed experts over data-parallel ranks instead). The strategy applies it
-(``parallelize()``): the module only says what to shard.
+``expert_parallel_size``, shards the routed experts over data-parallel ranks instead). With sequence parallelism (the
+strategy's default under tp) the norms and residual stream hold ``1/tp`` of the sequence and the head's logits stay
+vocabulary-sharded. The strategy applies it (``parallelize()``): the module only says what to shard.
 """
 
 from __future__ import annotations
@@ -33,10 +34,17 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from lightning_ciuic import PipelineModule
-from lightning_ciuic.parallel.tensor import sum_grad_over
+from lightning_ciuic.parallel.tensor import (
+    gathered_input,
+    gathered_input_scattered_output,
+    scattered_output,
+    sum_grad_over,
+    vocabulary_sharded_head,
+)
 
 
 @dataclass
@@ -221,25 +229,41 @@ class DeepSeekTransformer(nn.Module):
         """The blocks that, applied in order, are :meth:`forward`."""
         return ["embed", *(f"layers.{i}" for i in range(len(self.layers))), "norm", "head"]
 
-    def tensor_parallel_plan(self, tp_mesh: DeviceMesh) -> dict:
-        """What to shard over ``tp_mesh``; the attention layers keep the mesh for their shared rotary key's gradient."""
+    def tensor_parallel_plan(self, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> dict:
+        """What to shard over ``tp_mesh``; the attention layers keep the mesh for their shared rotary key's gradient.
+
+        With ``sequence_parallel`` the residual stream (embedding output, norms, residual adds) holds ``1/tp`` of the
+        sequence: each attention and feed-forward gathers its input and scatters its output back, and the head's
+        logits stay vocabulary-sharded (a DTensor: the loss is computed from the shards, docs/hybrid_parallel_strategy.md).
+        A mixture-of-experts layer routes the gathered sequence, as without it."""
         tp, heads = tp_mesh.size(), self.cfg.n_heads
         if heads % tp:
             raise ValueError(
                 f"tensor_parallel_size={tp} does not divide n_heads={heads}; use a tensor_parallel_size"
                 f" among {[d for d in range(1, heads + 1) if heads % d == 0]}."
             )
+        out = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
         plan = {}
         for i, layer in enumerate(self.layers):
             layer.attn.tp_mesh = tp_mesh
             prefix = f"layers.{i}"
             plan[f"{prefix}.attn.wq"] = ColwiseParallel()
             plan[f"{prefix}.attn.wkv_b"] = ColwiseParallel()
-            plan[f"{prefix}.attn.wo"] = RowwiseParallel()
-            mlp = f"{prefix}.ffn" if isinstance(layer.ffn, SwiGLU) else f"{prefix}.ffn.shared"
+            plan[f"{prefix}.attn.wo"] = RowwiseParallel(output_layouts=out)
+            dense = isinstance(layer.ffn, SwiGLU)
+            mlp = f"{prefix}.ffn" if dense else f"{prefix}.ffn.shared"
             plan[f"{mlp}.w1"] = ColwiseParallel()
             plan[f"{mlp}.w3"] = ColwiseParallel()
-            plan[f"{mlp}.w2"] = RowwiseParallel()
+            plan[f"{mlp}.w2"] = RowwiseParallel(output_layouts=out if dense else Replicate())
+            if sequence_parallel:
+                plan[f"{prefix}.attn_norm"] = SequenceParallel()
+                plan[f"{prefix}.attn"] = gathered_input()
+                plan[f"{prefix}.ffn_norm"] = SequenceParallel()
+                plan[f"{prefix}.ffn"] = gathered_input() if dense else gathered_input_scattered_output()
+        if sequence_parallel:
+            plan["embed"] = scattered_output()
+            plan["norm"] = SequenceParallel()
+            plan["head"] = vocabulary_sharded_head()
         return plan
 
 
@@ -279,9 +303,10 @@ class DeepSeekMini(PipelineModule, LightningModule):
         self.model = DeepSeekTransformer(self.config)
         self._last_step_time: float | None = None
 
-    def tensor_parallel_plan(self, tp_mesh: DeviceMesh) -> dict:
+    def tensor_parallel_plan(self, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> dict:
         """The transformer's plan, named from this module (what ``parallelize()`` applies)."""
-        return {f"model.{name}": style for name, style in self.model.tensor_parallel_plan(tp_mesh).items()}
+        plan = self.model.tensor_parallel_plan(tp_mesh, sequence_parallel)
+        return {f"model.{name}": style for name, style in plan.items()}
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)

@@ -58,7 +58,7 @@ STRATEGY_ARGS: dict[str, tuple[str, str]] = {
     **{name: ("", name) for name in (
         "pipeline_parallel_size", "data_parallel_size", "tensor_parallel_size", "data_parallel_shard_size",
         "expert_parallel_size", "expert_dispatch_compression", "diloco", "gradient_checkpointing",
-        "process_group_backend", "bucket_size_mb", "sync_timeout",
+        "process_group_backend", "bucket_size_mb", "sync_timeout", "sequence_parallel",
     )},
     "pipeline_schedule": ("pipeline", "schedule"),
     "num_microbatches": ("pipeline", "num_microbatches"),
@@ -94,6 +94,7 @@ class ParallelismConfig:
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     diloco: Optional[DiLoCo] = None
     gradient_checkpointing: Union[GradientCheckpointing, Recompute] = False  # parsed into a Recompute
+    sequence_parallel: bool = True  # with tensor_parallel_size > 1: sequence and loss parallelism
     bucket_size_mb: float = 25.0  # the replicated engine's gradient buckets
     sync_timeout: float = 300.0  # seconds a gradient collective may take
 
@@ -120,7 +121,7 @@ class ParallelismConfig:
             piece, attr = STRATEGY_ARGS[name]
             if isinstance(value, list):
                 value = tuple(value)
-            if attr in ("reshard_after_forward", "cpu_offload"):
+            if attr in ("reshard_after_forward", "cpu_offload", "sequence_parallel"):
                 value = bool(value)
             pieces[piece][attr] = value
         top = pieces.pop("")

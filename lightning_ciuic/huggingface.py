@@ -196,10 +196,13 @@ class HuggingFaceCausalLM(PipelineModule, LightningModule):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, use_cache=False).logits
 
-    def tensor_parallel_plan(self, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
-        """The model's ``_tp_plan`` translated (what ``parallelize()`` applies); heads must split whole."""
+    def tensor_parallel_plan(self, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+        """The model's ``_tp_plan`` translated (what ``parallelize()`` applies), sequence-parallel if asked (the
+        residual stream holds ``1/tp`` of the sequence, the logits stay vocabulary-sharded); heads must split whole."""
         tp, config = tp_mesh.size(), self.model.config
-        plan, skipped = hugging_face_plan(self.model, compat.hugging_face_tp_plan(self.model) or {}, prefix="model.")
+        plan, skipped = hugging_face_plan(
+            self.model, compat.hugging_face_tp_plan(self.model) or {}, prefix="model.", sequence_parallel=sequence_parallel
+        )
         if any(".self_attn." in name for name in plan):  # heads are split: each rank must get whole heads
             for name in ("num_attention_heads", "num_key_value_heads"):
                 heads = getattr(config, name, None)
@@ -239,7 +242,11 @@ class HuggingFaceCausalLM(PipelineModule, LightningModule):
         return {name: call for name in self.pipeline_blocks() if name.startswith(prefix)}
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+        """Cross-entropy in at least float32 (16-bit logits are widened; float64 ones kept)."""
+        logits = logits.reshape(-1, logits.size(-1))
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        return F.cross_entropy(logits, targets.reshape(-1))
 
     # -- Lightning -----------------------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

@@ -9,8 +9,13 @@ and no Trainer. ``layout`` is the layout's :class:`~lightning_ciuic.parallel.dim
 is one: this module does not import it, the arrow runs from the config to ``parallel/``). In order:
 
 1. **Tensor parallel** over ``tp``: the plan of the module's ``tensor_parallel_plan(tp_mesh)`` (names relative to
-   the module; the method may keep ``tp_mesh`` for its own collectives), else a Hugging Face ``_tp_plan``
-   translated (:func:`~lightning_ciuic.parallel.tensor.hugging_face_plan`). A module whose parameters are already
+   the module; the method may keep ``tp_mesh`` for its own collectives; one that takes a ``sequence_parallel``
+   keyword is given ``options.sequence_parallel`` (False under pipeline parallelism, for now), and its plan then shards the residual stream on the sequence and
+   keeps the logits vocabulary-sharded), else a Hugging Face ``_tp_plan`` translated
+   (:func:`~lightning_ciuic.parallel.tensor.hugging_face_plan`).
+   ``Parallelized.loss_parallel`` says whether the module's logits come out vocabulary-sharded: the caller computes
+   their loss, forward and backward, inside
+   :func:`~lightning_ciuic.parallel.tensor.loss_parallel_context`. A module whose parameters are already
    DTensors (its own ``parallelize_module`` in ``configure_model``) is left as it is. ``tp > 1`` with no plan and
    nothing sharded is an error: every tp rank would compute the same thing. Either way, unless FSDP2 shards the
    module, each DTensor parameter's gradient is kept in its parameter's placements
@@ -43,6 +48,7 @@ No Lightning imports.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Protocol, Union
 
@@ -80,6 +86,9 @@ class ParallelizeOptions(Protocol):
     def gradient_checkpointing(self) -> Recompute: ...
 
     @property
+    def sequence_parallel(self) -> bool: ...  # under tp: the residual stream sharded on the sequence, the logits on the vocabulary
+
+    @property
     def expert_dispatch_compression(self) -> DispatchCompression: ...
 
     @property
@@ -96,6 +105,7 @@ class Parallelized:
     fsdp: Optional[FSDPLayout] = None  # the FSDP2 units, ours or the user's
     user_sharded: bool = False  # the units are the user's own fully_shard calls
     experts: Optional[ExpertLayout] = None  # expert parallelism's layout (dims.ep > 1)
+    loss_parallel: bool = False  # the logits come out vocabulary-sharded (sequence parallelism's plan)
 
     @property
     def dims(self) -> ParallelDims:
@@ -114,11 +124,13 @@ def parallelize(
     dims = meshes.dims
     device = device_of(meshes.world)
     user_fsdp = found_sharding(module)
+    result = Parallelized(module, meshes)
     if dims.tp_enabled:
-        tensor_parallel(module, meshes.mesh(Axis.TP))
+        # Sequence parallelism is not yet checked against one process under pipeline parallelism: off there.
+        sequence_parallel = options.sequence_parallel and not dims.pp_enabled
+        result.loss_parallel = tensor_parallel(module, meshes.mesh(Axis.TP), sequence_parallel)
         if user_fsdp is None and not dims.sharded:  # FSDP2 redistributes the gradients it reduces itself
             gradients_in_parameter_placements(module)
-    result = Parallelized(module, meshes)
     if user_fsdp is None and (dims.sharded or dims.ep_enabled):
         broadcast_from_first(module, meshes.mesh(Axis.DP))  # replicas start equal, as DDP's do; then each keeps its shards
     if dims.ep_enabled:
@@ -151,23 +163,29 @@ def parallelize(
     return result
 
 
-def tensor_parallel_plan(module: nn.Module, tp_mesh: DeviceMesh) -> Optional[Mapping[str, ParallelStyle]]:
-    """The module's own plan, or its Hugging Face ``_tp_plan`` translated; ``None`` if it has neither."""
+def tensor_parallel_plan(
+    module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False
+) -> tuple[Optional[Mapping[str, ParallelStyle]], bool]:
+    """``(plan, sequence parallel)``: the module's own plan (given ``sequence_parallel`` if its method takes it), or its
+    Hugging Face ``_tp_plan`` translated; ``(None, False)`` if it has neither."""
     own = getattr(module, "tensor_parallel_plan", None)
     if callable(own):
-        return own(tp_mesh)
+        if "sequence_parallel" in inspect.signature(own).parameters:
+            return own(tp_mesh, sequence_parallel=sequence_parallel), sequence_parallel
+        return own(tp_mesh), False
     hf_plan = compat.hugging_face_tp_plan(module)
     if hf_plan:
         plan, _ = hugging_face_plan(module, hf_plan)
-        return plan
-    return None
+        return plan, False
+    return None, False
 
 
-def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Step 1: apply the module's tensor-parallel plan over ``tp_mesh`` unless it did so itself."""
+def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> bool:
+    """Step 1: apply the module's tensor-parallel plan over ``tp_mesh`` unless it did so itself; whether its logits
+    come out vocabulary-sharded (the plan is sequence-parallel)."""
     if any(isinstance(p, DTensor) for p in module.parameters()):
-        return  # applied already: by the module's configure_model, or by an earlier call
-    plan = tensor_parallel_plan(module, tp_mesh)
+        return False  # applied already: by the module's configure_model, or by an earlier call
+    plan, sharded_logits = tensor_parallel_plan(module, tp_mesh, sequence_parallel)
     if not plan:
         raise ValueError(
             f"tensor_parallel_size={tp_mesh.size()}, but {type(module).__name__} has no tensor-parallel plan: every tp"
@@ -176,6 +194,7 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh) -> None:
             " ...) in configure_model, or use tensor_parallel_size=1."
         )
     apply_tensor_parallel(module, tp_mesh, plan)
+    return sharded_logits
 
 
 def checkpoint_blocks(module: nn.Module, recompute: Recompute) -> None:

@@ -49,6 +49,7 @@ from lightning_ciuic import compat
 from lightning_ciuic.timeline import timeline
 from lightning_ciuic.validation import check_int
 from lightning_ciuic.parallel.axes import Axis
+from lightning_ciuic.parallel.tensor import local_loss
 
 PipelineScheduleName = Literal[
     "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"
@@ -437,7 +438,7 @@ class PipelineRunner:
         return self._schedules[key]
 
     def _scaled_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
-        return self.loss_fn(outputs, targets) / (self._active_microbatches * self._loss_divisor)
+        return local_loss(self.loss_fn(outputs, targets)) / (self._active_microbatches * self._loss_divisor)
 
     def _timed(self, call: Callable[[], Any]) -> Any:
         self._clock[0] = 0.0

@@ -52,6 +52,8 @@ from lightning_ciuic.parallel.pipeline import (
     split_at,
     stage_ids_of_rank,
 )
+from lightning_ciuic.parallel.axes import Axis
+from lightning_ciuic.parallel.tensor import local_loss
 
 _RUNNER = "_ciuic_pipeline_runner"  # where a PipelineModule keeps the runner attached to it
 
@@ -132,7 +134,7 @@ class PipelineModule(metaclass=abc.ABCMeta):
         else:
             inputs, targets = self.pipeline_inputs(batch)
         if runner is None:
-            return self.pipeline_loss(self(inputs), targets)
+            return local_loss(self.pipeline_loss(self(inputs), targets))  # vocabulary-sharded logits: a DTensor loss
         train = bool(self.training and torch.is_grad_enabled())
         accumulation = self.trainer.accumulate_grad_batches if train else 1
         return runner.run(inputs, targets, train=train, loss_divisor=accumulation)

@@ -40,21 +40,46 @@ embedding's comes back ``Replicate``: the whole table on every tp rank, tp times
 need the parameter's own shard. From ``Replicate`` to a shard is a local slice; from ``Partial``, a sum over tp.
 ``parallelize`` applies it where FSDP2 does not shard the module (FSDP2 redistributes its unsharded gradients itself).
 
+Sequence and loss parallelism (the strategy's ``sequence_parallel``, on by default under tp): the residual stream
+between the tensor-parallel linears (embedding output, norms, residual adds) holds ``1/tp`` of the sequence
+(``Shard(1)``). The styles a plan builds it from, torchtitan's: :func:`scattered_output` (a replicated module's output
+cut to this rank's part of the sequence), torch's ``SequenceParallel`` (norms: parameters replicated, the gradient each
+rank's sequence gives summed over tp), :func:`gathered_input` (an attention or feed-forward gathers the sequence and
+its row-parallel output projection reduce-scatters it back: ``RowwiseParallel(output_layouts=Shard(1))``),
+:func:`gathered_input_scattered_output` (a module whose output is whole on every rank, e.g. a mixture of experts routing
+the gathered sequence), and :func:`vocabulary_sharded_head` (the LM head gathers the sequence and keeps its logits a
+DTensor sharded on the vocabulary). Those logits' cross-entropy is computed from the shards inside torch's
+``loss_parallel()`` (:func:`loss_parallel_context`, which the strategy enters around each step and its backward);
+inside it, :class:`PlainLosses` hands the replicated DTensor loss back as a plain tensor (:func:`local_loss`, its
+gradient still flowing), so a user's ``F.cross_entropy(logits.flatten(0, 1), targets.flatten())``, ``self.log`` and
+the step's output work unchanged; anything else mixing the sharded logits with plain tensors fails naming the fix.
+
 No Lightning imports.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from functools import partial
+from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.overrides import TorchFunctionMode
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 
 def _sharded_dimension(module: nn.Module, style: ParallelStyle) -> tuple[str, int] | None:
@@ -135,6 +160,124 @@ def sum_grad_over(activation: torch.Tensor, tp_mesh: DeviceMesh | None) -> torch
     return replicated.to_local(grad_placements=[Partial()])
 
 
+SEQUENCE = Shard(1)  # the residual stream's layout under sequence parallelism: [batch, sequence/tp, hidden]
+
+
+class SequenceLayout(ParallelStyle):
+    """Moves a module's hidden states between the whole sequence (``Replicate``) and this rank's part (``Shard(1)``):
+    ``input=(from, to)`` on its first positional argument, or its ``hidden_states`` keyword (Hugging Face layers and
+    attentions take it so), ``output=(from, to)`` on its output (a tuple's first item). DTensor redistributes, so the
+    backward is the matching collective (a gathered input's gradient scattered back, a scattered output's gathered)."""
+
+    def __init__(self, input: Optional[tuple] = None, output: Optional[tuple] = None) -> None:
+        super().__init__()
+        self.input, self.output = input, output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.input is not None:
+            module.register_forward_pre_hook(partial(self._move_input, device_mesh), with_kwargs=True)
+        if self.output is not None:
+            module.register_forward_hook(partial(self._move_output, device_mesh))
+        return module
+
+    @staticmethod
+    def _move(tensor: torch.Tensor, mesh: DeviceMesh, layouts: tuple) -> torch.Tensor:
+        source, target = layouts
+        if not isinstance(tensor, DTensor):
+            tensor = DTensor.from_local(tensor, mesh, [source], run_check=False)
+        return tensor.redistribute(mesh, [target]).to_local()
+
+    def _move_input(self, mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        if args:
+            return (self._move(args[0], mesh, self.input), *args[1:]), kwargs
+        if "hidden_states" not in kwargs:
+            raise ValueError(
+                f"{type(module).__name__} is planned to take its hidden states sequence-parallel, and was called without"
+                f" positional arguments or a hidden_states keyword (keywords: {sorted(kwargs)})."
+            )
+        return args, {**kwargs, "hidden_states": self._move(kwargs["hidden_states"], mesh, self.input)}
+
+    def _move_output(self, mesh: DeviceMesh, module: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (self._move(output[0], mesh, self.output), *output[1:])
+        return self._move(output, mesh, self.output)
+
+
+def scattered_output() -> ParallelStyle:
+    """A replicated module (e.g. the token embedding) whose whole output each rank cuts to its part of the sequence."""
+    return SequenceLayout(output=(Replicate(), SEQUENCE))
+
+
+def scattered_input() -> ParallelStyle:
+    """A module (the first decoder layer) whose whole input each rank cuts to its part of the sequence."""
+    return SequenceLayout(input=(Replicate(), SEQUENCE))
+
+
+def gathered_input() -> ParallelStyle:
+    """A module between the sequence-parallel norms (attention, MLP) that gathers its sequence-sharded input."""
+    return SequenceLayout(input=(SEQUENCE, Replicate()))
+
+
+def gathered_input_scattered_output() -> ParallelStyle:
+    """A module run on the gathered sequence whose output is whole on every rank, cut back to this rank's part."""
+    return SequenceLayout(input=(SEQUENCE, Replicate()), output=(Replicate(), SEQUENCE))
+
+
+def vocabulary_sharded_head(input_layout: Any = SEQUENCE) -> ParallelStyle:
+    """The LM head: column-parallel, its logits kept a DTensor sharded on the vocabulary (loss parallelism)."""
+    return ColwiseParallel(input_layouts=input_layout, output_layouts=Shard(-1), use_local_output=False)
+
+
+def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
+    """Where ``enabled``: torch's ``loss_parallel()`` (the cross-entropy of vocabulary-sharded DTensor logits computed
+    from the shards, forward and backward) and :class:`PlainLosses` (that loss handed back a plain tensor). Plain
+    tensors are unaffected."""
+    if not enabled:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(loss_parallel())
+    stack.enter_context(PlainLosses())
+    return stack
+
+
+SHARDED_LOGITS_ADVICE = (
+    "Under tensor_parallel_size > 1 with sequence_parallel=True (the default) the model's logits are a DTensor sharded"
+    " on the vocabulary, and their loss is computed from the shards by F.cross_entropy / nn.CrossEntropyLoss (torch's"
+    " loss_parallel). Compute the loss with one of them, call .full_tensor() on the logits for anything else (which"
+    " gathers the vocabulary), or pass sequence_parallel=False to the strategy."
+)
+
+
+class PlainLosses(TorchFunctionMode):
+    """``F.cross_entropy`` / ``F.nll_loss`` of DTensor inputs return the plain tensor each rank holds
+    (:func:`local_loss`), so a step's loss, what it logs and what it returns are ordinary tensors; an operation mixing
+    the sharded logits with a plain tensor (which DTensor refuses) fails saying what works instead."""
+
+    LOSSES = frozenset({F.cross_entropy, F.nll_loss})
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        try:
+            result = func(*args, **(kwargs or {}))
+        except RuntimeError as err:
+            if "mixed torch.Tensor and DTensor" in str(err) and "loss_parallel" not in str(err):
+                raise RuntimeError(f"{err} {SHARDED_LOGITS_ADVICE}") from err
+            raise
+        return local_loss(result) if func in self.LOSSES else result
+
+
+def local_loss(loss: Any) -> Any:
+    """A DTensor loss (replicated: torch's parallel cross-entropy) as the plain tensor each rank holds, in a step's
+    output (a tensor, or a mapping's values: Lightning's ``{"loss": ...}``); anything else as given. The gradient
+    flows back through it."""
+    if isinstance(loss, Mapping):
+        return {key: local_loss(value) for key, value in loss.items()}
+    if isinstance(loss, DTensor):
+        if any(not p.is_replicate() for p in loss.placements):
+            loss = loss.redistribute(loss.device_mesh, [Replicate()] * loss.device_mesh.ndim)
+        return loss.to_local()
+    return loss
+
+
 class HeadwiseReplicated(ParallelStyle):
     """A module run on this rank's heads alone (input ``[..., heads, head_dim]``, the heads split over tp by the
     column-parallel projection before it): parameters replicated over tp, gradients summed over tp (see the module
@@ -205,19 +348,24 @@ _TRANSLATIONS: dict[str, tuple[type[nn.Module], Callable[[Any], ParallelStyle | 
 
 
 def hugging_face_plan(
-    model: nn.Module, plan: Mapping[str, str], prefix: str = ""
+    model: nn.Module, plan: Mapping[str, str], prefix: str = "", sequence_parallel: bool = False
 ) -> tuple[dict[str, ParallelStyle], list[str]]:
     """``(torch plan over concrete module names, skipped "pattern: style" entries)`` for a Hugging Face plan.
 
     ``plan`` patterns are relative to ``model`` (whose ``config`` gives MLA's rotary width); ``prefix`` is prepended
     to the returned names (the model's name inside the module the plan is applied to). Raises ``ValueError`` for an
-    entry on a module that can neither be translated nor correctly kept replicated."""
+    entry on a module that can neither be translated nor correctly kept replicated. With ``sequence_parallel``, the
+    plan's ``sequence_parallel`` entries become torch's ``SequenceParallel`` and the decoder's residual stream is
+    sequence-parallel whether the plan says so or not (:func:`hugging_face_sequence_parallel`)."""
     translated: dict[str, ParallelStyle] = {}
     skipped: list[str] = []
     config = getattr(model, "config", None)
     modules = [(name, re.sub(r"\d+", "*", name), module) for name, module in model.named_modules() if name]
     for pattern, style_name in plan.items():
         matches = [(name, module) for name, generic, module in modules if generic == pattern]
+        if sequence_parallel and style_name == "sequence_parallel":
+            translated.update((prefix + name, SequenceParallel(use_local_output=True)) for name, _ in matches)
+            continue
         if not matches or style_name in KEPT_REPLICATED_STYLES:
             skipped.append(f"{pattern}: {style_name}")
             continue
@@ -234,4 +382,56 @@ def hugging_face_plan(
                     f" LightningModule a tensor_parallel_plan(tp_mesh) of torch ParallelStyles."
                 )
             translated[prefix + name] = style
+    if sequence_parallel:
+        hugging_face_sequence_parallel(model, translated, prefix)
     return translated, skipped
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower() and not any(isinstance(m, nn.Linear) for m in module.modules())
+
+
+def hugging_face_sequence_parallel(model: nn.Module, plan: dict[str, ParallelStyle], prefix: str = "") -> None:
+    """Make ``plan`` (translated, names with ``prefix``) sequence-parallel for a Hugging Face decoder ``model``: the
+    norms of its decoder layers (the ``nn.ModuleList`` named ``layers``) and the final ones beside them hold ``1/tp``
+    of the sequence (``SequenceParallel``); the first layer cuts its whole input (the embedding's output, from which the
+    model computes positions and masks) to this rank's part; every other sub-module of a layer that has parameters
+    (attention, MLP, mixture of experts) gathers its input and scatters its output back, by its row-parallel output
+    projection where it has one (``RowwiseParallel(output_layouts=Shard(1))``), else whole and cut; the LM head
+    gathers the sequence and keeps its logits vocabulary-sharded (:func:`vocabulary_sharded_head`)."""
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and name.split(".")[-1] == "layers"]
+    if not found:
+        raise ValueError(
+            f"sequence_parallel=True, and {type(model).__name__} has no nn.ModuleList named 'layers' (its decoder layers)"
+            " to lay out sequence-parallel: pass sequence_parallel=False to the strategy."
+        )
+    layers_name, layers = found[0]
+    parent_name = layers_name.rpartition(".")[0]
+    qualified = lambda *parts: prefix + ".".join(p for p in parts if p)  # noqa: E731
+    for index, layer in enumerate(layers):
+        layer_name = qualified(layers_name, str(index))
+        if index == 0:
+            plan[layer_name] = scattered_input()
+        for child_name, child in layer.named_children():
+            name = f"{layer_name}.{child_name}"
+            if _is_norm(child):
+                plan[name] = SequenceParallel(use_local_output=True)
+                continue
+            if not any(True for _ in child.parameters()):
+                continue  # dropout and the like: element-wise on this rank's part
+            projections = [f"{name}.{n}" for n, _ in child.named_children() if isinstance(plan.get(f"{name}.{n}"), RowwiseParallel)]
+            for projection in projections:
+                plan[projection] = RowwiseParallel(input_layouts=plan[projection].input_layouts[0], output_layouts=SEQUENCE)
+            plan[name] = gathered_input() if projections else gathered_input_scattered_output()
+    parent = model.get_submodule(parent_name) if parent_name else model
+    for child_name, child in parent.named_children():
+        if _is_norm(child):
+            plan[qualified(parent_name, child_name)] = SequenceParallel(use_local_output=True)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_name = next((name for name, m in model.named_modules() if m is head), None) if head is not None else None
+    if head_name is None or not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"sequence_parallel=True, and {type(model).__name__} has no nn.Linear LM head (get_output_embeddings()) to"
+            " compute vocabulary-sharded logits with: pass sequence_parallel=False to the strategy."
+        )
+    plan[prefix + head_name] = vocabulary_sharded_head()

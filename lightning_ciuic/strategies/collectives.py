@@ -16,6 +16,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_ciuic.parallel.tensor import local_loss
+
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "mean": dist.ReduceOp.SUM,
@@ -26,6 +28,7 @@ REDUCE_OPS = {
 
 
 def reduce(tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+    tensor = local_loss(tensor)  # a DTensor (a loss logged from vocabulary-sharded logits): its whole value
     if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
         return tensor
     op_name = "mean" if reduce_op is None else getattr(reduce_op, "name", str(reduce_op)).split(".")[-1].lower()

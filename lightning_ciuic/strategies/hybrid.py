@@ -45,6 +45,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
@@ -86,6 +87,7 @@ from lightning_ciuic.parallel.pipeline import PipelineRunner, PipelineScheduleNa
 from lightning_ciuic.parallel.shutdown import agree_on_setup, setup_vote_group
 from lightning_ciuic.strategies import checkpointing, collectives, loaders, processes, restore_point, steps
 from lightning_ciuic.parallel.recompute import GradientCheckpointing
+from lightning_ciuic.parallel.tensor import local_loss, loss_parallel_context
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -103,6 +105,8 @@ class HybridParallelStrategy(ParallelStrategy):
     Args:
         tensor_parallel_size: ranks that shard each layer (``tp`` axis); the module gives its plan as
             ``tensor_parallel_plan(tp_mesh)`` (or applies it in ``configure_model()`` on ``self.device_mesh["tp"]``).
+        sequence_parallel: under ``tensor_parallel_size > 1``, norms and residuals hold ``1/tp`` of the sequence and the
+            LM head's logits stay vocabulary-sharded, the loss computed from the shards (docs/hybrid_parallel_strategy.md).
         data_parallel_size: model replicas (``dp`` axis); ``"auto"`` takes what is left of the world size.
         pipeline_parallel_size: pipeline stages (``pp`` axis); the module implements ``PipelineModule``.
         pipeline_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"looped_bfs"``,
@@ -192,6 +196,7 @@ class HybridParallelStrategy(ParallelStrategy):
         diloco: Optional[DiLoCo] = None,
         expert_parallel_size: int = 1,
         expert_dispatch_compression: DispatchCompression = "none",
+        sequence_parallel: bool = True,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -369,19 +374,27 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return steps.training_step(self, super().training_step, *args, **kwargs)
+        with self._loss_parallel():
+            return local_loss(steps.training_step(self, super().training_step, *args, **kwargs))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if steps.sharded_root(self):
-            return steps.through_root(self, self.precision_plugin.val_step_context, "validation_step", *args, **kwargs)
-        return super().validation_step(*args, **kwargs)
+        with self._loss_parallel():
+            if steps.sharded_root(self):
+                return local_loss(steps.through_root(self, self.precision_plugin.val_step_context, "validation_step", *args, **kwargs))
+            return local_loss(super().validation_step(*args, **kwargs))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if steps.sharded_root(self):
-            return steps.through_root(self, self.precision_plugin.test_step_context, "test_step", *args, **kwargs)
-        return super().test_step(*args, **kwargs)
+        with self._loss_parallel():
+            if steps.sharded_root(self):
+                return local_loss(steps.through_root(self, self.precision_plugin.test_step_context, "test_step", *args, **kwargs))
+            return local_loss(super().test_step(*args, **kwargs))
+
+    def _loss_parallel(self) -> contextlib.AbstractContextManager:
+        """torch's ``loss_parallel()`` while the model's logits are vocabulary-sharded (sequence parallelism's plan):
+        a step's cross-entropy, and its backward, computed from the shards."""
+        return loss_parallel_context(self.parallelized is not None and self.parallelized.loss_parallel)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -442,7 +455,8 @@ class HybridParallelStrategy(ParallelStrategy):
         self, closure_loss: torch.Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any
     ) -> torch.Tensor:
         if self.pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            with self._loss_parallel():
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
         return steps.pipelined_backward(self, closure_loss)
 
     @override

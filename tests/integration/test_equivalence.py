@@ -18,6 +18,23 @@ def _tiny() -> DeepSeekMini:
     return DeepSeekMini(**TINY_MODEL).double()
 
 
+class UsersOwnLoss(DeepSeekMini):
+    """A module written for one process: its step takes the cross-entropy of ``self(inputs)`` and logs it. Under tp
+    with sequence parallelism the logits are vocabulary-sharded: the strategy computes that loss from the shards."""
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        logits = self(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        self.log("train/loss", loss)
+        return {"loss": loss}
+
+
+def _users_own_loss() -> UsersOwnLoss:
+    seed_everything(7)
+    return UsersOwnLoss(**TINY_MODEL).double()
+
+
 def _fit(module: LightningModule, strategy, devices: int, dp: int, **trainer_kwargs) -> dict[str, torch.Tensor]:
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=STEPS, logger=False,
@@ -29,20 +46,25 @@ def _fit(module: LightningModule, strategy, devices: int, dp: int, **trainer_kwa
 
 
 @pytest.mark.parametrize(
-    "dp, tp, clip, kernels",
-    [(2, 1, None, None), (1, 2, 0.05, None), (2, 2, 0.05, None), (2, 2, 0.05, "default")],
-    ids=["dp2", "tp2-clip", "dp2xtp2-clip", "dp2xtp2-clip-default-kernels"],
+    "dp, tp, clip, kernels, factory",
+    [
+        (2, 1, None, None, _tiny), (1, 2, 0.05, None, _users_own_loss), (2, 2, 0.05, None, _tiny),
+        (2, 2, 0.05, "default", _tiny),
+    ],
+    ids=["dp2", "tp2-clip-users-own-loss", "dp2xtp2-clip", "dp2xtp2-clip-default-kernels"],
 )
-def test_layout_matches_single_process(dp, tp, clip, kernels, monkeypatch):
+def test_layout_matches_single_process(dp, tp, clip, kernels, factory, monkeypatch):
     """``kernels``: the ranks' ``ATEN_CPU_CAPABILITY`` (None: the machine's best, as the reference here uses), so
-    the suite itself checks that the tolerance holds across kernel sets."""
+    the suite itself checks that the tolerance holds across kernel sets. Under tp, sequence and loss parallelism are
+    on (the default): the residual stream holds half the sequence, the loss is computed from vocabulary shards (of a
+    user's own ``F.cross_entropy`` in ``UsersOwnLoss``)."""
     start_method = "forkserver"
     if kernels is not None:  # read by torch at import in each rank: a forkserver's ranks have the server's
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", kernels)
         start_method = "spawn"
     strategy = HybridParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp, start_method=start_method)
-    actual = _fit(_tiny(), strategy, dp * tp, dp, gradient_clip_val=clip)
-    expected = reference_training(_tiny, STEPS, PER_RANK_BATCH * dp, clip=clip)
+    actual = _fit(factory(), strategy, dp * tp, dp, gradient_clip_val=clip)
+    expected = reference_training(factory, STEPS, PER_RANK_BATCH * dp, clip=clip)
     assert_state_close(actual, expected, STEPS)
 
 
