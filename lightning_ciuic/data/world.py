@@ -23,6 +23,8 @@ Contract:
     re-pointed to the data-parallel world (its sample counts recomputed as torch does). One built over any other
     world is left as it is.
   - a dataset (or loader) with a method ``set_data_parallel(rank, size)``: called with the data-parallel rank and size.
+  - torchdata's ``StatefulDataLoader``: its sampler and dataset as any DataLoader's (above); its state carries the
+    data-parallel size, and a resume into another one is converted or refused (:mod:`lightning_ciuic.data.stateful`).
 
   A map-style loader without a distributed sampler is Lightning's business (``distributed_sampler_kwargs``, already
   the data-parallel world). Any other ``IterableDataset`` is out of reach: the equal-batch check catches it.
@@ -42,6 +44,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler, IterableDataset
 
 from lightning_ciuic import compat
+from lightning_ciuic.data.stateful import is_stateful_loader, point_stateful
 
 HOOK = "set_data_parallel"
 
@@ -106,6 +109,8 @@ def point_loader(loader: Any, world: DataParallelWorld, global_world: DataParall
             f"its {type(sampler).__name__}, built over the global world ({global_world.size} ranks), now splits over"
             f" the {world.size} data-parallel replicas"
         )
+    if is_stateful_loader(loader):
+        point_stateful(loader, world.size, _distributed_samplers(loader))
     for target in (dataset, loader):
         hook = getattr(target, HOOK, None)
         if callable(hook):
