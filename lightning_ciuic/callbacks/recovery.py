@@ -5,9 +5,11 @@ Contract:
 * Snapshot: every ``snapshot_freq`` optimizer steps (at the end of the batch, after the optimizer and scheduler
   step) each rank captures its whole training state: its share of the model and of every optimizer's state, LR
   schedulers, gradient-compression residuals (``HybridParallelStrategy``), the fit loop's progress (step, epoch,
-  position in the epoch), every other callback's state and the RNG states. The data position is exact: the
-  training DataLoader is rebuilt as a :class:`~lightning_ciuic.data.resume.PositionedDataLoader`, so a resume
-  continues the epoch with the next unseen batch. The snapshot is encoded (``state_compression``), sealed with a
+  position in the epoch), every other callback's state and the RNG states. The data position is exact: a
+  map-style training DataLoader is rebuilt as a :class:`~lightning_ciuic.data.resume.PositionedDataLoader`, so a
+  resume continues the epoch with the next unseen batch; a loader over an ``IterableDataset`` is left as it is:
+  one with ``state_dict`` / ``load_state_dict`` (LitData's ``StreamingDataLoader``, torchdata's
+  ``StatefulDataLoader``) keeps its own position in the fit loop's state, any other restarts its epoch (said once). The snapshot is encoded (``state_compression``), sealed with a
   CRC, and kept in the ``store``; the newest ``max_snapshots`` are kept.
 
   - ``"memory"``: this process's memory (in-process rollback only).
@@ -75,7 +77,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_ciuic.comm.vote import StepVote
@@ -220,6 +222,14 @@ class SnapshotRecovery(Callback):
         return self._positioned(trainer, loader)
 
     def _positioned(self, trainer: Trainer, loader: Any) -> Any:
+        if isinstance(getattr(loader, "dataset", None), IterableDataset):  # no batch sampler to position
+            if not (callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))):
+                rank_zero_warn(
+                    f"SnapshotRecovery: the training loader's {type(loader.dataset).__name__} (an IterableDataset) has"
+                    " no state_dict; a resume restarts its epoch. LitData's StreamingDataLoader or torchdata's"
+                    " StatefulDataLoader keep their position."
+                )
+            return loader  # a stateful loader keeps its own position: the fit loop's state in a snapshot holds it
         if not isinstance(loader, DataLoader) or loader.batch_sampler is None:
             rank_zero_warn("SnapshotRecovery: the training loader has no batch sampler; a resume restarts its epoch.")
             return loader
