@@ -8,6 +8,9 @@ TORCH_VERSION := 2.13.0
 # resolving that replaces the CPU torch with the newest CUDA build (or, pinned, installs a CUDA torchvision that
 # fails to import beside a CPU torch, and with it torchmetrics and Lightning). Its other dependencies are in [test].
 LITDATA := litdata>=0.2.76,<0.2.77
+# torchdata (StatefulDataLoader, the loader tests) likewise without its dependencies: it requires a bare torch, which
+# a resolver may take for the newest CUDA build. Its other dependencies (requests, urllib3) are in [test].
+TORCHDATA := torchdata>=0.11.0,<0.12
 
 .PHONY: demo demo-pipeline demo-sharded demo-experts test test-gpu setup browser clean bench
 
@@ -17,6 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install --quiet -e ".[test]"
 	$(PY) -m pip install --quiet --no-deps "$(LITDATA)"
+	$(PY) -m pip install --quiet --no-deps "$(TORCHDATA)"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -5,13 +5,15 @@ rank), ``SnapshotRecovery`` and ``ElasticResourceManager`` (global batch 8 kept 
 Each step can be paced (``--step-seconds``) to leave time to stop and start nodes by hand. Every rank appends one
 JSON line per optimizer step to ``OUT_DIR/progress.jsonl`` (time, step, world size, restart attempt,
 accumulation, the samples of the optimizer step it ended); at the end rank 0 writes ``OUT_DIR/final.json`` with the loss on a fixed held-out batch. Scale
-decisions go to ``OUT_DIR/decisions.jsonl``. See docs/elastic.md for the two-terminal walk-through; the elastic
+decisions go to ``OUT_DIR/decisions.jsonl``. ``--litdata DIR`` trains from a LitData stream instead (written
+beforehand by :func:`write_stream`: the corpus's training windows in order), through LitData's ``StreamingDataLoader``. See docs/elastic.md for the two-terminal walk-through; the elastic
 test and ``benchmarks/elastic.py`` run it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -61,6 +63,41 @@ class Progress(Callback):
             file.write(json.dumps(record) + "\n")
 
 
+def write_stream(path: Path, count: int) -> None:
+    """The first ``count`` training windows of the corpus, in order, as a LitData dataset at ``path`` (``--litdata``)."""
+    from litdata import optimize
+
+    data = ByteCorpusDataModule(CORPUS, seq_len=32, batch_size=1)
+    data.setup("fit")
+    optimize(
+        fn=functools.partial(_window, data.train_set), inputs=list(range(count)), output_dir=str(path),
+        chunk_bytes="8KB", num_workers=1, mode="overwrite",
+    )
+
+
+def _window(dataset: torch.utils.data.Dataset, index: int) -> torch.Tensor:
+    inputs, targets = dataset[index]
+    return torch.cat([inputs, targets[-1:]])
+
+
+class StreamedCorpus(ByteCorpusDataModule):
+    """The corpus's held-out windows, and training windows streamed by LitData from ``stream`` (:func:`write_stream`)."""
+
+    def __init__(self, stream: Path, batch_size: int) -> None:
+        super().__init__(CORPUS, seq_len=32, batch_size=batch_size)
+        self.stream = stream
+
+    def train_dataloader(self):
+        from litdata import StreamingDataLoader, StreamingDataset
+
+        class Windows(StreamingDataset):
+            def __getitem__(self, index):
+                window = super().__getitem__(index)
+                return window[:-1], window[1:]
+
+        return StreamingDataLoader(Windows(str(self.stream)), batch_size=self.batch_size)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -78,6 +115,7 @@ def main() -> None:
         " 4 of them per layer; the expert layout is re-derived from each new world (EP must divide every world's dp)",
     )
     parser.add_argument("--batch-size", type=int, default=4, help="per-rank batch (global batch 8 kept by accumulation)")
+    parser.add_argument("--litdata", type=Path, metavar="DIR", help="train from the LitData stream at DIR (write_stream)")
     args = parser.parse_args()
     if args.experts > 1 and not args.sharded:
         parser.error("--experts shards the experts of a --sharded run: add --sharded")
@@ -105,6 +143,8 @@ def main() -> None:
     )
     model = DeepSeekMini(**(TINY if args.experts == 1 else {**TINY, "n_routed_experts": 4}))
     data = ByteCorpusDataModule(CORPUS, seq_len=32, batch_size=args.batch_size)  # 4 on 2 ranks: accumulation 2 on one
+    if args.litdata is not None:
+        data = StreamedCorpus(args.litdata, args.batch_size)
     trainer.fit(model, data)
     held_out = next(iter(data.val_dataloader()))
     with torch.no_grad():  # every rank: a sharded model gathers its parameters for the forward

@@ -114,19 +114,20 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
 
 def run_scenario(
     workdir: Path, steps: int = 60, step_seconds: float = 0.2, kill_at: int = 15, alone_steps: int = 10,
-    job_args: tuple[str, ...] = (), nproc_per_node: int = 1,
+    job_args: tuple[str, ...] = (), nproc_per_node: int = 1, reference: bool = True,
 ) -> dict:
-    """Reference run, then the lose-and-rejoin run (``job_args`` passed to examples/elastic.py, e.g.
-    ``("--sharded",)``; ``nproc_per_node`` processes per node, the reference on one node of twice as many); returns
-    the measurements (see the module docstring)."""
+    """Reference run (``reference=False``: none, and no loss compared), then the lose-and-rejoin run (``job_args``
+    passed to examples/elastic.py, e.g. ``("--sharded",)``; ``nproc_per_node`` processes per node, the reference on
+    one node of twice as many); returns the measurements (see the module docstring)."""
     reference_dir, out = workdir / "reference", workdir / "elastic"
     reference_dir.mkdir(parents=True)
     out.mkdir(parents=True)
-    reference = agent(
-        reference_dir, free_port(), steps, step_seconds, nnodes="1", nproc=2 * nproc_per_node, job_args=job_args
-    )
-    if reference.wait(timeout=600) != 0:
-        raise RuntimeError(f"reference run failed:\n{logs(reference_dir)}")
+    if reference:
+        uninterrupted = agent(
+            reference_dir, free_port(), steps, step_seconds, nnodes="1", nproc=2 * nproc_per_node, job_args=job_args
+        )
+        if uninterrupted.wait(timeout=600) != 0:
+            raise RuntimeError(f"reference run failed:\n{logs(reference_dir)}")
 
     both, one = 2 * nproc_per_node, nproc_per_node  # world sizes on two nodes and on one
     shm_before = set(Path("/dev/shm").glob("lightning_ciuic-ciuic-elastic-*"))
@@ -162,7 +163,7 @@ def run_scenario(
             break
         time.sleep(0.2)
     final = json.loads((out / "final.json").read_text())
-    expected = json.loads((reference_dir / "final.json").read_text())
+    expected = json.loads((reference_dir / "final.json").read_text()) if reference else None
     return {
         "to_one_node_s": min(r["time"] for r in alone) - killed_at,
         "lost_on_kill": before_kill - resumed + 1,
@@ -171,7 +172,7 @@ def run_scenario(
         "lost_on_rejoin": before_rejoin - min(r["step"] for r in back) + 1,
         "final": final,
         "reference": expected,
-        "loss_difference": abs(final["loss"] - expected["loss"]) / expected["loss"],
+        "loss_difference": abs(final["loss"] - expected["loss"]) / expected["loss"] if expected else None,
         "samples_by_step": final_trajectory(progress(out)),
         "decisions": [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()],
         "shared_memory_left": [str(p) for p in leftover],

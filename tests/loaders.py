@@ -119,7 +119,8 @@ def _litdata_windows():
 
 
 class Loaders(LightningDataModule):
-    """``kind``: ``"litdata"``, ``"sampler"`` (a DistributedSampler the user builds over the global world),
+    """``kind``: ``"litdata"``, ``"stateful"`` (torchdata's StatefulDataLoader, Lightning's sampler),
+    ``"stateful-sampler"`` (the same over torchdata's StatefulDistributedSampler, shuffling, built by the user), ``"sampler"`` (a DistributedSampler the user builds over the global world),
     ``"global"``, ``"hook"``, ``"world"`` (the iterable datasets above), ``"recorded-map"``, ``"recorded-stream"``
     (recording what each rank read into ``out``). Built in each rank, after the processes
     started, as a real job builds them."""
@@ -133,6 +134,16 @@ class Loaders(LightningDataModule):
             from litdata import StreamingDataLoader
 
             return StreamingDataLoader(_litdata_windows()(self.litdata_dir), batch_size=BATCH)
+        if self.kind == "stateful":  # torchdata's; Lightning injects its DistributedSampler
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            return StatefulDataLoader(Numbered(), batch_size=BATCH)
+        if self.kind == "stateful-sampler":  # torchdata's, with its shuffling sampler built over the global world
+            from torchdata.stateful_dataloader import StatefulDataLoader
+            from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+            dataset = Numbered()
+            return StatefulDataLoader(dataset, batch_size=BATCH, sampler=StatefulDistributedSampler(dataset, seed=3))
         if self.kind == "sampler":
             dataset = Numbered()
             return DataLoader(dataset, batch_size=BATCH, sampler=DistributedSampler(dataset, shuffle=False))

@@ -7,7 +7,10 @@ Contract:
   schedulers, gradient-compression residuals (``HybridParallelStrategy``), the fit loop's progress (step, epoch,
   position in the epoch), every other callback's state and the RNG states. The data position is exact: the
   strategy keeps a map-style training DataLoader as a :class:`~lightning_ciuic.data.resume.PositionedDataLoader`
-  (:func:`~lightning_ciuic.data.resume.keep_position`), so a resume continues the epoch with the next unseen batch. The snapshot is encoded (``state_compression``), sealed with a
+  (:func:`~lightning_ciuic.data.resume.keep_position`), so a resume continues the epoch with the next unseen batch;
+  a loader over an ``IterableDataset`` with ``state_dict`` / ``load_state_dict`` (LitData's ``StreamingDataLoader``,
+  torchdata's ``StatefulDataLoader``) keeps its own position in the fit loop's state, any other restarts its epoch
+  (said once). The snapshot is encoded (``state_compression``), sealed with a
   CRC, and kept in the ``store``; the newest ``max_snapshots`` are kept.
 
   - ``"memory"``: this process's memory (in-process rollback only).

@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, Callable, Optional, TypeVar
 
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 _Loader = TypeVar("_Loader", bound=DataLoader)
 
@@ -105,7 +105,15 @@ def positioned(loader: DataLoader) -> PositionedDataLoader:
 
 def keep_position(loader: Any, position: Callable[[], tuple[int, int]]) -> Any:
     """``loader`` resumable at its batch (see the module docstring), its position read from ``position``."""
-    own_state = type(loader) is not DataLoader and callable(getattr(loader, "state_dict", None))
+    own_state = callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+    if isinstance(getattr(loader, "dataset", None), IterableDataset):  # no batch sampler to position
+        if not own_state:
+            warnings.warn(
+                f"the training loader's {type(loader.dataset).__name__} (an IterableDataset) has no state_dict; a resume"
+                " restarts its epoch. LitData's StreamingDataLoader or torchdata's StatefulDataLoader keep their position."
+            )
+        return loader
+    own_state = own_state and type(loader) is not DataLoader
     if not isinstance(loader, DataLoader) or loader.batch_sampler is None or (own_state and not isinstance(loader, PositionedDataLoader)):
         return loader
     loader = positioned(loader)

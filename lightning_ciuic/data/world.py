@@ -18,11 +18,15 @@ Contract:
     its distributed environment becomes (dp size, dp rank); the loader's ``load_state_dict`` then sees the same
     world, so a resume is exact in the same data-parallel size (any tp or pp) and goes through LitData's own elastic
     re-striping in another one, which starts at the last whole global batch before the saved position: where that
-    repeats samples, rank 0 warns at the restore, saying how many and what would avoid it.
+    repeats samples, rank 0 warns at the restore, saying how many and what would avoid it. Restored into another
+    size, the state's ``drop_last`` becomes the dataset's (LitData's default follows the world size, and LitData
+    refuses a state whose ``drop_last`` differs: two replicas to one, an elastic node lost, would fail).
   - a ``DistributedSampler`` the user built (as the loader's sampler or its batch sampler's), over the global world:
     re-pointed to the data-parallel world (its sample counts recomputed as torch does). One built over any other
     world is left as it is.
   - a dataset (or loader) with a method ``set_data_parallel(rank, size)``: called with the data-parallel rank and size.
+  - torchdata's ``StatefulDataLoader``: its sampler and dataset as any DataLoader's (above); its state carries the
+    data-parallel size, and a resume into another one is converted or refused (:mod:`lightning_ciuic.data.stateful`).
 
   A map-style loader without a distributed sampler is Lightning's business (``distributed_sampler_kwargs``, already
   the data-parallel world). Any other ``IterableDataset`` is out of reach: the equal-batch check catches it.
@@ -42,6 +46,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler, IterableDataset
 
 from lightning_ciuic import compat
+from lightning_ciuic.data.stateful import is_stateful_loader, point_stateful
 
 HOOK = "set_data_parallel"
 
@@ -106,6 +111,8 @@ def point_loader(loader: Any, world: DataParallelWorld, global_world: DataParall
             f"its {type(sampler).__name__}, built over the global world ({global_world.size} ranks), now splits over"
             f" the {world.size} data-parallel replicas"
         )
+    if is_stateful_loader(loader):
+        point_stateful(loader, world.size, _distributed_samplers(loader))
     for target in (dataset, loader):
         hook = getattr(target, HOOK, None)
         if callable(hook):
@@ -155,11 +162,37 @@ def _point_litdata(loader: Any, datasets: list[Any], world: DataParallelWorld, r
 
         def load_in_world(state: dict[str, Any], _original: Any = load_state_dict, _env: Any = env) -> None:
             _tell_restriping(state, world, getattr(loader, "batch_size", None))
+            state = _drop_last_of_this_world(state, datasets, world)
             with compat.litdata_detects(_env):  # it compares the saved world size with the one it detects
                 _original(state)
 
         load_in_world._data_parallel_world = True  # type: ignore[attr-defined]
         loader.load_state_dict = load_in_world
+
+
+def _drop_last_of_this_world(state: Any, datasets: list[Any], world: DataParallelWorld) -> Any:
+    """``state`` with each dataset's ``drop_last`` this dataset's where it was saved over another number of replicas.
+
+    LitData's default ``drop_last`` follows the world it is built in (True on several ranks, False on one) and its
+    ``load_state_dict`` refuses a state whose ``drop_last`` differs: a stream saved on two replicas could not resume
+    on one (an elastic node lost). The new world's samples are dealt out afresh from the saved position (LitData's
+    re-striping), so its own ``drop_last`` is the one that applies."""
+    saved = state.get("dataset") if isinstance(state, dict) else None
+    if not isinstance(saved, dict):
+        return state
+    nested = "drop_last" not in saved  # a CombinedStreamingDataset / ParallelStreamingDataset: one state per dataset
+    entries = {str(i): saved.get(str(i)) for i in range(len(datasets))} if nested else {"": saved}
+    changed = dict(saved)
+    for dataset, (key, entry) in zip(datasets, entries.items()):
+        if not isinstance(entry, dict) or entry.get("world_size", world.size) == world.size:
+            continue
+        if "drop_last" in entry and entry["drop_last"] != dataset.drop_last:
+            entry = {**entry, "drop_last": dataset.drop_last}
+            if nested:
+                changed[key] = entry
+            else:
+                changed = entry
+    return {**state, "dataset": changed} if changed != saved else state
 
 
 def _tell_restriping(state: dict[str, Any], world: DataParallelWorld, batch_size: Any) -> None:

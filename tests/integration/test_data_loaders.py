@@ -49,6 +49,13 @@ def litdata_dir(tmp_path_factory):
     return str(path)
 
 
+def _source(kind: str, request) -> str:
+    """The LitData directory a ``kind`` of loader reads (``""``: none); skips where its package is not installed."""
+    if kind.startswith("stateful"):
+        pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata (test extra) is not installed")
+    return request.getfixturevalue("litdata_dir") if kind == "litdata" else ""
+
+
 def _fit(kind: str, layout: str, out, litdata_dir: str = "", ckpt_path=None, **trainer_kwargs) -> Trainer:
     seed_everything(7)
     trainer_kwargs.setdefault("enable_checkpointing", False)
@@ -81,13 +88,13 @@ def _samples(replicas: list[list]) -> Counter:
 
 CASES = [
     ("litdata", "tp2"), ("litdata", "dp2xtp2"), ("litdata", "pp2"), ("litdata", "pp3"), ("litdata", "ep-over-tp2"),
-    ("hook", "dp2xtp2"), ("world", "dp2xtp2"), ("world", "pp2"), ("sampler", "dp2xtp2"), ("global", "dp2"),
+    ("stateful", "tp2"), ("stateful-sampler", "dp2xtp2"), ("hook", "dp2xtp2"), ("world", "dp2xtp2"), ("world", "pp2"), ("sampler", "dp2xtp2"), ("global", "dp2"),
 ]
 
 
 @pytest.mark.parametrize("kind, layout", CASES, ids=[f"{k}-{layout}" for k, layout in CASES])
 def test_each_rank_trains_on_what_the_layout_requires(kind, layout, tmp_path, request):
-    litdata_dir = request.getfixturevalue("litdata_dir") if kind == "litdata" else ""
+    litdata_dir = _source(kind, request)
     _fit(kind, layout, tmp_path, litdata_dir)
     dims = _dims(layout)
     replicas = _per_replica(tmp_path, dims)
@@ -142,7 +149,7 @@ def test_a_loader_split_by_the_global_rank_is_stopped_naming_it_and_the_remedy(l
 
 @pytest.mark.parametrize("kind", ["litdata", "world"])
 def test_the_data_balancer_refuses_an_iterable_or_streaming_loader_saying_why(kind, tmp_path, request):
-    litdata_dir = request.getfixturevalue("litdata_dir") if kind == "litdata" else ""
+    litdata_dir = _source(kind, request)
     with pytest.raises(TypeError) as raised:
         _fit(kind, "dp2", tmp_path, litdata_dir, callbacks=[DynamicDataBalancer(monitoring_freq=2)])
     message = str(raised.value)
@@ -151,17 +158,21 @@ def test_the_data_balancer_refuses_an_iterable_or_streaming_loader_saying_why(ki
     assert "Train it without DynamicDataBalancer" in message
 
 
-RESUMES = [("dp2xtp2", "dp2xtp2"), ("dp2", "dp2xtp2"), ("dp4", "dp2"), ("pp3", "pp3"), ("pp2", "pp2")]  # pp3: through a middle stage
+RESUMES = [  # pp3: through a middle stage
+    ("litdata", "dp2xtp2", "dp2xtp2"), ("litdata", "dp2", "dp2xtp2"), ("litdata", "dp4", "dp2"), ("litdata", "pp3", "pp3"),
+    ("litdata", "pp2", "pp2"), ("stateful", "dp2xtp2", "dp2xtp2"), ("stateful-sampler", "dp4", "dp2"),
+]
 
 
-@pytest.mark.parametrize("first, second", RESUMES, ids=[f"{a}-to-{b}" for a, b in RESUMES])
-def test_a_litdata_resume_sees_each_sample_of_the_epoch_once(first, second, tmp_path, litdata_dir):
+@pytest.mark.parametrize("kind, first, second", RESUMES, ids=[f"{k}-{a}-to-{b}" for k, a, b in RESUMES])
+def test_a_resume_sees_each_sample_of_the_epoch_once(kind, first, second, tmp_path, request):
     """Three steps, a checkpoint, then the rest of the epoch in the same layout, with tp 1 -> 2, with dp 4 -> 2."""
+    litdata_dir = _source(kind, request)
     checkpoints = tmp_path / "ckpt"
     saving = ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=3, save_top_k=-1, save_last=False)
-    _fit("litdata", first, tmp_path / "first", litdata_dir, max_steps=3, enable_checkpointing=True, callbacks=[saving])
+    _fit(kind, first, tmp_path / "first", litdata_dir, max_steps=3, enable_checkpointing=True, callbacks=[saving])
     (checkpoint,) = checkpoints.iterdir()
-    _fit("litdata", second, tmp_path / "second", litdata_dir, ckpt_path=str(checkpoint))
+    _fit(kind, second, tmp_path / "second", litdata_dir, ckpt_path=str(checkpoint))
     before = _per_replica(tmp_path / "first", _dims(first))
     after = _per_replica(tmp_path / "second", _dims(second))
     assert sum(len(batches) for batches in before) == 3 * _dims(first).dp

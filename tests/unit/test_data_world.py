@@ -107,3 +107,20 @@ def test_a_litdata_resume_on_another_number_of_replicas_says_what_it_repeats():
     with pytest.warns(UserWarning, match="saved over 4 data-parallel replicas on 2: it continues at sample 16 of the"
                       r" epoch \(a whole global batch of 2 x 4\), so the last 4 samples before the checkpoint are trained"):
         _tell_restriping({"dataset": {"world_size": 4, "sample_in_epoch": 20}}, DP, 4)
+
+
+def test_a_litdata_state_saved_on_other_replicas_takes_the_datasets_drop_last():
+    """LitData's default drop_last follows the world (True on several ranks, False on one) and its load_state_dict
+    refuses a state whose drop_last differs: restored into another number of replicas, the dataset's own applies."""
+    from types import SimpleNamespace
+
+    from lightning_ciuic.data.world import _drop_last_of_this_world
+
+    one = [SimpleNamespace(drop_last=False)]
+    saved = {"dataset": {"world_size": 2, "drop_last": True, "sample_in_epoch": 8}, "num_samples_yielded": 4}
+    assert _drop_last_of_this_world(saved, one, DataParallelWorld(0, 1))["dataset"]["drop_last"] is False
+    assert saved["dataset"]["drop_last"] is True  # the checkpoint's dict is left as it was
+    same = {"dataset": {"world_size": 1, "drop_last": True}}
+    assert _drop_last_of_this_world(same, one, DataParallelWorld(0, 1)) is same  # the same world: LitData decides
+    nested = {"dataset": {"0": {"world_size": 2, "drop_last": True}}}
+    assert _drop_last_of_this_world(nested, one, DataParallelWorld(0, 1))["dataset"]["0"]["drop_last"] is False
