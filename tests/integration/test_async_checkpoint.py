@@ -128,7 +128,6 @@ TRAIN_FOREVER = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {root!r})
     from lightning.pytorch import Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
     from examples.deepseek import DeepSeekMini
     from lightning_ciuic import AsyncCheckpointer
     from lightning_ciuic.checkpoint.storage import Storage

@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from examples.deepseek import DeepSeekMini
+from lightning_ciuic.config import ParallelismConfig
 from lightning_ciuic import HybridParallelStrategy
 from lightning_ciuic.comm.auto import CANDIDATES, SETTLE_STEPS, TRIAL_STEPS
 from tests.helpers import PRECISION, TINY_MODEL, ReplicaReport, assert_state_close, assert_state_equal, loader, reference_training
@@ -125,7 +126,8 @@ def test_int8_resumes_with_its_residuals(tmp_path, shard, residual):
     dcp_to_torch_save(step4, tmp_path / "step4.pt")
     state = torch.load(tmp_path / "step4.pt", weights_only=False)
     for rank in (0, 1):  # each rank's error-feedback residuals are in the checkpoint, and not zero
-        key = f"rank{rank}_pp1.tp1.dp_shard{shard}_state.{residual}"
+        dims = ParallelismConfig(data_parallel_size=2, data_parallel_shard_size=shard).resolve(2)
+        key = f"rank{rank}_{dims.layout_key(rank)}_state.{residual}"
         residuals = [v for k, v in saved_items(state) if k.startswith(key)]
         assert residuals and all(r.abs().sum() > 0 for r in residuals), f"rank {rank}'s residuals"
     resumed = _tiny().double()
