@@ -169,6 +169,7 @@ def _measure(
         with compat.pipeline_sends_held():
             memory = train_steps(
                 module, engine, optimizers(module), batch, mesh, steps=1, pipeline=pipeline, warm_from_zero_gradients=True,
+                loss_parallel=parallelized.loss_parallel,
             )
         if engine is not None:
             engine.close()

@@ -28,6 +28,7 @@ from lightning_ciuic import compat
 from lightning_ciuic.comm.data_parallel import DataParallel
 from lightning_ciuic.parallel.pipeline import PipelineRunner
 from lightning_ciuic.planner.flops import LocalFlops
+from lightning_ciuic.parallel.tensor import loss_parallel_context
 from lightning_ciuic.planner.traffic import CollectiveTraffic
 from lightning_ciuic.strategies.redirection import through_root
 from lightning_ciuic.tensors import local_tensor
@@ -107,7 +108,7 @@ def token_batch(module: nn.Module, spec: StepSpec, device: torch.device) -> tupl
 def train_steps(
     module: nn.Module, engine: Optional[DataParallel], optimizers: Sequence[torch.optim.Optimizer],
     batch: tuple[torch.Tensor, torch.Tensor], mesh: Any = None, steps: int = 2, pipeline: Optional[PipelineRunner] = None,
-    warm_from_zero_gradients: bool = False,
+    warm_from_zero_gradients: bool = False, loss_parallel: bool = False,
 ) -> StepMemory:
     """``steps`` training steps tracked by ``MemTracker``; the last step's peak, FLOPs and collective bytes
     (:class:`~lightning_ciuic.planner.traffic.CollectiveTraffic`; ``mesh``: the layout's, to name its axes), and the
@@ -119,7 +120,9 @@ def train_steps(
     The last step is measured warm: the optimizer's state and the engine's made by the steps before it, or, with
     ``warm_from_zero_gradients``, before the first step by what a step ends with, on zero gradients and without a
     forward or backward (the engine's synchronization of the gradients, the optimizer's step, the gradients cleared):
-    the step phase's warm-up, a whole schedule cheaper (the tests hold its figures to real runs warmed by a step)."""
+    the step phase's warm-up, a whole schedule cheaper (the tests hold its figures to real runs warmed by a step).
+    ``loss_parallel``: the module's logits come out vocabulary-sharded (``Parallelized.loss_parallel``): each step's
+    loss and backward run inside :func:`~lightning_ciuic.parallel.tensor.loss_parallel_context`, as the strategy's do."""
     tracker = compat.memory_tracker(per_module=pipeline is None)
     tracker.track_external(module, *optimizers)
     device = batch[0].device
@@ -134,7 +137,8 @@ def train_steps(
                 tracker.reset_mod_stats()
             with traffic if last else contextlib.nullcontext(), flops if last else contextlib.nullcontext():
                 if pipeline is None:
-                    step_module(batch).backward()
+                    with loss_parallel_context(loss_parallel):
+                        step_module(batch).backward()
                 else:
                     pipeline.run(*batch, train=True)
                 _end_step(engine, optimizers)

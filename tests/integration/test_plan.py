@@ -212,10 +212,10 @@ def _real_step(rank: int, world: int, layout: dict, out: str, model: str = "llam
     step = STEP if pipeline is None else StepSpec(STEP.micro_batch_size * pipeline.num_microbatches, STEP.sequence_length)
     batch = token_batch(module, step, torch.device("cpu"))
     optimizers = optimizers_of(module)
-    memory = train_steps(module, engine, optimizers, batch, mesh, pipeline=pipeline)
+    memory = train_steps(module, engine, optimizers, batch, mesh, pipeline=pipeline, loss_parallel=parallelized.loss_parallel)
     # The engine's own counters (what CommunicationMonitor reports), for one more step like the last.
     sent_before = engine.stats.bytes_sent if engine is not None else 0
-    train_steps(module, engine, optimizers, batch, mesh, steps=1, pipeline=pipeline)
+    train_steps(module, engine, optimizers, batch, mesh, steps=1, pipeline=pipeline, loss_parallel=parallelized.loss_parallel)
     engine_sent = engine.stats.bytes_sent - sent_before if engine is not None else 0
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "peak": memory.peak, "model_states": memory.model_states, "traffic": memory.traffic, "engine_sent": engine_sent,
