@@ -182,3 +182,6 @@ def test_a_resume_sees_each_sample_of_the_epoch_once(kind, first, second, tmp_pa
     after = _per_replica(tmp_path / "second", _dims(second))
     assert sum(len(batches) for batches in before) == steps * _dims(first).dp
     assert _samples(before) + _samples(after) == Counter(range(N))  # none skipped, none repeated
+    start = steps * _dims(first).dp // _dims(second).dp  # where the loader continues, in the second layout's batches
+    for batches in after:  # Lightning counts the epoch's batches from there: it ends where the loader does
+        assert [(epoch, index) for epoch, index, _ in batches] == [(0, start + i) for i in range(len(batches))], batches
