@@ -90,6 +90,7 @@ def _samples(replicas: list[list]) -> Counter:
 CASES = [
     ("litdata", "tp2"), ("litdata", "dp2xtp2"), ("litdata", "pp2"), ("litdata", "pp3"), ("litdata", "ep-over-tp2"),
     ("stateful", "tp2"), ("stateful-sampler", "dp2xtp2"), ("hook", "dp2xtp2"), ("world", "dp2xtp2"), ("world", "pp2"), ("sampler", "dp2xtp2"), ("global", "dp2"),
+    ("hook", "ep-over-tp2"),
 ]
 
 
