@@ -4,7 +4,7 @@ Trains a small DeepSeek-style model on the shipped corpus with ``strategy="ciuic
 rank), ``SnapshotRecovery`` and ``ElasticResourceManager`` (global batch 8 kept whatever the number of nodes).
 Each step can be paced (``--step-seconds``) to leave time to stop and start nodes by hand. Every rank appends one
 JSON line per optimizer step to ``OUT_DIR/progress.jsonl`` (time, step, world size, restart attempt,
-accumulation, the samples of the optimizer step it ended); at the end rank 0 writes ``OUT_DIR/final.json`` with the loss on a fixed held-out batch. Scale
+accumulation, the samples of the optimizer step it ended, Lightning's epoch and batch index); at the end rank 0 writes ``OUT_DIR/final.json`` with the loss on a fixed held-out batch. Scale
 decisions go to ``OUT_DIR/decisions.jsonl``. ``--litdata DIR`` trains from a LitData stream instead (written
 beforehand by :func:`write_stream`: the corpus's training windows in order), through LitData's ``StreamingDataLoader``. See docs/elastic.md for the two-terminal walk-through; the elastic
 test and ``benchmarks/elastic.py`` run it.
@@ -56,6 +56,7 @@ class Progress(Callback):
             "time": time.time(), "step": trainer.global_step, "world": trainer.world_size, "rank": trainer.global_rank,
             "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "accumulate": trainer.accumulate_grad_batches,
             "samples": self._samples if stepped else None,  # None: the first batch after a restart, mid-window
+            "epoch": trainer.current_epoch, "batch": batch_idx,  # Lightning's position in the epoch
         }
         if stepped:
             self._samples = []

@@ -6,8 +6,8 @@ Two ``torchrun --nnodes=1:2 --nproc-per-node=1`` (or more) agents (c10d rendezvo
 killed with SIGKILL (a lost node); the other must go on alone; then the killed agent is started again and the run
 must return to two nodes. An uninterrupted run (one agent, two ranks) on the same data is the reference.
 :func:`run_scenario` returns the time from the kill to the first training step on one node, steps lost, time from
-the rejoin to the first step on two nodes, steps lost there, the final held-out loss against the reference, and
-what each restart resumed from.
+the rejoin to the first step on two nodes, steps lost there, the final held-out loss against the reference, the
+samples of each optimizer step and Lightning's position (epoch, batch) of the updates the run kept, and what each restart resumed from.
 """
 
 from __future__ import annotations
@@ -86,17 +86,22 @@ def progress(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def final_trajectory(records: list[dict], restart_gap_s: float = 2.0) -> dict[int, list[str]]:
-    """For each step, the samples of the run that made its update last (a restart trains again the steps since its
-    snapshot, seconds later: the records of a step's last training lie within ``restart_gap_s`` of its newest)."""
+def kept_records(records: list[dict], restart_gap_s: float = 2.0) -> list[dict]:
+    """The records that ended an optimizer step in the run that made its update last (a restart trains again the
+    steps since its snapshot, seconds later: the records of a step's last training lie within ``restart_gap_s`` of
+    its newest)."""
     stepped = [record for record in records if record.get("samples") is not None]  # records that ended their step
     newest: dict[int, float] = {}
     for record in stepped:
         newest[record["step"]] = max(newest.get(record["step"], 0.0), record["time"])
+    return [record for record in stepped if record["time"] >= newest[record["step"]] - restart_gap_s]
+
+
+def final_trajectory(records: list[dict], restart_gap_s: float = 2.0) -> dict[int, list[str]]:
+    """For each step, the samples of the run that made its update last (:func:`kept_records`)."""
     samples: dict[int, list[str]] = {}
-    for record in stepped:
-        if record["time"] >= newest[record["step"]] - restart_gap_s:
-            samples.setdefault(record["step"], []).extend(record["samples"])
+    for record in kept_records(records, restart_gap_s):
+        samples.setdefault(record["step"], []).extend(record["samples"])
     return {step: sorted(found) for step, found in sorted(samples.items())}
 
 
@@ -174,6 +179,9 @@ def run_scenario(
         "reference": expected,
         "loss_difference": abs(final["loss"] - expected["loss"]) / expected["loss"] if expected else None,
         "samples_by_step": final_trajectory(progress(out)),
+        "positions_kept": sorted({  # where Lightning counted each kept update: (step, world, epoch, batch index)
+            (r["step"], r["world"], r.get("epoch"), r.get("batch")) for r in kept_records(progress(out))
+        }),
         "decisions": [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()],
         "shared_memory_left": [str(p) for p in leftover],
         "layouts": sorted({  # each start's layout, as HybridParallelStrategy printed it

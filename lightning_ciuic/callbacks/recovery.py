@@ -329,16 +329,6 @@ class SnapshotRecovery(Callback):
             f" {newest.step}) in {checkpointer.url}; to resume from it, {how}."
         )
 
-    @override
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """After a resume into another data-parallel size the loader continues at another batch index than the
-        one saved (same sample): move the epoch loop's batch counters with it, or it would end the epoch early."""
-        loader = trainer.train_dataloader
-        shift = getattr(loader, "resume_shift", 0)
-        if shift:
-            compat.shift_batch_counters(trainer, shift)
-            loader.resume_shift = 0
-
     def snapshot_now(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Collective: take a snapshot of the current step now (e.g. before leaving on a preemption)."""
         self._snapshot(trainer, pl_module, trainer.global_step, self._losses[-1] if self._losses else None)

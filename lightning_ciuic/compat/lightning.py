@@ -71,11 +71,17 @@ def epoch_position(trainer: Any) -> tuple[int, int]:
     return epochs.processed, trainer.fit_loop.epoch_loop.batch_progress.current.processed if running else 0
 
 
-def shift_batch_counters(trainer: Any, shift: int) -> None:
-    """Move every counter of the epoch loop's batch progress by ``shift`` batches."""
+def set_batches_processed(trainer: Any, batches: int) -> bool:
+    """Make the running epoch's batch counters say ``batches`` processed (ready, started, processed and completed
+    moved alike, so a restart mid-batch keeps its shape); between epochs, nothing. Returns whether they moved."""
+    epochs = trainer.fit_loop.epoch_progress.current
     current = trainer.fit_loop.epoch_loop.batch_progress.current
+    shift = batches - current.processed
+    if epochs.started <= epochs.processed or not shift:
+        return False
     for counter in ("ready", "started", "processed", "completed"):
         setattr(current, counter, getattr(current, counter) + shift)
+    return True
 
 
 # Lightning calls ``strategy.barrier`` by this name once ``fit``'s checkpoint restore is over (a ``ckpt_path`` or

@@ -15,6 +15,12 @@ Contract:
   deals the order out rank by rank, so the first ``n`` batches of all ranks are its first ``n * window`` samples).
 * :func:`positioned` builds one from any DataLoader with the same settings (workers, collate, ...); ``source``
   keeps the loader it was built from. :func:`with_batch_sampler` is that rebuild for any batch sampler.
+* ``resume_batch``: a loader whose ``load_state_dict`` moved it to another batch index than the saved one (a state
+  from another data-parallel size: this one's, LitData's through :mod:`~lightning_ciuic.data.world`, torchdata's
+  through :mod:`~lightning_ciuic.data.stateful`) sets this attribute to the batch of the running epoch its next batch
+  is. The strategy moves the epoch loop's batch counters there before the first batch (:func:`take_resume_batch`),
+  or the loop would end the epoch where the saved size's batch count says: early on more replicas (the loader's
+  remaining batches then skipped, or, LitData, replayed from the restored state in the next epoch), late on fewer.
 * :func:`keep_position` is what the strategy does with every training loader: a plain map-style DataLoader becomes
   a positioned one reporting ``position``, whatever saves the checkpoint (``ModelCheckpoint``,
   ``AsyncCheckpointer``, a snapshot); a loader that keeps its own state (a ``state_dict`` of its class: LitData's,
@@ -32,6 +38,7 @@ from typing import Any, Callable, Optional, TypeVar
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 _Loader = TypeVar("_Loader", bound=DataLoader)
+RESUME_BATCH = "resume_batch"
 
 
 class ResumableBatchSampler(Sampler[list[int]]):
@@ -65,7 +72,7 @@ class PositionedDataLoader(DataLoader):
 
     source: Optional[DataLoader] = None
     position: Optional[Callable[[], tuple[int, int]]] = None
-    resume_shift = 0  # batches resumed at minus batches saved: non-zero when the data-parallel size changed
+    resume_batch: Optional[int] = None  # see the module docstring
 
     def state_dict(self) -> dict[str, int]:
         if self.position is None:
@@ -86,8 +93,17 @@ class PositionedDataLoader(DataLoader):
                 f"resuming at sample {samples} of the epoch, which is not a multiple of {now} samples per batch over"
                 f" the data-parallel ranks: the first {samples % now} samples of the next batch are seen again."
             )
-        self.resume_shift = samples // now - done
+        if now != window:
+            self.resume_batch = samples // now
         self.batch_sampler.resume(state_dict["epoch"], samples // now)
+
+
+def take_resume_batch(loader: Any) -> Optional[int]:
+    """``loader``'s ``resume_batch`` (see the module docstring), once: it is cleared; ``None`` where none was set."""
+    batch = getattr(loader, RESUME_BATCH, None)
+    if batch is not None:
+        setattr(loader, RESUME_BATCH, None)
+    return batch
 
 
 def positioned(loader: DataLoader) -> PositionedDataLoader:

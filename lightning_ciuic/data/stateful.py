@@ -11,7 +11,8 @@ Contract:
     ``StatefulDistributedSampler``), no workers: converted through samples. ``DistributedSampler`` deals the epoch's
     order out rank by rank, so ``k`` samples taken by each of ``before`` replicas are the order's first
     ``k * before``; each of the ``now`` replicas skips ``k * before / now`` of its own and the run continues at the
-    next sample, none skipped, none repeated. Where ``k * before`` is not a whole number of the new global batches
+    next sample, none skipped, none repeated (the loader's ``resume_batch`` says at which batch of the epoch:
+    :mod:`~lightning_ciuic.data.resume`). Where ``k * before`` is not a whole number of the new global batches
     (``now * batch_size``), refused (:class:`ValueError`), saying what would work;
   - another size, otherwise (an ``IterableDataset``, whose state is its replica's; worker processes, whose snapshot
     counts what the workers were sent; a stateful batch sampler of unknown state): refused, saying what would work.
@@ -25,6 +26,8 @@ import sys
 from typing import Any, Callable, NoReturn
 
 from torch.utils.data import DistributedSampler, IterableDataset
+
+from lightning_ciuic.data.resume import RESUME_BATCH
 
 DP_SIZE = "lightning_ciuic_data_parallel_size"
 
@@ -55,6 +58,8 @@ def point_stateful(loader: Any, size: int, samplers: list[DistributedSampler]) -
             before = int(state.pop(DP_SIZE))
             if before != size:
                 state = converted(state, before, size, loader, samplers)
+                if not state.get("_iterator_finished"):
+                    setattr(loader, RESUME_BATCH, int(state["_num_yielded"]))
         load(state)
 
     load_state_dict._data_parallel_world = True  # type: ignore[attr-defined]

@@ -20,7 +20,9 @@ Contract:
     re-striping in another one, which starts at the last whole global batch before the saved position: where that
     repeats samples, rank 0 warns at the restore, saying how many and what would avoid it. Restored into another
     size, the state's ``drop_last`` becomes the dataset's (LitData's default follows the world size, and LitData
-    refuses a state whose ``drop_last`` differs: two replicas to one, an elastic node lost, would fail).
+    refuses a state whose ``drop_last`` differs: two replicas to one, an elastic node lost, would fail). Re-striped,
+    the loader's ``resume_batch`` says the batch of the epoch it continues at in this world (data/resume.py), where the
+    strategy moves the epoch's batch counters.
   - a ``DistributedSampler`` the user built (as the loader's sampler or its batch sampler's), over the global world:
     re-pointed to the data-parallel world (its sample counts recomputed as torch does). One built over any other
     world is left as it is.
@@ -46,6 +48,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler, IterableDataset
 
 from lightning_ciuic import compat
+from lightning_ciuic.data.resume import RESUME_BATCH
 from lightning_ciuic.data.stateful import is_stateful_loader, point_stateful
 
 HOOK = "set_data_parallel"
@@ -161,10 +164,14 @@ def _point_litdata(loader: Any, datasets: list[Any], world: DataParallelWorld, r
     if env is not None and callable(load_state_dict) and not getattr(load_state_dict, "_data_parallel_world", False):
 
         def load_in_world(state: dict[str, Any], _original: Any = load_state_dict, _env: Any = env) -> None:
-            _tell_restriping(state, world, getattr(loader, "batch_size", None))
+            batch_size = getattr(loader, "batch_size", None)
+            _tell_restriping(state, world, batch_size)
             state = _drop_last_of_this_world(state, datasets, world)
             with compat.litdata_detects(_env):  # it compares the saved world size with the one it detects
                 _original(state)
+            resumed = _restriped_batch(state, world, batch_size)
+            if resumed is not None:
+                setattr(loader, RESUME_BATCH, resumed)
 
         load_in_world._data_parallel_world = True  # type: ignore[attr-defined]
         loader.load_state_dict = load_in_world
@@ -193,6 +200,18 @@ def _drop_last_of_this_world(state: Any, datasets: list[Any], world: DataParalle
             else:
                 changed = entry
     return {**state, "dataset": changed} if changed != saved else state
+
+
+def _restriped_batch(state: Any, world: DataParallelWorld, batch_size: Any) -> Optional[int]:
+    """The batch of the running epoch at which LitData's elastic re-striping resumes a stream ``state`` saved over
+    another number of replicas (or itself so resumed): the whole global batches of this world before the saved sample,
+    as LitData rounds; ``None`` where it resumes as saved (:mod:`~lightning_ciuic.data.resume`, ``resume_batch``)."""
+    saved = state.get("dataset") if isinstance(state, dict) else None
+    if not isinstance(saved, dict) or "sample_in_epoch" not in saved or not isinstance(batch_size, int):
+        return None
+    if int(saved.get("world_size", world.size)) == world.size and saved.get("resume_mode") != "elastic":
+        return None
+    return int(saved["sample_in_epoch"]) // (world.size * batch_size)
 
 
 def _tell_restriping(state: dict[str, Any], world: DataParallelWorld, batch_size: Any) -> None:

@@ -549,6 +549,10 @@ class HybridParallelStrategy(ParallelStrategy):
         checkpointing.save_checkpoint(self, checkpoint, filepath)
 
     @override
+    def on_train_start(self) -> None:
+        loaders.continue_where_the_loader_resumed(self.lightning_module.trainer)  # a resume into another dp size
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Into the set-up model and optimizers, whatever layout wrote it; see ``checkpointing.load_checkpoint``."""
         self.batch_check.arm()  # the restored loaders' first batch is compared again

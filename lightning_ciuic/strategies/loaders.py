@@ -8,6 +8,12 @@ datasets; its notes said once, by rank zero), arms the replica's batch check for
 (:func:`~lightning_ciuic.data.resume.keep_position`), and returns the training loader wrapped for the pipeline's stages
 (:func:`~lightning_ciuic.data.stages.stage_loader`), any other loader as it was.
 
+:func:`continue_where_the_loader_resumed(trainer)` (the strategy's ``on_train_start``, before the first batch): where
+a restore moved the training loader to another batch of its epoch than the saved loop counters say (a state from
+another data-parallel size: ``resume_batch``, :mod:`~lightning_ciuic.data.resume`), the epoch loop's batch counters
+move there, so the epoch ends when the loader does: neither early (its remaining batches skipped, or LitData's stream
+replayed from the restored state in the next epoch) nor late.
+
 Lightning is imported here (the strategy's glue).
 """
 
@@ -19,11 +25,13 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_ciuic import compat
-from lightning_ciuic.data.resume import keep_position
+from lightning_ciuic.data.resume import keep_position, take_resume_batch
 from lightning_ciuic.data.stages import stage_loader
 from lightning_ciuic.data.world import DataParallelWorld, point_loader
 
 if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+
     from lightning_ciuic.strategies.hybrid import HybridParallelStrategy
 
 
@@ -42,3 +50,9 @@ def process_dataloader(strategy: HybridParallelStrategy, dataloader: object) -> 
     trainer = strategy.lightning_module.trainer
     dataloader = keep_position(dataloader, lambda: compat.epoch_position(trainer))  # every checkpoint resumes at its batch
     return stage_loader(dataloader, strategy.pipeline, strategy.lightning_module)
+
+
+def continue_where_the_loader_resumed(trainer: Trainer) -> None:
+    batch = take_resume_batch(trainer.train_dataloader)
+    if batch is not None:
+        compat.set_batches_processed(trainer, batch)

@@ -21,6 +21,7 @@ from lightning_ciuic.data.stages import roles
 from tests.loaders import BATCH, N, Loaders, SeenSamples, reads_by_rank, seen_by_rank, write_litdata
 
 LAYOUTS = {
+    "dp1": dict(),  # one process
     "dp2": dict(data_parallel_size=2),
     "dp4": dict(data_parallel_size=4),
     "tp2": dict(tensor_parallel_size=2),
@@ -89,6 +90,7 @@ def _samples(replicas: list[list]) -> Counter:
 CASES = [
     ("litdata", "tp2"), ("litdata", "dp2xtp2"), ("litdata", "pp2"), ("litdata", "pp3"), ("litdata", "ep-over-tp2"),
     ("stateful", "tp2"), ("stateful-sampler", "dp2xtp2"), ("hook", "dp2xtp2"), ("world", "dp2xtp2"), ("world", "pp2"), ("sampler", "dp2xtp2"), ("global", "dp2"),
+    ("hook", "ep-over-tp2"),
 ]
 
 
@@ -161,19 +163,26 @@ def test_the_data_balancer_refuses_an_iterable_or_streaming_loader_saying_why(ki
 RESUMES = [  # pp3: through a middle stage
     ("litdata", "dp2xtp2", "dp2xtp2"), ("litdata", "dp2", "dp2xtp2"), ("litdata", "dp4", "dp2"), ("litdata", "pp3", "pp3"),
     ("litdata", "pp2", "pp2"), ("stateful", "dp2xtp2", "dp2xtp2"), ("stateful-sampler", "dp4", "dp2"),
+    ("litdata", "dp1", "dp2"), ("stateful-sampler", "dp1", "dp2"),  # more replicas: the epoch's batch counters move
 ]
 
 
 @pytest.mark.parametrize("kind, first, second", RESUMES, ids=[f"{k}-{a}-to-{b}" for k, a, b in RESUMES])
 def test_a_resume_sees_each_sample_of_the_epoch_once(kind, first, second, tmp_path, request):
-    """Three steps, a checkpoint, then the rest of the epoch in the same layout, with tp 1 -> 2, with dp 4 -> 2."""
+    """Three steps (four into more replicas: a whole number of their global batches), a checkpoint, then the rest of
+    the epoch in the same layout, with tp 1 -> 2, with dp 4 -> 2, with dp 1 -> 2. Into another dp size the loader
+    continues at another batch index than the saved one; the epoch must end where the loader does (on more replicas
+    it ended at the saved size's batch count before: the last batches were skipped)."""
     litdata_dir = _source(kind, request)
-    checkpoints = tmp_path / "ckpt"
-    saving = ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=3, save_top_k=-1, save_last=False)
-    _fit(kind, first, tmp_path / "first", litdata_dir, max_steps=3, enable_checkpointing=True, callbacks=[saving])
+    checkpoints, steps = tmp_path / "ckpt", 4 if _dims(first).dp < _dims(second).dp else 3
+    saving = ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=steps, save_top_k=-1, save_last=False)
+    _fit(kind, first, tmp_path / "first", litdata_dir, max_steps=steps, enable_checkpointing=True, callbacks=[saving])
     (checkpoint,) = checkpoints.iterdir()
     _fit(kind, second, tmp_path / "second", litdata_dir, ckpt_path=str(checkpoint))
     before = _per_replica(tmp_path / "first", _dims(first))
     after = _per_replica(tmp_path / "second", _dims(second))
-    assert sum(len(batches) for batches in before) == 3 * _dims(first).dp
+    assert sum(len(batches) for batches in before) == steps * _dims(first).dp
     assert _samples(before) + _samples(after) == Counter(range(N))  # none skipped, none repeated
+    start = steps * _dims(first).dp // _dims(second).dp  # where the loader continues, in the second layout's batches
+    for batches in after:  # Lightning counts the epoch's batches from there: it ends where the loader does
+        assert [(epoch, index) for epoch, index, _ in batches] == [(0, start + i) for i in range(len(batches))], batches

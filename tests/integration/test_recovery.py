@@ -68,11 +68,21 @@ def test_nan_gradient_rolls_back_and_skips_the_batches_since_the_snapshot(layout
     }[layout]
     devices = 4 if layout == "ciuic-dp2xtp2" else DP
     factory = _tiny_moe if layout.endswith("ep2") else _tiny
-    actual, metrics = _fit([recovery, FailAt(8, "nan", ranks=(1,))], strategy, devices, factory)
+    actual, metrics = _fit([recovery, FailAt(8, "nan", ranks=(1,)), CheckRuns()], strategy, devices, factory)
     # Snapshots at steps 3 and 6; step 8 (global batch 7) is poisoned on rank 1 -> back to step 6: the batches of
     # steps 7 and 8 are skipped, and steps 7..10 train on batches 8..11.
     assert metrics["recovery/rollbacks"] == 1
+    if layout == "ciuic-dp2xtp2":  # the tp peers' batches compared at the first step and again after the rollback
+        assert metrics["batch_check/runs"] == 2
     assert_state_close(actual, _expected([0, 1, 2, 3, 4, 5, 8, 9, 10, 11], factory), STEPS)
+
+
+class CheckRuns(Callback):
+    """Reports how many times the equal-batch check compared the replicas' batches (``batch_check/runs``)."""
+
+    def on_train_end(self, trainer, pl_module):
+        check = getattr(trainer.strategy, "batch_check", None)
+        trainer.callback_metrics["batch_check/runs"] = torch.tensor(float(check.runs if check is not None else -1))
 
 
 class VoteRounds(Callback):

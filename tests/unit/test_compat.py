@@ -42,11 +42,15 @@ def test_optimizer_unwrapping_and_the_strategy_reset():
 def test_fit_loop_counters_are_where_snapshots_look():
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     assert compat.batch_index(trainer) == -1 and compat.epoch_position(trainer) == (0, 0)  # before the first batch
-    compat.shift_batch_counters(trainer, 3)
+    assert not compat.set_batches_processed(trainer, 3)  # no epoch running: nothing moves
     epochs = trainer.fit_loop.epoch_progress
-    assert compat.epoch_position(trainer) == (0, 0)  # no epoch running: the counters are no epoch's
     epochs.increment_ready(), epochs.increment_started()
-    assert compat.epoch_position(trainer) == (0, 3)
+    assert compat.set_batches_processed(trainer, 3) and compat.epoch_position(trainer) == (0, 3)
+    current = trainer.fit_loop.epoch_loop.batch_progress.current
+    current.completed = 2  # saved in on_train_batch_end: the 3rd batch not completed yet
+    assert compat.set_batches_processed(trainer, 5)
+    assert (current.ready, current.started, current.processed, current.completed) == (5, 5, 5, 4)
+    assert compat.set_batches_processed(trainer, 3) and current.completed == 2
     epochs.increment_processed()  # counted processed (its end, or max_steps mid-epoch): the next starts at batch 0
     assert compat.epoch_position(trainer) == (1, 0)
     loops = trainer.fit_loop.state_dict()
