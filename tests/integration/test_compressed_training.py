@@ -25,12 +25,12 @@ class Report(ReplicaReport):
     """The replica report plus what the synchronizer counted."""
 
     def extra(self, trainer):
-        strategy = trainer.strategy
+        engine = trainer.strategy.data_parallel
         return {
-            "bytes_sent": strategy.data_parallel.stats.bytes_sent,
-            "gradient_bytes": strategy.data_parallel.stats.bytes_reduced,
-            "active_mode": strategy.compression.active_mode if strategy.compression else "none",
-            "auto": [d.reason for d in strategy.auto.history] if strategy.auto else [],
+            "bytes_sent": engine.stats.bytes_sent,
+            "gradient_bytes": engine.stats.bytes_reduced,
+            "active_mode": engine.compression.active_mode if engine.compression else "none",
+            "auto": [d.reason for d in engine.auto.history] if engine.auto else [],
         }
 
 
