@@ -26,11 +26,12 @@ class Report(ReplicaReport):
 
     def extra(self, trainer):
         engine = trainer.strategy.data_parallel
+        compression, auto = getattr(engine, "compression", None), getattr(engine, "auto", None)  # Replicated's parts
         return {
             "bytes_sent": engine.stats.bytes_sent,
             "gradient_bytes": engine.stats.bytes_reduced,
-            "active_mode": engine.compression.active_mode if engine.compression else "none",
-            "auto": [d.reason for d in engine.auto.history] if engine.auto else [],
+            "active_mode": compression.active_mode if compression else "none",
+            "auto": [d.reason for d in auto.history] if auto else [],
         }
 
 
