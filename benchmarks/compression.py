@@ -92,6 +92,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from examples.data import ByteCorpusDataModule
     from examples.deepseek import DeepSeekMini
+    from lightning_ciuic import parallel_context
 
     class Probe(Callback):
         def __init__(self) -> None:
@@ -107,13 +108,13 @@ def worker(args: argparse.Namespace) -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.times.append(time.perf_counter() - self.start)
             self.losses.append(float(outputs["loss"]))
-            sync = getattr(trainer.strategy, "grad_sync", None)
+            sync = getattr(parallel_context(trainer).data_parallel, "synchronizer", None)
             self.bytes.append(sync.stats.bytes_sent if sync else None)
 
         def on_train_end(self, trainer, pl_module):
             if trainer.is_global_zero:
-                strategy = trainer.strategy
-                history = strategy.auto.history if getattr(strategy, "auto", None) else []
+                auto_compression = getattr(parallel_context(trainer).data_parallel, "auto", None)
+                history = auto_compression.history if auto_compression is not None else []
                 auto, auto_modes = [d.reason for d in history], [d.mode for d in history]
                 params = sum(p.numel() for p in pl_module.parameters())
                 Path(args.out).write_text(json.dumps(

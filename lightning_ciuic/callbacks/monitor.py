@@ -2,8 +2,10 @@
 
 Contract:
 
-* Per step and rank (from :mod:`lightning_ciuic.telemetry`, plus the strategy's gradient synchronizer when it
-  has one): ``step`` (data wait + batch), ``compute`` (forward + backward up to the last gradient),
+* Per step and rank (from :mod:`lightning_ciuic.telemetry`, plus the data-parallel engine's counters, summed over its
+  reduction groups, dense and experts, where the strategy has one; the engine, the expert layout, the pipeline, the
+  groups and the device read from :func:`~lightning_ciuic.strategies.context.parallel_context`, never from the
+  strategy's attributes): ``step`` (data wait + batch), ``compute`` (forward + backward up to the last gradient),
   ``data_wait``, ``dp_exposed`` (gradient sync left after backward), ``dp_comm`` (first bucket launched to last
   bucket reduced; under ``DDPStrategy`` only the exposed part is visible), ``dp_bytes`` (sent by this rank),
   ``dp_payload`` (gradient bytes reduced), ``tp_comm`` (tensor-parallel collectives, timed on every
@@ -188,7 +190,7 @@ class CommunicationMonitor(Callback):
             sync_s={},
             num_microbatches=context.pipeline.num_microbatches if context.pipeline is not None else None,
             dp_shard=dims.dp_shard,
-            memory_capacity_mb=_memory_capacity_mb(trainer.strategy.root_device, trainer),
+            memory_capacity_mb=_memory_capacity_mb(context.device, trainer),
         )
         if self.measure_link and context.dp_group is not None:
             latency, bandwidth = measure_link(context.dp_group, device=context.device)
@@ -198,8 +200,7 @@ class CommunicationMonitor(Callback):
             )
         self._sync_seen = self._sync_counters()
         self._dp_rank = context.dp_rank
-        parallelized = getattr(trainer.strategy, "parallelized", None)
-        self._experts = parallelized.experts if parallelized is not None else None
+        self._experts = context.experts
         self._expert_seen = self._expert_counters()
         self._routed = RoutedTokens(pl_module) if packed_experts(pl_module) else None
         self._meta.update(ep=dims.ep)
@@ -224,7 +225,7 @@ class CommunicationMonitor(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         Telemetry.of(trainer).begin(trainer.global_step, batch_idx, batch)
         if set(self._axis_of_group.values()) - {"dp"} and trainer.global_step % self.profile_every == 0 and self._timer is None:
-            self._timer = CollectiveTimer(self._axis_of_group, trainer.strategy.root_device)
+            self._timer = CollectiveTimer(self._axis_of_group, self._context.device)
             self._timer.__enter__()
             self._timer_active = True
 
@@ -269,7 +270,7 @@ class CommunicationMonitor(Callback):
             "dp_comm": comm,
             "dp_bytes": float(sent),
             "dp_payload": float(payload),
-            "memory_mb": _peak_memory_mb(trainer.strategy.root_device),
+            "memory_mb": _peak_memory_mb(self._context.device),
             "dp_gather": gather,
             "dp_scatter": scatter,
             "pp_bubble": bubble,

@@ -62,11 +62,12 @@ def apply_training_state(
         restore_optimizer(optimizer, captured)
     for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["lr_schedulers"]):
         config.scheduler.load_state_dict(scheduler_state)
-    engine = parallel_context(trainer).data_parallel
+    context = parallel_context(trainer)
+    engine = context.data_parallel
     if engine is not None:  # another rank's or layout's state: the engine starts afresh (residuals zero)
         restore_engine_state(engine, state[ENGINE_STATE_KEY] if rank_state else None)
     set_rng_state(state["rng"])
-    check = getattr(trainer.strategy, "batch_check", None)
+    check = context.batch_check
     if check is not None:  # the next batch after a restore is compared again (data/check.py)
         check.arm()
     if rewind_only:

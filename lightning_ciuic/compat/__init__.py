@@ -14,7 +14,8 @@ Touch points:
 
 * Lightning: the launchers ``_SubprocessScriptLauncher`` / ``_MultiProcessingLauncher`` and its
   ``_WorkerOutput`` (our strategy starts processes as ``DDPStrategy`` does), with what it hands a spawned rank
-  (``_GlobalStateSnapshot``, ``_disable_module_memory_sharing``: ours hands a forkserver rank the same); ``Strategy._reset_optimizers_and_schedulers``; the optimizer a
+  (``_GlobalStateSnapshot``, ``_disable_module_memory_sharing``: ours hands a forkserver rank the same); ``Strategy._reset_optimizers_and_schedulers``; where a strategy keeps its precision plugin
+  (``Strategy._precision_plugin``, for our strategy's own ``precision_plugin`` property); the optimizer a
   ``LightningOptimizer`` wraps (``_optimizer``); the fit loop's progress counters (epoch and batch position,
   optimizer-step totals, ``_batches_that_stepped``) that snapshots rewind; the barrier that ends ``fit``'s restore and the
   loader states it leaves pending (``_load_combined_loader_states``); ``ModelCheckpoint._find_last_checkpoints``
@@ -85,6 +86,7 @@ from lightning_ciuic.compat.lightning import (
     litdata_distributed_env,
     load_pending_loader_states,
     optimizers_of,
+    precision_plugin_given,
     reset_optimizers_and_schedulers,
     rewind_step_counters,
     set_batches_processed,
@@ -92,6 +94,7 @@ from lightning_ciuic.compat.lightning import (
     set_litdata_world,
     set_logged_batch_size,
     set_module_device_mesh,
+    set_precision_plugin,
     spawn_handoff,
     unwrap_optimizer,
 )
@@ -152,6 +155,8 @@ __all__ = [
     "view_base",
     "layer_sync",
     "set_launcher",
+    "precision_plugin_given",
+    "set_precision_plugin",
     "EmptyStateDictLoadPlanner",
     "OVERRIDDEN_PRIVATE_HOOKS",
     "FSDPAllGather",

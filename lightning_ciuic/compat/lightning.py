@@ -152,3 +152,15 @@ def set_launcher(strategy: Any, launcher: Any) -> None:
 def layer_sync(strategy: Any) -> Any:
     """The layer sync ``Trainer(sync_batchnorm=True)`` gave the strategy (``Strategy._layer_sync``, Lightning 2.x), or None."""
     return strategy._layer_sync
+
+
+def precision_plugin_given(strategy: Any) -> Any:
+    """The precision plugin a strategy holds, or None where none was set (``Strategy._precision_plugin``, Lightning
+    2.x: its public property then makes a new ``Precision()`` on every read)."""
+    return strategy._precision_plugin
+
+
+def set_precision_plugin(strategy: Any, plugin: Any) -> None:
+    """Where a strategy keeps its precision plugin (``Strategy._precision_plugin``, Lightning 2.x), for a strategy
+    whose ``precision_plugin`` property is its own (as ``FSDPStrategy``'s and ``DeepSpeedStrategy``'s are)."""
+    strategy._precision_plugin = plugin

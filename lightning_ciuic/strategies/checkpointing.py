@@ -1,8 +1,12 @@
 """How :class:`~lightning_ciuic.strategies.hybrid.HybridParallelStrategy` writes, reads and removes checkpoints.
 
-Contract (collective calls, every rank with the same path):
+Contract (collective calls, every rank with the same path, but for the two state functions):
 
-* ``save_checkpoint(strategy, checkpoint, filepath)``: with a :class:`ChunkedCheckpointIO` (``AsyncCheckpointer``)
+* :func:`model_state` / :func:`optimizer_state`: the state Lightning puts in a checkpoint: as Lightning keeps it where
+  every rank holds it whole, else by torch's state-dict API (DTensor shards under the unsplit model's names); saving
+  an optimizer's state runs no optimizer step and clears no gradient.
+* ``save_checkpoint(strategy, checkpoint, filepath, storage_options)`` (``storage_options`` must be ``None``: a
+  ``TypeError`` otherwise): with a :class:`ChunkedCheckpointIO` (``AsyncCheckpointer``)
   that manages ``filepath``, the state is staged now and written in the background as chunks. Otherwise, where
   every rank holds the whole state (:func:`whole_on_every_rank`: no pipeline stages, no tensor-parallel, expert or
   FSDP shards, no per-rank engine state), it is Lightning's ordinary single-file checkpoint, written by rank zero through
@@ -11,7 +15,8 @@ Contract (collective calls, every rank with the same path):
   rank under the unsplit model's parameter names; Lightning's non-tensor state travels inside as one object;
   per-rank state (compression residuals) under a key of this rank and :meth:`ParallelDims.layout_key`. The dict
   the caller passed (what ``on_save_checkpoint`` hooks saw and edited) is not changed.
-* ``load_checkpoint(strategy, path)`` loads any of the three into the already set-up model and optimizers, whatever
+* ``load_checkpoint(strategy, path)`` arms the replica's batch check (the restored loaders' first batch is compared
+  again) and loads any of the three into the already set-up model and optimizers, whatever
   (pp, dp, tp) layout wrote it, honouring ``LightningModule.strict_loading`` (strict: a checkpoint of another
   architecture, with parameters this model lacks or lacking some it has, fails naming them), and returns
   Lightning's whole checkpoint dict, ``state_dict`` and ``optimizer_states`` included, as ``on_load_checkpoint``
@@ -30,14 +35,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from lightning_ciuic.comm.data_parallel import ENGINE_STATE_KEY, engine_state, restore_engine_state
+from lightning_ciuic.checkpoint import sharded
 from lightning_ciuic.checkpoint.sharded import load_sharded, load_whole, optimizer_state_by_name, save_sharded
 from lightning_ciuic.compat import unwrap_optimizer
 from lightning_ciuic.parallel.shutdown import reported_once
 from lightning_ciuic.plugins.checkpoint_io import ChunkedCheckpointIO
 
 if TYPE_CHECKING:
+    import torch
+
     from lightning_ciuic.strategies.hybrid import HybridParallelStrategy
 
 
@@ -67,7 +76,21 @@ def whole_on_every_rank(strategy: HybridParallelStrategy) -> bool:
     return engine is None or not engine.has_rank_state
 
 
-def save_checkpoint(strategy: HybridParallelStrategy, checkpoint: dict[str, Any], filepath: Any) -> None:
+def model_state(strategy: HybridParallelStrategy) -> dict[str, Any]:
+    model = strategy.model
+    assert model is not None
+    return model.state_dict() if whole_on_every_rank(strategy) else get_model_state_dict(model)
+
+
+def optimizer_state(strategy: HybridParallelStrategy, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    assert strategy.model is not None
+    optimizer = unwrap_optimizer(optimizer)
+    return optimizer.state_dict() if whole_on_every_rank(strategy) else sharded.optimizer_state(strategy.model, optimizer)
+
+
+def save_checkpoint(strategy: HybridParallelStrategy, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+    if storage_options is not None:
+        raise TypeError("HybridParallelStrategy.save_checkpoint does not take storage_options.")
     io = _chunked_io(strategy, filepath)
     if io is None and whole_on_every_rank(strategy):  # as DDPStrategy writes it: one file, by rank zero
         if strategy.is_global_zero:
@@ -125,6 +148,7 @@ def _say_how_to_read_once(strategy: HybridParallelStrategy, path: Path) -> None:
 
 
 def load_checkpoint(strategy: HybridParallelStrategy, checkpoint_path: Any) -> dict[str, Any]:
+    strategy.batch_check.arm()  # the restored loaders' first batch is compared again
     path = strategy.broadcast(str(checkpoint_path))
     with reported_once(f"restoring checkpoint {path}"):  # a failed restore is said once, by the lowest failing rank
         return _load_checkpoint(strategy, path)

@@ -4,7 +4,8 @@ given, and no-ops where no process group exists.
 Contract: :func:`reduce(tensor, group, reduce_op)` returns a new tensor (the input is left as it was): ``"sum"``,
 ``"mean"`` / ``"avg"`` (integers averaged as float32), ``"max"``, ``"min"`` (names or ``ReduceOp`` members); another
 op is a ``ValueError`` naming the ones that work; a non-tensor is returned as it is. :func:`broadcast(obj, src)`
-returns ``src`` 's object on every rank.
+returns ``src`` 's object on every rank. :func:`barrier(device)` waits for every rank; on NCCL it names the device
+this rank uses (else NCCL guesses, and may hang).
 
 No Lightning imports.
 """
@@ -49,3 +50,12 @@ def broadcast(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def barrier(device: torch.device) -> None:
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()

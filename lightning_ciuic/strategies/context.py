@@ -4,8 +4,11 @@ Contract: ``parallel_context(trainer)`` returns a frozen :class:`ParallelContext
 (:class:`~lightning_ciuic.parallel.dims.ParallelDims`), the device mesh (``None`` outside
 ``HybridParallelStrategy``), the data-parallel process group (``None`` where ``dp == 1``; the default group
 under ``DDPStrategy``), the data-parallel engine (``None`` where the strategy has none of ours), the pipeline
-runner (``None`` without pipeline parallelism) and the device of this rank; ``dp_rank`` / ``dp_size`` are what
-loaders split data by. Under ``HybridParallelStrategy`` it
+runner (``None`` without pipeline parallelism), the experts' layout (``experts``: the
+:class:`~lightning_ciuic.parallel.experts.ExpertLayout` of expert parallelism, with its expert-parallel modules, the
+meshes their tokens and gradients cross and the dispatch's counters; ``None`` without expert parallelism), the
+replica's equal-batch check (``batch_check``, :mod:`~lightning_ciuic.data.check`; ``None`` under another strategy)
+and the device of this rank; ``dp_rank`` / ``dp_size`` are what loaders split data by. Under ``HybridParallelStrategy`` it
 is the strategy's own description; under any other strategy (``DDPStrategy``, one device) every rank is a
 data-parallel replica of the whole model. Callbacks read these fields instead of probing strategy attributes.
 
@@ -27,8 +30,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ciuic.comm.data_parallel import DataParallel
 from lightning_ciuic.comm.vote import StepVote
+from lightning_ciuic.data.check import EqualBatchCheck
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.axes import Axis
+from lightning_ciuic.parallel.experts import ExpertLayout
 
 if TYPE_CHECKING:
     from lightning_ciuic.parallel.pipeline import PipelineRunner
@@ -42,6 +47,8 @@ class ParallelContext:
     data_parallel: Optional[DataParallel]
     pipeline: Optional["PipelineRunner"]
     device: torch.device
+    experts: Optional[ExpertLayout] = None  # expert parallelism's layout (dims.ep > 1)
+    batch_check: Optional[EqualBatchCheck] = None  # the replica's ranks compare their batches (data/check.py)
 
     @property
     def dp_rank(self) -> int:
@@ -68,11 +75,12 @@ def parallel_context(trainer: Trainer) -> ParallelContext:
 
     strategy = trainer.strategy
     if isinstance(strategy, HybridParallelStrategy) and strategy.parallel_dims is not None:
-        dims, meshes = strategy.parallel_dims, strategy.meshes
+        dims, meshes, parallelized = strategy.parallel_dims, strategy.meshes, strategy.parallelized
         assert meshes is not None
         return ParallelContext(
             dims=dims, mesh=meshes.world, dp_group=meshes.mesh(Axis.DP).get_group() if dims.dp > 1 else None,
             data_parallel=strategy.data_parallel, pipeline=strategy.pipeline, device=strategy.root_device,
+            experts=parallelized.experts if parallelized is not None else None, batch_check=strategy.batch_check,
         )
     world = trainer.world_size
     group = dist.group.WORLD if world > 1 and dist.is_initialized() else None

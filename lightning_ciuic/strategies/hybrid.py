@@ -4,9 +4,13 @@ Contract:
 
 * Arguments: flat keywords (the YAML schema), packed by name into one
   :class:`~lightning_ciuic.config.ParallelismConfig` (``self.parallelism``), where every rule between them lives.
-  The parts of the glue live in their own modules: :mod:`~lightning_ciuic.strategies.processes` (launcher, process
-  group, meshes), :mod:`~lightning_ciuic.strategies.steps` (step routing), :mod:`~lightning_ciuic.strategies.loaders`,
-  :mod:`~lightning_ciuic.strategies.collectives`, :mod:`~lightning_ciuic.strategies.checkpointing`.
+  The strategy reads its options there only (``bucket_size_mb``, ``sync_timeout``, the compression, ...: no copies
+  beside it). The class is Lightning's interface; the parts of the glue live in their own modules:
+  :mod:`~lightning_ciuic.strategies.processes` (launcher, process group, meshes, teardown),
+  :mod:`~lightning_ciuic.strategies.steps` (step routing, backward, loss parallelism, the precision plugin's clipping),
+  :mod:`~lightning_ciuic.strategies.loaders` (loaders and the sampler's replicas),
+  :mod:`~lightning_ciuic.strategies.collectives`, :mod:`~lightning_ciuic.strategies.checkpointing` (the state
+  saved, checkpoints written, read and removed).
 * Processes and the mesh: the strategy starts the process group (gloo on CPU, NCCL on CUDA unless
   ``process_group_backend`` says otherwise), builds the layout's meshes once (``ParallelDims.build``:
   ``self.meshes``, every view) and hands their ``world`` to
@@ -45,15 +49,12 @@ Contract:
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union, get_args
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import Trainer
@@ -62,41 +63,30 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_ciuic import compat
-from lightning_ciuic.checkpoint.sharded import optimizer_state
-from lightning_ciuic.comm.auto import AutoCompression
-from lightning_ciuic.comm.compression import AllReduceAlgorithm, CompressionConfig, CompressionMode, GradientCompression
+from lightning_ciuic.comm.compression import AllReduceAlgorithm, CompressionMode
 from lightning_ciuic.comm.data_parallel import DataParallel
 from lightning_ciuic.comm.diloco import DiLoCo
 from lightning_ciuic.comm.engines import build_engine
-from lightning_ciuic.comm.grad_sync import GradientSynchronizer, check_bucket_size
 from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.config import STRATEGY_ARGS, ParallelismConfig
 from lightning_ciuic.data.check import EqualBatchCheck
-from lightning_ciuic.data.world import DataParallelWorld, set_data_parallel_world
+from lightning_ciuic.data.world import DataParallelWorld
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.dims import Meshes, ParallelDims
 from lightning_ciuic.parallel.experts import DispatchCompression
 from lightning_ciuic.parallel.fsdp import has_meta_tensors
 from lightning_ciuic.parallel.parallelize import Parallelized, parallelize
 from lightning_ciuic.parallel.pipeline import PipelineRunner, PipelineScheduleName
+from lightning_ciuic.parallel.recompute import GradientCheckpointing
 from lightning_ciuic.parallel.shutdown import agree_on_setup, setup_vote_group
 from lightning_ciuic.strategies import checkpointing, collectives, loaders, processes, restore_point, steps
-from lightning_ciuic.parallel.recompute import GradientCheckpointing
-from lightning_ciuic.parallel.tensor import local_loss, loss_parallel_context
+from lightning_ciuic.validation import positive_seconds
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-
-
-def _positive_seconds(name: str, value: Union[float, timedelta]) -> timedelta:
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if seconds <= 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}.")
-    return timedelta(seconds=seconds)
 
 
 class HybridParallelStrategy(ParallelStrategy):
@@ -212,8 +202,8 @@ class HybridParallelStrategy(ParallelStrategy):
         )
         if start_method not in get_args(StartMethod):
             raise ValueError(f"start_method={start_method!r}; use 'popen', 'spawn', 'fork' or 'forkserver'.")
-        check_bucket_size(bucket_size_mb)
-        # The flat arguments (the YAML schema), packed once by name: every rule between them lives in ParallelismConfig.
+        # The flat arguments (the YAML schema), packed once by name: every rule between them lives in ParallelismConfig,
+        # the one place the strategy, its glue modules and the planner read them from.
         arguments = locals()
         self.parallelism = ParallelismConfig.from_strategy_args(**{name: arguments[name] for name in STRATEGY_ARGS})
         self.pipeline: Optional[PipelineRunner] = None
@@ -223,30 +213,12 @@ class HybridParallelStrategy(ParallelStrategy):
         self.data_parallel: Optional[DataParallel] = None  # the engine, once the processes and the model exist
         self.batch_check = EqualBatchCheck()  # the replica's ranks compare their batches (data/check.py)
         self._logged = (0, 0.0)
-        self._sync_timeout = _positive_seconds("sync_timeout", sync_timeout)
-        self._timeout = _positive_seconds("timeout", timeout)
-        self.bucket_size_mb = float(bucket_size_mb)
+        self._timeout = positive_seconds("timeout", timeout)  # process-group set-up and non-gradient collectives
         self._start_method = start_method
+        self._created_process_group = False  # by this strategy, in this process (strategies/processes.py)
         self.num_nodes = 1
         self.parallel_dims: Optional[ParallelDims] = None
         self.meshes: Optional[Meshes] = None  # the layout's meshes, built once per process (strategies/processes.py)
-
-    @property
-    def compression_config(self) -> CompressionConfig:
-        return self.parallelism.compression
-
-    # -- the data-parallel engine's parts, for callbacks that read them ------------------------------
-    @property
-    def grad_sync(self) -> Optional[GradientSynchronizer]:
-        return getattr(self.data_parallel, "synchronizer", None)
-
-    @property
-    def compression(self) -> Optional[GradientCompression]:
-        return getattr(self.data_parallel, "compression", None)
-
-    @property
-    def auto(self) -> Optional[AutoCompression]:
-        return getattr(self.data_parallel, "auto", None)
 
     # -- processes and the mesh --------------------------------------------------------------------
     @property
@@ -277,13 +249,8 @@ class HybridParallelStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """The data-parallel replicas and this rank's index among them; before the processes exist (what
-        ``trainer.estimated_stepping_batches`` asks while a Trainer is built) from the layout over the world size."""
-        if self.meshes is not None:
-            dp_mesh = self.meshes.mesh(Axis.DP)
-            return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
-        dims = self.parallelism.resolve(self.num_nodes * max(1, self.num_processes))
-        return {"num_replicas": dims.dp, "rank": dims.dp_rank_of(self.global_rank)}
+        """The data-parallel replicas and this rank's index among them (:func:`~lightning_ciuic.strategies.loaders.sampler_kwargs`)."""
+        return loaders.sampler_kwargs(self)
 
     @property
     @override
@@ -340,7 +307,7 @@ class HybridParallelStrategy(ParallelStrategy):
         if earlier is not None and earlier.module is self.model and earlier.dims == self.parallel_dims:
             self.pipeline = earlier.pipeline
             return
-        if self._layer_sync is not None and self.parallel_dims.dp_enabled:  # Trainer(sync_batchnorm=True)
+        if compat.layer_sync(self) is not None and self.parallel_dims.dp_enabled:  # Trainer(sync_batchnorm=True)
             # Statistics over the data-parallel replicas' batches: tp and pp peers hold the same or other layers.
             dp_group = self.meshes.mesh(Axis.DP).get_group()
             self.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.model, process_group=dp_group)
@@ -374,33 +341,19 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_parallel():
-            return local_loss(steps.training_step(self, super().training_step, *args, **kwargs))
+        return steps.training_step(self, super().training_step, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_parallel():
-            if steps.sharded_root(self):
-                return local_loss(steps.through_root(self, self.precision_plugin.val_step_context, "validation_step", *args, **kwargs))
-            return local_loss(super().validation_step(*args, **kwargs))
+        return steps.evaluation_step(self, super().validation_step, "validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_parallel():
-            if steps.sharded_root(self):
-                return local_loss(steps.through_root(self, self.precision_plugin.test_step_context, "test_step", *args, **kwargs))
-            return local_loss(super().test_step(*args, **kwargs))
-
-    def _loss_parallel(self) -> contextlib.AbstractContextManager:
-        """torch's ``loss_parallel()`` while the model's logits are vocabulary-sharded (sequence parallelism's plan):
-        a step's cross-entropy, and its backward, computed from the shards."""
-        return loss_parallel_context(self.parallelized is not None and self.parallelized.loss_parallel)
+        return steps.evaluation_step(self, super().test_step, "test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if steps.sharded_root(self):
-            return steps.through_root(self, self.precision_plugin.predict_step_context, "predict_step", *args, **kwargs)
-        return super().predict_step(*args, **kwargs)
+        return steps.evaluation_step(self, super().predict_step, "predict_step", *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -454,10 +407,7 @@ class HybridParallelStrategy(ParallelStrategy):
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Optional[torch.optim.Optimizer], *args: Any, **kwargs: Any
     ) -> torch.Tensor:
-        if self.pipeline is None:
-            with self._loss_parallel():
-                return super().backward(closure_loss, optimizer, *args, **kwargs)
-        return steps.pipelined_backward(self, closure_loss)
+        return steps.backward(self, super().backward, closure_loss, optimizer, *args, **kwargs)
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -478,27 +428,17 @@ class HybridParallelStrategy(ParallelStrategy):
     @property
     @override
     def precision_plugin(self) -> Precision:
-        if self._precision_plugin is None:
-            self.precision_plugin = Precision()
-        return self._precision_plugin
+        return steps.precision_plugin(self)
 
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        # Clipping by norm must see the whole model: route the plugin's norm clipping through ours.
-        if plugin is not None:
-            plugin.clip_grad_by_norm = functools.partial(steps.clip_grad_by_global_norm, plugin, self)  # picklable for spawn
-        self._precision_plugin = plugin
+        steps.set_precision_plugin(self, plugin)  # its norm clipping over the whole model
 
     # -- collectives -------------------------------------------------------------------------------
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if not dist.is_initialized():
-            return
-        if dist.get_backend() == "nccl":  # NCCL needs the device this rank uses (else it guesses, and may hang)
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        collectives.barrier(self.root_device)
         if name == compat.RESTORE_DONE_BARRIER:
             restore_point.restore_done(self.lightning_module.trainer)
 
@@ -514,24 +454,14 @@ class HybridParallelStrategy(ParallelStrategy):
         over all ranks equals the mean over data-parallel replicas."""
         return collectives.reduce(tensor, group, reduce_op)
 
-    # -- checkpoints -------------------------------------------------------------------------------
+    # -- checkpoints (strategies/checkpointing.py) ------------------------------------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's state as Lightning keeps it where every rank holds it whole, else by torch's state-dict API
-        (DTensor shards under the unsplit model's names)."""
-        assert self.model is not None
-        if checkpointing.whole_on_every_rank(self):
-            return self.model.state_dict()
-        return get_model_state_dict(self.model)
+        return checkpointing.model_state(self)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Like :meth:`lightning_module_state_dict`; saving runs no optimizer step and clears no gradient."""
-        assert self.model is not None
-        optimizer = compat.unwrap_optimizer(optimizer)
-        if checkpointing.whole_on_every_rank(self):
-            return optimizer.state_dict()
-        return optimizer_state(self.model, optimizer)
+        return checkpointing.optimizer_state(self, optimizer)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -543,10 +473,7 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Collective; see :func:`~lightning_ciuic.strategies.checkpointing.save_checkpoint`."""
-        if storage_options is not None:
-            raise TypeError("HybridParallelStrategy.save_checkpoint does not take storage_options.")
-        checkpointing.save_checkpoint(self, checkpoint, filepath)
+        checkpointing.save_checkpoint(self, checkpoint, filepath, storage_options)
 
     @override
     def on_train_start(self) -> None:
@@ -554,8 +481,6 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Into the set-up model and optimizers, whatever layout wrote it; see ``checkpointing.load_checkpoint``."""
-        self.batch_check.arm()  # the restored loaders' first batch is compared again
         return checkpointing.load_checkpoint(self, checkpoint_path)
 
     @override
@@ -564,19 +489,4 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._close_data_parallel()
-        self.pipeline = None
-        set_data_parallel_world(None)
-        module = self.lightning_module
-        if module is not None and has_meta_tensors(module):
-            # The main process's copy of a meta-built model, after a failed launch: Lightning's teardown moves the
-            # module to the CPU, which a meta tensor cannot do. Allocate it (uninitialised pages cost nothing here).
-            module.to_empty(device="cpu")
-        super().teardown()
-        if getattr(self, "_created_process_group", False) and self.world_size == 1 and dist.is_initialized():
-            # One process (devices=1, in the caller's process): leave it and its environment as they were, so a later
-            # Trainer, or the caller's own init_process_group, starts afresh. A multi-rank worker exits instead (parallel/shutdown.py).
-            dist.destroy_process_group()
-            self._created_process_group = False
-            self.meshes = None
-
+        processes.teardown(self, super().teardown)

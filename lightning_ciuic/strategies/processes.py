@@ -13,6 +13,10 @@ Contract (each function takes the strategy and works on it):
   :class:`~lightning_ciuic.parallel.dims.Meshes`, built once (``strategy.meshes``; the LightningModule's
   ``device_mesh`` is their ``world``), and the data-parallel world the loaders split their data by.
 * :func:`device_type`: the kind of device the ranks compute on, known before any process has its own.
+* :func:`teardown`: the engine closed, the pipeline and the data-parallel world forgotten, a meta-built model in the
+  launching process (after a failed launch) allocated on the CPU, Lightning's teardown, then, in a one-process run in
+  the caller's process, the process group this strategy created destroyed (a later Trainer, or the caller's own
+  ``init_process_group``, starts afresh; a multi-rank worker exits instead: :mod:`~lightning_ciuic.parallel.shutdown`).
 
 Lightning is imported here (the strategy's glue), not below in ``parallel/``.
 """
@@ -20,6 +24,7 @@ Lightning is imported here (the strategy's glue), not below in ``parallel/``.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -28,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lightning_ciuic import compat
 from lightning_ciuic.data.world import set_data_parallel_world
+from lightning_ciuic.parallel.fsdp import has_meta_tensors
 from lightning_ciuic.parallel.shutdown import leave_at_exit, setup_vote_group
 from lightning_ciuic.strategies.launchers import FullWeightsMultiProcessingLauncher
 from lightning_ciuic.strategies.rendezvous import restarted_worker_store
@@ -109,3 +115,20 @@ def init_process_group(strategy: HybridParallelStrategy) -> None:
         strategy.process_group_backend, rank=strategy.global_rank, world_size=strategy.world_size,
         timeout=strategy._timeout, store=store,
     )
+
+
+def teardown(strategy: HybridParallelStrategy, lightning_teardown: Callable[[], None]) -> None:
+    """See the module docstring; ``lightning_teardown`` is Lightning's ``teardown`` of the strategy."""
+    strategy._close_data_parallel()
+    strategy.pipeline = None
+    set_data_parallel_world(None)
+    module = strategy.lightning_module
+    if module is not None and has_meta_tensors(module):
+        # Lightning's teardown moves the module to the CPU, which a meta tensor cannot do: allocate it
+        # (uninitialised pages cost nothing here).
+        module.to_empty(device="cpu")
+    lightning_teardown()
+    if strategy._created_process_group and strategy.world_size == 1 and dist.is_initialized():
+        dist.destroy_process_group()
+        strategy._created_process_group = False
+        strategy.meshes = None

@@ -1,25 +1,36 @@
-"""HybridParallelStrategy's step routing: where a training step goes, and what runs around it.
+"""HybridParallelStrategy's step routing: where a step goes, and what runs around it.
 
 Contract (each function takes the strategy):
 
 * :func:`training_step`: the replica's batch check when armed (:mod:`~lightning_ciuic.data.check`), the data-parallel
   engine's step start and the previous synchronization's ``comm/bytes_sent`` / ``comm/sync_time`` logged
   (:func:`before_training_step`), then the step: through the pipeline schedule (:func:`pipelined_training_step`),
-  through an FSDP2 root's ``forward`` (:func:`through_root`), or Lightning's own (``plain(*args, **kwargs)``).
+  through an FSDP2 root's ``forward`` (:func:`through_root`), or Lightning's own (``plain(*args, **kwargs)``); inside
+  :func:`loss_parallel`, its loss whole (:func:`~lightning_ciuic.parallel.tensor.local_loss`).
+* :func:`evaluation_step`: ``validation_step``, ``test_step`` and ``predict_step``, through an FSDP2 root's ``forward``
+  under the precision plugin's context of that step, or Lightning's own; validation and test inside
+  :func:`loss_parallel`, their loss whole; prediction's outputs as the model gives them.
+* :func:`backward`: Lightning's backward inside :func:`loss_parallel`, or, pipelined, :func:`pipelined_backward`.
+* :func:`loss_parallel`: torch's ``loss_parallel()`` while the model's logits are vocabulary-sharded (sequence
+  parallelism's plan), else nothing.
 * :func:`pipelined_training_step`: the schedule runs backward inside ``training_step``, but Lightning zeroes
   gradients between ``training_step`` and ``backward``: zero them before instead (on the first micro-step of an
   accumulation), and keep the new ones aside (``strategy._pipeline_grads``) until :func:`pipelined_backward` puts them
   back and runs only Lightning's backward hooks. ``pipeline/bubble`` (the previous step's idle fraction) is logged.
 * :func:`clip_grad_by_global_norm`: clipping by norm over the whole model (tensor-parallel shards and pipeline
-  stages): what the precision plugin's ``clip_grad_by_norm`` is routed to.
+  stages): what the precision plugin's ``clip_grad_by_norm`` is routed to. :func:`precision_plugin` /
+  :func:`set_precision_plugin` are the strategy's precision plugin property: every plugin it holds (the one given, or
+  Lightning's default ``Precision()``, kept once made) clips through it.
 
 Lightning is imported here (the strategy's glue).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -29,6 +40,7 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_ciuic import compat
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.grad_norm import clip_grad_norm_
+from lightning_ciuic.parallel.tensor import local_loss, loss_parallel_context
 from lightning_ciuic.strategies.redirection import through_root as _through_root
 
 if TYPE_CHECKING:
@@ -50,7 +62,45 @@ def through_root(
         return _through_root(strategy.lightning_module, method_name, *args, **kwargs)
 
 
+def loss_parallel(strategy: HybridParallelStrategy) -> contextlib.AbstractContextManager:
+    """torch's ``loss_parallel()`` while the model's logits are vocabulary-sharded (sequence parallelism's plan):
+    a step's cross-entropy, and its backward, computed from the shards."""
+    parallelized = strategy.parallelized
+    return loss_parallel_context(parallelized is not None and parallelized.loss_parallel)
+
+
 def training_step(strategy: HybridParallelStrategy, plain: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with loss_parallel(strategy):
+        return local_loss(_routed_training_step(strategy, plain, *args, **kwargs))
+
+
+_STEP_CONTEXTS = {"validation_step": "val_step_context", "test_step": "test_step_context", "predict_step": "predict_step_context"}
+
+
+def evaluation_step(strategy: HybridParallelStrategy, plain: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Any:
+    """``name`` is ``"validation_step"``, ``"test_step"`` or ``"predict_step"`` (see the module docstring)."""
+
+    def step() -> Any:
+        if sharded_root(strategy):
+            return through_root(strategy, getattr(strategy.precision_plugin, _STEP_CONTEXTS[name]), name, *args, **kwargs)
+        return plain(*args, **kwargs)
+
+    if name == "predict_step":
+        return step()
+    with loss_parallel(strategy):
+        return local_loss(step())
+
+
+def backward(
+    strategy: HybridParallelStrategy, plain: Callable[..., torch.Tensor], closure_loss: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    if strategy.pipeline is not None:
+        return pipelined_backward(strategy, closure_loss)
+    with loss_parallel(strategy):
+        return plain(closure_loss, *args, **kwargs)
+
+
+def _routed_training_step(strategy: HybridParallelStrategy, plain: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if strategy.batch_check.armed:
         strategy.batch_check.run(args[0] if args else kwargs.get("batch"), strategy.parallel_dims, strategy.root_device)
     if strategy.data_parallel is not None:
@@ -116,3 +166,18 @@ def clip_grad_by_global_norm(
     dims, meshes = strategy.parallel_dims, strategy.meshes
     pipeline_group = meshes.mesh(Axis.PP).get_group() if dims is not None and dims.pp_enabled and meshes is not None else None
     clip_grad_norm_(plugin.main_params(optimizer), clip_val, pipeline_group=pipeline_group)
+
+
+def precision_plugin(strategy: HybridParallelStrategy) -> Precision:
+    """The plugin the strategy holds; Lightning's default ``Precision()`` where none was given, kept (and so routed)."""
+    plugin = compat.precision_plugin_given(strategy)
+    if plugin is None:
+        strategy.precision_plugin = plugin = Precision()
+    return plugin
+
+
+def set_precision_plugin(strategy: HybridParallelStrategy, plugin: Optional[Precision]) -> None:
+    """Clipping by norm must see the whole model: the plugin's norm clipping is routed through ours."""
+    if plugin is not None:
+        plugin.clip_grad_by_norm = functools.partial(clip_grad_by_global_norm, plugin, strategy)  # picklable for spawn
+    compat.set_precision_plugin(strategy, plugin)

@@ -42,4 +42,4 @@ def test_quantizer_names_and_errors():
     with pytest.raises(ValueError, match=r"GradientQuantizer\(bits=3\): use one of \[4, 8, 16\]"):
         GradientQuantizer(bits=3)
     strategy = HybridParallelStrategy(communication_compression=GradientQuantizer(bits=4))
-    assert strategy.compression_config.mode == "nf4" and strategy.compression_config.feedback_for("nf4")
+    assert strategy.parallelism.compression.mode == "nf4" and strategy.parallelism.compression.feedback_for("nf4")

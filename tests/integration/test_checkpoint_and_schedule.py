@@ -32,7 +32,7 @@ class Record(Callback):
             "broadcast": strategy.broadcast(f"from {rank}", src=0),
         }
         if trainer.is_global_zero:
-            sync = strategy.grad_sync
+            sync = strategy.data_parallel.synchronizer
             record = {"lrs": self.lrs, "collectives": sync.stats.collectives, "buckets": len(sync.buckets), **collectives}
             with open(self.path, "w") as f:
                 json.dump(record, f)

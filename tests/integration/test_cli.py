@@ -47,8 +47,8 @@ def test_yaml_round_trip(tmp_path):
     cli = _cli(["--config", str(config)])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, HybridParallelStrategy)
-    assert strategy.parallelism.degrees["tensor_parallel_size"] == 2 and strategy.bucket_size_mb == 4.0
-    assert strategy._sync_timeout.total_seconds() == 60
+    assert strategy.parallelism.degrees["tensor_parallel_size"] == 2 and strategy.parallelism.bucket_size_mb == 4.0
+    assert strategy.parallelism.sync_timeout == 60
     assert any(isinstance(c, WarmupCosineSchedule) and c.warmup_ratio == 0.1 for c in cli.trainer.callbacks)
 
     dumped = cli.parser.dump(cli.config, skip_none=False)
@@ -56,7 +56,7 @@ def test_yaml_round_trip(tmp_path):
     again.write_text(dumped)
     strategy_config = yaml.safe_load(dumped)["trainer"]["strategy"]
     assert strategy_config["class_path"] == "lightning_ciuic.HybridParallelStrategy"
-    assert _cli(["--config", str(again)]).trainer.strategy.bucket_size_mb == 4.0
+    assert _cli(["--config", str(again)]).trainer.strategy.parallelism.bucket_size_mb == 4.0
 
 
 def test_console_script_trains_the_main_job_shows_the_pack_and_resumes(tmp_path):

@@ -60,7 +60,7 @@ def test_the_good_forms_still_parse(args, mode, tmp_path):
     args = [str(quantizer) if a == "QUANTIZER_YAML" else a for a in args]
     cli = PackCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
                   args=["--config", DEMO, *args])
-    assert cli.trainer.strategy.compression_config.mode == mode
+    assert cli.trainer.strategy.parallelism.compression.mode == mode
 
 
 def test_the_top_level_help_lists_the_packs_commands(capsys):

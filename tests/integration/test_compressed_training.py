@@ -25,12 +25,13 @@ class Report(ReplicaReport):
     """The replica report plus what the synchronizer counted."""
 
     def extra(self, trainer):
-        strategy = trainer.strategy
+        engine = trainer.strategy.data_parallel
+        compression, auto = getattr(engine, "compression", None), getattr(engine, "auto", None)  # Replicated's parts
         return {
-            "bytes_sent": strategy.data_parallel.stats.bytes_sent,
-            "gradient_bytes": strategy.data_parallel.stats.bytes_reduced,
-            "active_mode": strategy.compression.active_mode if strategy.compression else "none",
-            "auto": [d.reason for d in strategy.auto.history] if strategy.auto else [],
+            "bytes_sent": engine.stats.bytes_sent,
+            "gradient_bytes": engine.stats.bytes_reduced,
+            "active_mode": compression.active_mode if compression else "none",
+            "auto": [d.reason for d in auto.history] if auto else [],
         }
 
 

@@ -197,25 +197,44 @@ class _ExpertReplicas(Callback):
             copies = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
             dist.all_gather(copies, flat, group=group)
             result[name] = all(torch.equal(c, flat) for c in copies)
-        result["expert_collectives"] = trainer.strategy.data_parallel.synchronizers["experts"].stats.collectives
+        engine = trainer.strategy.data_parallel
+        result["expert_collectives"] = engine.synchronizers["experts"].stats.collectives
+        result["expert_bytes"] = engine.synchronizers["experts"].stats.bytes_sent
+        result["dense_bytes"] = engine.synchronizers["dense"].stats.bytes_sent
+        result["engine_bytes"] = engine.stats.bytes_sent
+        result["expert_numel"] = sum(p.to_local().numel() for p in experts.parameters())
+        result["dense_numel"] = sum(p.numel() for p in pl_module.parameters() if p.requires_grad and id(p) not in ids)
         if trainer.is_global_zero:
             trainer.callback_metrics.update({k: torch.tensor(float(v)) for k, v in result.items()})
 
 
-def test_compressed_gradients_with_experts_sharded_keep_every_copy_equal():
+def test_compressed_gradients_with_experts_sharded_keep_every_copy_equal(tmp_path):
     """dp=4, ep=2 (edp=2), int8 gradient compression with error feedback: expert gradients go through the same codec
-    over their own group (their residuals apart from the dense ones'), and every copy of a tensor stays equal."""
+    over their own group (their residuals apart from the dense ones'), and every copy of a tensor stays equal. The
+    replicated run reports its expert gradients' bytes: the engine's counters and the monitor's dp payload and bytes
+    include them."""
+    import json
+
+    from lightning_ciuic import CommunicationMonitor
+
     trainer = Trainer(
         strategy=HybridParallelStrategy(
             data_parallel_size=4, expert_parallel_size=2, communication_compression="int8", start_method="forkserver"
         ),
         accelerator="cpu", devices=4, max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[_ExpertReplicas()],
+        enable_model_summary=False, default_root_dir=tmp_path,
+        callbacks=[_ExpertReplicas(), CommunicationMonitor(measure_link=False)],
     )
     trainer.fit(DeepSeekMini(**MOE_MODEL), loader(3 * PER_RANK_BATCH * 4, PER_RANK_BATCH))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert metrics["experts"] == 1.0 and metrics["dense"] == 1.0, metrics
     assert metrics["expert_collectives"] >= 3, metrics
+    assert metrics["expert_bytes"] > 0 and metrics["engine_bytes"] == metrics["dense_bytes"] + metrics["expert_bytes"], metrics
+    profile = json.loads((tmp_path / "monitor" / "monitor.json").read_text())["profile"]
+    numel = metrics["dense_numel"] + metrics["expert_numel"]  # rank 0's gradients: dense, and its 2 of 4 experts
+    assert metrics["expert_numel"] > 0 and profile["gradient_numel"] == numel, (profile["gradient_numel"], metrics)
+    rank0 = profile["ranks"][0]  # the step after the monitor's warm-up: one sync of every gradient, in float32
+    assert rank0["dp_payload"] == 4 * numel and rank0["dp_bytes"] == metrics["engine_bytes"] / 3, (rank0, metrics)
 
 
 def _fit_then_validate(rank: int, world: int, out: str) -> None:

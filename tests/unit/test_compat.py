@@ -301,3 +301,15 @@ def test_every_overridden_private_hook_still_exists():
     for path in compat.OVERRIDDEN_PRIVATE_HOOKS:
         module, cls, hook = path.rsplit(".", 2)
         assert callable(getattr(getattr(importlib.import_module(module), cls), hook)), path
+
+
+def test_a_strategys_precision_plugin_is_kept_where_lightning_keeps_it():
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    strategy = SingleDeviceStrategy(device="cpu")
+    assert compat.precision_plugin_given(strategy) is None
+    assert strategy.precision_plugin is not strategy.precision_plugin  # Lightning's property: a new default per read
+    plugin = Precision()
+    compat.set_precision_plugin(strategy, plugin)
+    assert strategy.precision_plugin is plugin and compat.precision_plugin_given(strategy) is plugin

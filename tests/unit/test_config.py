@@ -70,11 +70,40 @@ def test_the_strategys_arguments_are_the_configs_by_the_same_names():
             r"communication_compression='fp16' compresses every step's gradient sync, which DiLoCo does not run",
         ),
         ({"expert_dispatch_compression": "fp8"}, r"expert_dispatch_compression='fp8' compresses the tokens .* expert_parallel_size=1 sends none"),
+        (
+            {"expert_dispatch_compression": "fp4", "expert_parallel_size": 2},
+            r"expert_dispatch_compression='fp4': use one of \['none', 'bf16', 'fp8', 'int8'\] \(how the tokens sent to the experts",
+        ),
+        (
+            {"diloco": DiLoCo(), "data_parallel_size": 2, "expert_parallel_size": 2, "tensor_parallel_size": 1},
+            r"expert_parallel_size=2 with diloco: .* must equal tensor_parallel_size=1 \(set both to the same degree\), or drop diloco",
+        ),
+        (
+            {"diloco": DiLoCo(), "data_parallel_shard_size": 2},
+            r"diloco with data_parallel_shard_size=2: DiLoCo's workers are whole replicas .* use data_parallel_shard_size=1",
+        ),
+        (
+            {"data_parallel_shard_size": 2, "communication_compression": "powersgd"},
+            r"communication_compression='powersgd' does not apply to sharded data parallelism .* or data_parallel_shard_size=1 for 'powersgd'",
+        ),
+        (
+            {"data_parallel_shard_size": 2, "allreduce_algorithm": "tree"},
+            r"allreduce_algorithm='tree' picks our ring/tree all-reduce, which sharded data parallelism does not use .* leave it 'auto'",
+        ),
+        (
+            {"data_parallel_shard_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "dualpipev"},
+            r"pipeline_schedule='dualpipev' splits backward into input- and weight-gradient passes.* use 'gpipe', '1f1b'",
+        ),
     ],
 )
 def test_every_rule_between_arguments_says_what_was_given_and_what_works(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ParallelismConfig.from_strategy_args(**kwargs)
+
+
+def test_diloco_must_be_a_diloco_configuration():
+    with pytest.raises(TypeError, match=r"diloco must be a lightning_ciuic.DiLoCo\(\.\.\.\), got dict: \{'sync_every': 4\}"):
+        ParallelismConfig(diloco={"sync_every": 4})
 
 
 def test_the_rules_between_arguments_and_devices():

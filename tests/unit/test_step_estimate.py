@@ -151,3 +151,18 @@ def test_the_stage_boundaries_are_found_once_per_configuration_and_compared_acro
     assert known.signature(1) == tuple(
         (((2, w), (w, 1), torch.float32, False), ((2, w), (w, 1), torch.float32, False)) for w in (2, 4)
     )
+
+
+def test_a_plan_with_fewer_micro_batches_than_1f1b_stages_says_the_fix_before_building_anything():
+    """Not torch's "use batch sizes divisible by num_microbatches=2" at the step phase: the layout's rule, as fit says it."""
+    from lightning_ciuic.config import ParallelismConfig
+    from lightning_ciuic.parallel.pipeline_module import PipelineConfig
+    from lightning_ciuic.planner import plan_layout
+
+    def build(mesh):
+        raise AssertionError("the layout is refused before any stage is built")
+
+    config = ParallelismConfig(pipeline_parallel_size=4, pipeline=PipelineConfig("1f1b", num_microbatches=2))
+    expected = r"'1f1b' needs at least as many micro-batches as stages: num_microbatches=2, .*; use num_microbatches >= 4, or pipeline_schedule='gpipe'"
+    with pytest.raises(ValueError, match=expected):
+        plan_layout(build, config, 8, optimizers=lambda module: [])

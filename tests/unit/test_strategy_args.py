@@ -122,5 +122,21 @@ def test_shard_size_that_does_not_divide_the_data_parallel_size_fails_before_pro
      (False, {"fp16": False, "bf16": False, "int8": False, "nf4": False, "topk": False, "powersgd": False, "none": False})],
 )
 def test_error_feedback_is_opt_in_for_the_16_bit_casts_only(error_feedback, expected):
-    config = HybridParallelStrategy(communication_compression="auto", error_feedback=error_feedback).compression_config
+    config = HybridParallelStrategy(communication_compression="auto", error_feedback=error_feedback).parallelism.compression
     assert {mode: config.feedback_for(mode) for mode in expected} == expected
+
+
+
+def test_every_precision_plugin_the_strategy_holds_clips_by_the_whole_models_norm():
+    """The default plugin is made once and kept (Lightning's property would make a new one per read, unrouted); a
+    plugin set later is routed too."""
+    from lightning.pytorch.plugins.precision import Precision
+
+    from lightning_ciuic.strategies.steps import clip_grad_by_global_norm
+
+    strategy = HybridParallelStrategy()
+    default = strategy.precision_plugin
+    assert strategy.precision_plugin is default
+    assert default.clip_grad_by_norm.func is clip_grad_by_global_norm and default.clip_grad_by_norm.args == (default, strategy)
+    strategy.precision_plugin = given = Precision()
+    assert strategy.precision_plugin is given and given.clip_grad_by_norm.args == (given, strategy)
