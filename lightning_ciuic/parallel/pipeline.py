@@ -18,7 +18,10 @@ Contract:
   *and* backward of all micro-batches (``num_microbatches`` must divide the batch; evaluation batches it does
   not divide run with the largest number of equal micro-batches below it), leaving gradients accumulated in
   ``.grad`` (scaled so that they equal the gradient of the mean micro-batch loss divided by ``loss_divisor``)
-  and returns the mean loss, identical on every rank of the pipeline group. ``train=False`` runs forward
+  and returns the mean loss, identical on every rank of the pipeline group; every DTensor gradient is then in its
+  parameter's placements, whatever the schedule (the zero-bubble schedules' split weight backward runs no gradient
+  hook). Under sequence parallelism (``sequence_shards``: tp) the stages exchange each tp rank's part of the sequence,
+  which must be of equal length: inputs whose sequence tp does not divide are refused. ``train=False`` runs forward
   only. A schedule is built per (mode, batch shape), because stages size their receive buffers from the
   first batch they see. Where ``stage_metadata`` gives each of this rank's stages an example input and output (a
   meta tensor of each one's shape, stride, dtype and ``requires_grad``: what the planner runs on a fake process group,
