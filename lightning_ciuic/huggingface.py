@@ -110,13 +110,15 @@ def check_causal_decoder(model_type: str, config: Any, model: Optional[nn.Module
 
 
 class _DecoderLayerCall:
-    """Runs a Hugging Face decoder layer on hidden states alone: positions 0..n-1, causal attention."""
+    """Runs a Hugging Face decoder layer on hidden states alone: positions 0..n-1, causal attention. Under sequence
+    parallelism a layer after the first gets this tp rank's ``1/sequence_shards`` of the sequence (the pipeline runner
+    checks that tp divides it) and its attention the whole sequence's rotary embeddings: ``n`` is the whole length."""
 
-    def __init__(self, rotary: nn.Module) -> None:
-        self.rotary = rotary
+    def __init__(self, rotary: nn.Module, sequence_shards: int = 1) -> None:
+        self.rotary, self.sequence_shards = rotary, sequence_shards
 
     def __call__(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        positions = torch.arange(hidden.shape[1] * self.sequence_shards, device=hidden.device).unsqueeze(0)
         out = layer(
             hidden, attention_mask=None, position_ids=positions, position_embeddings=self.rotary(hidden, positions)
         )
@@ -213,6 +215,7 @@ class HuggingFaceCausalLM(PipelineModule, LightningModule):
                     )
         if skipped:
             rank_zero_info(f"tensor parallel: kept replicated (style not translated): {skipped}")
+        self._sequence_shards = tp if sequence_parallel else 1  # what a pipeline's decoder layers receive (the calls)
         return plan
 
     # -- the PipelineModule protocol -----------------------------------------------------------------
@@ -237,9 +240,12 @@ class HuggingFaceCausalLM(PipelineModule, LightningModule):
         return names
 
     def pipeline_block_calls(self) -> Mapping[str, BlockCall]:
-        call = _DecoderLayerCall(self._base.rotary_emb)
+        """Each decoder layer's call; under sequence parallelism (``tensor_parallel_plan`` asked for it) the layers
+        after the first take sequence-sharded hidden states (the first cuts the embedding's whole output itself)."""
         prefix = f"model.{self.model.base_model_prefix}.layers."
-        return {name: call for name in self.pipeline_blocks() if name.startswith(prefix)}
+        whole = _DecoderLayerCall(self._base.rotary_emb)
+        sharded = _DecoderLayerCall(self._base.rotary_emb, getattr(self, "_sequence_shards", 1))
+        return {name: whole if name == f"{prefix}0" else sharded for name in self.pipeline_blocks() if name.startswith(prefix)}
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross-entropy in at least float32 (16-bit logits are widened; float64 ones kept)."""

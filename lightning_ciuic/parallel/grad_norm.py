@@ -8,7 +8,8 @@ on every rank.
 Why not ``torch.nn.utils.clip_grad_norm_``: with tensor parallelism some gradients are DTensors (sharded
 over the ``tp`` axis) and some plain tensors (replicated); torch refuses to mix them in one call. Here a
 DTensor sharded on mesh axes contributes the sum of its shards (one all-reduce per sharded axis: FSDP x TP
-gradients are sharded on two), a replicated DTensor or a plain tensor contributes once. With pipeline parallelism
+gradients are sharded on two), a replicated DTensor or a plain tensor contributes once, a ``Partial`` one (each rank's
+unreduced share) the norm of its sum. With pipeline parallelism
 each rank holds other parameters: ``pipeline_group`` adds up the stages' contributions. Gradients are assumed
 already synchronized over the data-parallel axis (equal on every ``dp`` rank, or reduce-scattered over it by
 FSDP). Supports finite ``norm_type`` and ``inf``.
@@ -23,7 +24,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_ciuic.tensors import local_tensor
 
@@ -66,6 +67,8 @@ def total_grad_norm(
         dtype = grad.dtype if dtype is None else torch.promote_types(dtype, grad.dtype)
         groups: tuple[dist.ProcessGroup, ...] = ()
         if isinstance(grad, DTensor):
+            if any(pl.is_partial() for pl in grad.placements):  # unreduced shares (a hook did not run): sum them first
+                grad = grad.redistribute(grad.device_mesh, [Replicate() if pl.is_partial() else pl for pl in grad.placements])
             # Every axis that is not Replicate holds a part: Shard, and FSDP2's _StridedShard (FSDP x TP on one
             # dim), which is not a Shard subclass and says is_shard() == False in torch 2.13.
             groups = tuple(grad.device_mesh.get_group(i) for i, pl in enumerate(grad.placements) if not pl.is_replicate())

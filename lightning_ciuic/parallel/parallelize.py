@@ -10,8 +10,9 @@ is one: this module does not import it, the arrow runs from the config to ``para
 
 1. **Tensor parallel** over ``tp``: the plan of the module's ``tensor_parallel_plan(tp_mesh)`` (names relative to
    the module; the method may keep ``tp_mesh`` for its own collectives; one that takes a ``sequence_parallel``
-   keyword is given ``options.sequence_parallel`` (False under pipeline parallelism, for now), and its plan then shards the residual stream on the sequence and
-   keeps the logits vocabulary-sharded), else a Hugging Face ``_tp_plan`` translated
+   keyword is given ``options.sequence_parallel`` (under pipeline parallelism too: stages hand each other
+   their tp rank's part of the sequence), and its plan then shards the residual stream on the sequence and keeps the
+   logits vocabulary-sharded), else a Hugging Face ``_tp_plan`` translated
    (:func:`~lightning_ciuic.parallel.tensor.hugging_face_plan`).
    ``Parallelized.loss_parallel`` says whether the module's logits come out vocabulary-sharded: the caller computes
    their loss, forward and backward, inside
@@ -126,9 +127,7 @@ def parallelize(
     user_fsdp = found_sharding(module)
     result = Parallelized(module, meshes)
     if dims.tp_enabled:
-        # Sequence parallelism is not yet checked against one process under pipeline parallelism: off there.
-        sequence_parallel = options.sequence_parallel and not dims.pp_enabled
-        result.loss_parallel = tensor_parallel(module, meshes.mesh(Axis.TP), sequence_parallel)
+        result.loss_parallel = tensor_parallel(module, meshes.mesh(Axis.TP), options.sequence_parallel)
         if user_fsdp is None and not dims.sharded:  # FSDP2 redistributes the gradients it reduces itself
             gradients_in_parameter_placements(module)
     if user_fsdp is None and (dims.sharded or dims.ep_enabled):
@@ -151,6 +150,8 @@ def parallelize(
                 " (data_parallel_shard_size > 1) or use pipeline_parallel_size=1."
             )
         result.pipeline = build_pipeline(module, meshes.mesh(Axis.PP), options.pipeline, device)
+        if result.loss_parallel:  # the plan is sequence-parallel: stages hand each other 1/tp of the sequence
+            result.pipeline.sequence_shards = dims.tp
         if result.experts is not None:
             result.experts.keep_within(result.stages)
     if user_fsdp is not None:

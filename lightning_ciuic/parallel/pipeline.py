@@ -18,7 +18,10 @@ Contract:
   *and* backward of all micro-batches (``num_microbatches`` must divide the batch; evaluation batches it does
   not divide run with the largest number of equal micro-batches below it), leaving gradients accumulated in
   ``.grad`` (scaled so that they equal the gradient of the mean micro-batch loss divided by ``loss_divisor``)
-  and returns the mean loss, identical on every rank of the pipeline group. ``train=False`` runs forward
+  and returns the mean loss, identical on every rank of the pipeline group; every DTensor gradient is then in its
+  parameter's placements, whatever the schedule (the zero-bubble schedules' split weight backward runs no gradient
+  hook). Under sequence parallelism (``sequence_shards``: tp) the stages exchange each tp rank's part of the sequence,
+  which must be of equal length: inputs whose sequence tp does not divide are refused. ``train=False`` runs forward
   only. A schedule is built per (mode, batch shape), because stages size their receive buffers from the
   first batch they see. Where ``stage_metadata`` gives each of this rank's stages an example input and output (a
   meta tensor of each one's shape, stride, dtype and ``requires_grad``: what the planner runs on a fake process group,
@@ -49,7 +52,7 @@ from lightning_ciuic import compat
 from lightning_ciuic.timeline import timeline
 from lightning_ciuic.validation import check_int
 from lightning_ciuic.parallel.axes import Axis
-from lightning_ciuic.parallel.tensor import local_loss
+from lightning_ciuic.parallel.tensor import gradient_to_parameter_placements, local_loss
 
 PipelineScheduleName = Literal[
     "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"
@@ -371,6 +374,7 @@ class PipelineRunner:
         self._schedules: dict[tuple, Any] = {}
         self._clock = [0.0]
         self.stage_metadata: Optional[Mapping[int, tuple[torch.Tensor, torch.Tensor]]] = None  # stage -> (input, output)
+        self.sequence_shards = 1  # sequence parallelism: the tp ranks each stage's activations split the sequence over
         pp_size = dist.get_world_size(group)
         last_stage_rank = next(r for r in range(pp_size) if num_stages - 1 in self._ids_of(r, pp_size))
         self._last_stage_rank = dist.get_global_rank(group, last_stage_rank)
@@ -393,6 +397,17 @@ class PipelineRunner:
                 f"{where} has {batch_size} samples, which num_microbatches={self.num_microbatches} does not divide;"
                 f" use a batch size that is a multiple of {self.num_microbatches} (drop_last=True for a shorter last"
                 f" batch), or num_microbatches among {fits}."
+            )
+
+    def check_sequence_length(self, shape: Sequence[int]) -> None:
+        """Under sequence parallelism the stages hand each other their tp rank's part of the sequence, which must be
+        the same length on every tp rank (a stage's input shape is fixed per schedule, its decoder layers' positions
+        are counted from it): refused where tp does not divide the inputs' sequence (dimension 1)."""
+        if self.sequence_shards > 1 and len(shape) > 1 and shape[1] % self.sequence_shards:
+            raise ValueError(
+                f"inputs of shape {tuple(shape)} have {shape[1]} positions, which the {self.sequence_shards} tensor-parallel"
+                " ranks of a pipeline stage cannot split evenly under sequence parallelism: use sequence lengths"
+                f" divisible by tensor_parallel_size={self.sequence_shards}, or sequence_parallel=False."
             )
 
     def _microbatches(self, batch_size: int, train: bool) -> int:
@@ -456,6 +471,7 @@ class PipelineRunner:
 
         With ``train``, backward runs too and each gradient gets ``1 / loss_divisor`` of the mean loss's gradient
         (``loss_divisor`` = gradient-accumulation steps, so accumulated gradients average over them)."""
+        self.check_sequence_length(inputs.shape)
         self._active_microbatches = self._microbatches(inputs.shape[0], train)
         self._loss_divisor = loss_divisor if train else 1.0
         schedule = self._schedule("train" if train else "eval", tuple(inputs.shape), self._active_microbatches)
@@ -465,6 +481,8 @@ class PipelineRunner:
         call = schedule.step if train else schedule.eval
         # return_outputs=False: else the last stage keeps every micro-batch's output (the logits) to the step's end
         self._timed(lambda: call(*args, target=target, losses=losses, return_outputs=False))
+        if train:
+            self._gradients_in_parameter_placements()
         # Every pipeline rank must allocate the dtype the last stage sends: the model's (float64 under "64-true").
         dtype = next((p.dtype for p in self.parameters()), torch.get_default_dtype())
         loss = torch.zeros((), dtype=dtype, device=self.device)
@@ -473,8 +491,18 @@ class PipelineRunner:
         dist.broadcast(loss, src=self._last_stage_rank, group=self.group)
         return loss
 
+    def _gradients_in_parameter_placements(self) -> None:
+        """The zero-bubble schedules compute weight gradients apart (``stage_backward_weight``) and assign them to
+        ``.grad`` themselves, which runs no post-accumulate-grad hook: a replicated DTensor parameter used on
+        sequence-sharded activations (a sequence-parallel norm's weight) is left with a ``Partial`` gradient, each tp
+        rank's unreduced share, which a global-norm clip would take for shards. Brought to the parameter's placements
+        here, once per step, as the hooks do for the other schedules (no-op where they did)."""
+        for param in self.parameters():
+            gradient_to_parameter_placements(param)
+
     def forward(self, inputs: torch.Tensor) -> Any:
         """Forward only; the last stage's output, sent to every pipeline rank."""
+        self.check_sequence_length(inputs.shape)
         schedule = self._schedule("predict", tuple(inputs.shape), self._microbatches(inputs.shape[0], train=False))
         args = (inputs,) if 0 in self.stage_ids else ()
         box = [self._timed(lambda: schedule.eval(*args))]

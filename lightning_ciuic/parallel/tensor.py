@@ -360,7 +360,8 @@ def hugging_face_plan(
     translated: dict[str, ParallelStyle] = {}
     skipped: list[str] = []
     config = getattr(model, "config", None)
-    modules = [(name, re.sub(r"\d+", "*", name), module) for name, module in model.named_modules() if name]
+    # ``*`` stands for a whole dotted component of digits (a layer index), not for the digits of a name (dense_4h_to_h)
+    modules = [(name, re.sub(r"(?<![^.])\d+(?![^.])", "*", name), module) for name, module in model.named_modules() if name]
     for pattern, style_name in plan.items():
         matches = [(name, module) for name, generic, module in modules if generic == pattern]
         if sequence_parallel and style_name == "sequence_parallel":

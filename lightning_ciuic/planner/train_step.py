@@ -136,11 +136,11 @@ def train_steps(
             if last:
                 tracker.reset_mod_stats()
             with traffic if last else contextlib.nullcontext(), flops if last else contextlib.nullcontext():
-                if pipeline is None:
-                    with loss_parallel_context(loss_parallel):
+                with loss_parallel_context(loss_parallel):  # the last pipeline stage's loss too
+                    if pipeline is None:
                         step_module(batch).backward()
-                else:
-                    pipeline.run(*batch, train=True)
+                    else:
+                        pipeline.run(*batch, train=True)
                 _end_step(engine, optimizers)
             if not last:
                 for optimizer in optimizers:

@@ -71,8 +71,9 @@ def _pp2_tp2(rank: int, world: int) -> None:
 
 
 def test_llama_and_deepseek_v3_train_with_pp2_tp2():
-    """20 steps: Llama gives the losses and weights of single-process training of the same model; DeepSeek-V3
-    the same losses until routing choices differ, within 1% after."""
+    """20 steps with sequence and loss parallelism (the default: the stages hand each other half the sequence, decoder
+    layers after the first count positions over the whole of it): Llama gives the losses and weights of single-process
+    training of the same model; DeepSeek-V3 the same losses until routing choices differ, within 1% after."""
     run_workers(_pp2_tp2, 4)
 
 
@@ -97,6 +98,14 @@ def test_tensor_parallel_plan_translation():
     phi3_plan, phi3_skipped = hugging_face_plan(phi3, phi3._tp_plan)
     o_proj = phi3_plan["model.layers.0.self_attn.o_proj"]  # rowwise_split_input: a replicated input, split here
     assert isinstance(o_proj, RowwiseParallel) and o_proj.input_layouts == (Replicate(),) and not phi3_skipped
+    # ``*`` is a layer index, a whole component: GPT-NeoX's dense_h_to_4h / dense_4h_to_h are sharded (they were kept
+    # replicated, their digits read as an index)
+    from lightning_ciuic.huggingface import HuggingFaceCausalLM
+
+    neox = HuggingFaceCausalLM("gpt_neox", dict(COMMON, num_attention_heads=4)).model
+    neox_plan, neox_skipped = hugging_face_plan(neox, neox._tp_plan)
+    assert {"gpt_neox.layers.1.mlp.dense_h_to_4h", "gpt_neox.layers.1.mlp.dense_4h_to_h"} <= neox_plan.keys(), neox_skipped
+    assert not neox_skipped
     with pytest.raises(ValueError, match=r"gives 'layers.\*.mlp.gate_proj' the style 'colwise_sharded_io'.*tensor_parallel_size=1"):
         hugging_face_plan(module.model.model, {"layers.*.mlp.gate_proj": "colwise_sharded_io"})
     assert module.pipeline_blocks() == [

@@ -145,6 +145,15 @@ def test_llama3_70b_plans_at_1024_ranks_with_its_parameter_count():
     assert {c.pp_stage for c in planned.classes} == {0, 1, 2, 3}
 
 
+def test_llama31_70b_in_torchtitans_layout_fits_where_torchtitan_ran_it():
+    """Issue 47's target: Llama-3.1-70B at FSDP 32 x TP 8, 16 x 8192 tokens per data-parallel rank, full recomputation,
+    plans within torchtitan's published 71.9 GiB per H100 with sequence and loss parallelism (355.7 GiB without)."""
+    planned = plan(str(ROOT / "examples/configs/plan/llama31_70b.yaml"), world_size=256, step=StepSpec(16, 8192))
+    assert planned.total_parameters == 70_553_706_496
+    (rank_class,) = planned.classes
+    assert rank_class.peak <= 72 * 2**30, rank_class.peak / 2**30
+
+
 LLAMA = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
