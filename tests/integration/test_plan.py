@@ -20,9 +20,12 @@ from lightning_ciuic import HybridParallelStrategy
 from lightning_ciuic.planner import plan, plan_layout
 from lightning_ciuic.config import ParallelismConfig
 from lightning_ciuic.parallel.parallelize import parallelize
+from lightning_ciuic.parallel.fsdp import ShardingConfig
 from lightning_ciuic.parallel.pipeline_module import PipelineConfig
 from lightning_ciuic.planner.config import optimizers_of
+from lightning_ciuic import compat
 from lightning_ciuic.comm.engines import build_engine
+from lightning_ciuic.comm.sharded import Sharded
 from lightning_ciuic.planner.train_step import StepSpec, held_bytes, token_batch, train_steps
 from tests.helpers import TINY_MODEL, loader, run_workers
 
@@ -214,10 +217,17 @@ def _real_step(rank: int, world: int, layout: dict, out: str, model: str = "llam
     optimizers = optimizers_of(module)
     memory = train_steps(module, engine, optimizers, batch, mesh, pipeline=pipeline, loss_parallel=parallelized.loss_parallel)
     # The engine's own counters (what CommunicationMonitor reports), for one more step like the last.
-    sent_before = engine.stats.bytes_sent if engine is not None else 0
+    sent_before, gathers_before = (engine.stats.bytes_sent, engine.stats.gathers) if engine is not None else (0, 0)
     train_steps(module, engine, optimizers, batch, mesh, steps=1, pipeline=pipeline, loss_parallel=parallelized.loss_parallel)
     engine_sent = engine.stats.bytes_sent - sent_before if engine is not None else 0
+    sharded = isinstance(engine, Sharded)
+    gathered = [  # the units with parameters gathered over more than one rank
+        unit for unit, numel in zip((*engine.units, *engine.roots), engine._unit_numel)
+        if numel > 0 and compat.fsdp_mesh(unit).size(compat.fsdp_mesh(unit).ndim - 1) > 1
+    ] if sharded else []
     Path(out, f"rank{rank}.json").write_text(json.dumps({
+        "gathers": engine.stats.gathers - gathers_before if sharded else 0, "units": len(gathered),
+        "zero_stage": engine.stage if sharded else None,
         "peak": memory.peak, "model_states": memory.model_states, "traffic": memory.traffic, "engine_sent": engine_sent,
         "flops": memory.flops, "forward_flops": memory.forward_flops, "axis_ranks": memory.axis_ranks,
         "held": held_bytes(module, engine, optimizers),
@@ -255,8 +265,21 @@ RECOMPUTE_STEP_LAYOUTS = {
         gradient_checkpointing={"recompute": ["norm", "mla_up"]},
     )),
 }
+# Each ZeRO stage (pp2-fsdp2 above runs the pipelines' default, 2): weights gathered once per step (zero_stage 1, 2).
+ZERO_STEP_LAYOUTS = {
+    "fsdp4-zero1": ("llama", dict(data_parallel_size=4, data_parallel_shard_size=4, sharding=ShardingConfig(zero_stage=1))),
+    "fsdp4-zero2": ("llama", dict(data_parallel_size=4, data_parallel_shard_size=4, sharding=ShardingConfig(zero_stage=2))),
+    "pp2-fsdp2-zero3": ("llama", dict(
+        pipeline_parallel_size=2, data_parallel_size=2, data_parallel_shard_size=2, sharding=ShardingConfig(zero_stage=3),
+    )),
+    "deepseek-mini-pp2-fsdp2-ep2-zero1": ("deepseek-mini", dict(
+        pipeline_parallel_size=2, data_parallel_size=2, data_parallel_shard_size=2, expert_parallel_size=2,
+        sharding=ShardingConfig(zero_stage=1),
+    )),
+}
 LAYOUTS = {
     **{name: ("llama", layout) for name, layout in STEP_LAYOUTS.items()}, **MOE_STEP_LAYOUTS, **RECOMPUTE_STEP_LAYOUTS,
+    **ZERO_STEP_LAYOUTS,
 }
 
 
@@ -293,6 +316,9 @@ def test_a_real_step_holds_what_the_plan_says_and_peaks_near_the_fake_steps_peak
             )
             if planned.dims.dp_enabled:
                 assert data_parallel == real["engine_sent"] > 0, (rank, data_parallel, real["engine_sent"])
+            # ZeRO-1/2: one all-gather per unit and step (pipeline micro-batches included), ZeRO-3 more.
+            if real["zero_stage"] is not None:
+                assert (real["gathers"] == real["units"]) == (real["zero_stage"] < 3), (rank, real["gathers"], real["units"])
             # The FLOPs the estimate divides: the fake step counts the real step's, a stage's first rank's groups are its.
             if rank == rank_class.ranks[0] == min(c.ranks[0] for c in planned.classes if c.pp_stage == rank_class.pp_stage):
                 assert (stage.flops, stage.forward_flops) == (real["flops"], real["forward_flops"]) != (0, 0)
