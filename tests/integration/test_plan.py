@@ -457,10 +457,15 @@ def test_the_step_estimate_and_search_from_the_command_line(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "pp=4 tp=1 dp=1" in printed, printed
     candidates = json.loads(searched.read_text())["candidates"]
-    layouts = [(c["layout"]["pp"], c["layout"]["tp"], c["layout"]["dp_shard"]) for c in candidates]
-    assert sorted(layouts) == [  # DDP, FSDP, HSDP in a node, with and without pipeline stages
-        (1, 1, 1), (1, 1, 4), (1, 2, 1), (1, 2, 2), (1, 4, 1), (2, 1, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1),
+    layouts = [(c["layout"]["pp"], c["layout"]["tp"], c["layout"]["dp_shard"], c["layout"]["zero_stage"] or 0) for c in candidates]
+    assert sorted(layouts) == [  # DDP, FSDP, HSDP in a node, with and without pipeline stages; each ZeRO stage sharded
+        (1, 1, 1, 0), (1, 1, 4, 1), (1, 1, 4, 2), (1, 1, 4, 3), (1, 2, 1, 0), (1, 2, 2, 1), (1, 2, 2, 2), (1, 2, 2, 3),
+        (1, 4, 1, 0), (2, 1, 1, 0), (2, 1, 2, 2), (2, 1, 2, 3), (2, 2, 1, 0), (4, 1, 1, 0),
     ], layouts
+    by_zero = {c["layout"]["zero_stage"]: c for c in candidates if c["layout"]["dp_shard"] == 4}
+    # ZeRO-1 holds every gradient whole to the end of backward, ZeRO-2 each unit's weights from forward to backward
+    assert by_zero[1]["peak"] >= by_zero[2]["peak"] >= by_zero[3]["peak"], by_zero
+    assert "zero1" in printed and "zero3" in printed, printed
     piped = next(c for c in candidates if c["layout"]["pp"] == 4)["step_estimate"]
     assert piped["bubble"] == pytest.approx(3 / 7)  # (p - 1) / (m + p - 1): 4 stages, 4 micro-batches
     refused = [c for c in candidates if "refused" in c]
