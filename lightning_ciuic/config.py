@@ -3,7 +3,9 @@
 Contract: ``ParallelismConfig(...)`` validates on construction and raises ``ValueError`` / ``TypeError`` naming what
 was given and what would work: each degree a positive integer (``data_parallel_size`` and
 ``data_parallel_shard_size`` may be ``"auto"``); ``weight_all_gather_compression`` only with sharding; sharded data
-parallelism only with the codecs and schedules it supports; DiLoCo only with whole replicas and no per-step
+parallelism only with the codecs and schedules it supports; ``zero_stage`` (1, 2, 3 or ``None``:
+:meth:`~lightning_ciuic.parallel.fsdp.ShardingConfig.stage_of`) only with ``data_parallel_shard_size > 1``, 1 and 2
+not with ``fsdp_cpu_offload``, none with DiLoCo (``reshard_after_forward``, the older spelling, is stage 3 or 2); DiLoCo only with whole replicas and no per-step
 compression; ``expert_parallel_size`` a positive integer dividing the innermost data-parallel degree (checked
 against the world by ``resolve``), ``expert_dispatch_compression`` one of ``"none"``, ``"bf16"``, ``"fp8"``,
 ``"int8"`` and only with expert parallelism; per-step compression only on a process-group backend that has the
@@ -65,7 +67,8 @@ STRATEGY_ARGS: dict[str, tuple[str, str]] = {
     "stages_per_rank": ("pipeline", "stages_per_rank"),
     "pipeline_split_points": ("pipeline", "split_points"),
     "fsdp_units": ("sharding", "units"),
-    "reshard_after_forward": ("sharding", "reshard_after_forward"),
+    "zero_stage": ("sharding", "zero_stage"),
+    "reshard_after_forward": ("sharding", "zero_stage"),  # the older spelling: True is zero_stage 3, False 2
     "fsdp_cpu_offload": ("sharding", "cpu_offload"),
     "weight_all_gather_compression": ("sharding", "weight_codec"),
     "communication_compression": ("compression", "mode"),
@@ -77,6 +80,25 @@ STRATEGY_ARGS: dict[str, tuple[str, str]] = {
     "auto_recheck_steps": ("compression", "auto_recheck_steps"),
 }
 _PIECES = {"pipeline": PipelineConfig, "sharding": ShardingConfig, "compression": CompressionConfig}
+
+
+def _zero_stage_of(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``reshard_after_forward`` (the older spelling, torchtitan's) as a ZeRO stage: ``True`` 3, ``False`` 2; given
+    with a ``zero_stage`` that says otherwise, an error."""
+    if "reshard_after_forward" not in kwargs:
+        return kwargs
+    kwargs = dict(kwargs)
+    reshard = kwargs.pop("reshard_after_forward")
+    if reshard is None:
+        return kwargs
+    stage = 3 if reshard else 2
+    given = kwargs.get("zero_stage")
+    if given is not None and given != stage:
+        raise ValueError(
+            f"reshard_after_forward={bool(reshard)} is zero_stage={stage}, and zero_stage={given!r} was given too:"
+            " give zero_stage alone (1, 2 or 3)."
+        )
+    return {**kwargs, "zero_stage": stage}
 
 
 @dataclass(frozen=True)
@@ -114,6 +136,7 @@ class ParallelismConfig:
             kwargs = {**kwargs, "communication_compression": quantizer.mode, "error_feedback": quantizer.error_feedback}
         if isinstance(kwargs.get("sync_timeout"), timedelta):
             kwargs = {**kwargs, "sync_timeout": kwargs["sync_timeout"].total_seconds()}
+        kwargs = _zero_stage_of(kwargs)
         if kwargs.get("weight_all_gather_compression") == "none":
             kwargs = {**kwargs, "weight_all_gather_compression": None}
         pieces: dict[str, dict[str, Any]] = {"": {}, **{piece: {} for piece in _PIECES}}
@@ -121,7 +144,7 @@ class ParallelismConfig:
             piece, attr = STRATEGY_ARGS[name]
             if isinstance(value, list):
                 value = tuple(value)
-            if attr in ("reshard_after_forward", "cpu_offload", "sequence_parallel"):
+            if attr in ("cpu_offload", "sequence_parallel"):
                 value = bool(value)
             pieces[piece][attr] = value
         top = pieces.pop("")
@@ -140,10 +163,12 @@ class ParallelismConfig:
                 " parameters, and data_parallel_shard_size=1 keeps whole replicas (nothing is gathered): set"
                 " data_parallel_shard_size > 1, or leave it 'none'."
             )
-        if self.data_parallel_shard_size != 1:
-            self._check_sharded()
         if self.diloco is not None:
             self._check_diloco()
+        if self.sharding.zero_stage is not None:
+            self._check_zero_stage()
+        if self.data_parallel_shard_size != 1:
+            self._check_sharded()
         self._check_experts()
 
     @property
@@ -219,6 +244,27 @@ class ParallelismConfig:
             raise ValueError(
                 f"allreduce_algorithm={self.compression.algorithm!r} picks our ring/tree all-reduce, which sharded data"
                 " parallelism does not use (FSDP2 reduce-scatters): leave it 'auto' with data_parallel_shard_size > 1."
+            )
+
+    def _check_zero_stage(self) -> None:
+        stage = self.sharding.zero_stage
+        if self.diloco is not None:
+            raise ValueError(
+                f"zero_stage={stage!r} with diloco: ZeRO shards the optimizer state (and gradients, weights) over the"
+                " data-parallel ranks, and DiLoCo's replicas train apart, each with its whole optimizer: drop"
+                " zero_stage (DiLoCo keeps whole replicas), or drop diloco and set data_parallel_shard_size > 1."
+            )
+        if self.data_parallel_shard_size == 1:
+            raise ValueError(
+                f"zero_stage={stage!r} shards the optimizer state over the sharded data-parallel ranks, and"
+                " data_parallel_shard_size=1 keeps whole replicas: set data_parallel_shard_size > 1 (or 'auto'), or"
+                " leave zero_stage unset."
+            )
+        if stage in (1, 2) and self.sharding.cpu_offload:
+            raise ValueError(
+                f"zero_stage={stage} keeps each unit's gathered weights on the GPU from the first forward of an"
+                " optimizer step to its last backward, and fsdp_cpu_offload=True is for keeping them in host memory"
+                " between uses: use zero_stage=3 (or leave it unset) with fsdp_cpu_offload, or drop the offload."
             )
 
     def _check_diloco(self) -> None:

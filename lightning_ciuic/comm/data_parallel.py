@@ -12,7 +12,8 @@ Contract of a :class:`DataParallel` engine, driven by the strategy at four point
   buckets, reducers; or, sharded, drives the groups' FSDP2 units, with each stage as a root).
 * ``before_step(global_step) -> list[str]``: at the start of every training batch (the engine acts once per
   optimizer step); returns messages worth logging once (a decision of ``"auto"``).
-* ``no_sync()``: backward passes inside it accumulate locally (gradient accumulation, pipeline micro-batches);
+* ``no_sync()``: backward passes inside it accumulate locally (gradient accumulation, pipeline micro-batches; an
+  engine with ``schedule_syncs`` is entered for accumulation only: torch's pipeline stages hold its micro-batches);
   ``after_backward(accumulated)`` then makes this rank's gradients the replicas' average: overlapped with
   backward when hooks saw the gradients, all at once when they were ``accumulated`` outside the hooks.
 * ``state_dict()`` / ``load_state_dict(state)``: this rank's engine state for checkpoints and snapshots (flat
@@ -59,6 +60,7 @@ class DataParallel(ABC):
 
     group: Optional[dist.ProcessGroup] = None
     replicas_differ = False  # True: replicated tensors are not equal across data-parallel ranks (DiLoCo)
+    schedule_syncs = False  # True: pipeline stages synchronise their gradients themselves (FSDP2 roots, torch's stage)
 
     @abstractmethod
     def setup(self, module: torch.nn.Module, groups: Sequence[ReductionGroup], stages: Sequence[torch.nn.Module] = ()) -> None: ...

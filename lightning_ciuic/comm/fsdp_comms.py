@@ -67,6 +67,7 @@ class ReduceScatterComm(compat.FSDPReduceScatter):
         else:
             self._quantized(output_tensor, input_tensor, group, op)
         self.stats.collectives += 1
+        self.stats.scatters += 1
         self.clock.add(start, self.clock.mark(), self.stats.add_scatter)
         return None
 
@@ -114,5 +115,6 @@ class AllGatherComm(compat.FSDPAllGather):
                 out.copy_(self.codec.decode(part, numel))
             self.stats.bytes_sent += (world - 1) * mine.numel()
         self.stats.collectives += 1
+        self.stats.gathers += 1
         self.clock.add(start, self.clock.mark(), self.stats.add_gather)
         return None

@@ -101,6 +101,8 @@ class SyncStats:
     comm_seconds: float = 0.0
     gather_seconds: float = 0.0  # sharded: parameter all-gathers (also in comm_seconds)
     scatter_seconds: float = 0.0  # sharded: gradient reduce-scatters (also in comm_seconds)
+    gathers: int = 0  # sharded: parameter all-gathers run (also in collectives)
+    scatters: int = 0  # sharded: gradient reduce-scatters run (also in collectives)
 
     def __add__(self, other: "SyncStats") -> "SyncStats":
         """Both counters added field by field (an engine's groups together)."""

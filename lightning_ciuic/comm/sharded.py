@@ -20,9 +20,20 @@ Contract (a :class:`~lightning_ciuic.comm.data_parallel.DataParallel` engine):
   their bytes counted as they run (pipeline micro-batches' re-gathers included). ``gradient_codec="int8"`` (or
   ``"nf4"``) makes the reduce-scatter a quantized all-to-all (ZeRO++'s qgZ), with ``error_feedback``;
   ``weight_codec="int8"`` quantizes the all-gather (qwZ).
+* ZeRO stages (``config.stage_of``; :attr:`stage`): 3 gathers each unit's weights for every forward and backward; 2
+  and 1 gather them once per optimizer step (units not resharded after forward, nor after the backward of a micro-step
+  but the last, under pipelines by torch's stage as well) and reduce-scatter the gradients once per step: 2 unit by
+  unit in the last backward, 1 (Megatron's distributed optimizer, DeepSeek-V3's ZeRO-1) holding every gradient whole
+  until the end of backward and reduce-scattering them in one go in ``after_backward`` (under pipeline parallelism
+  torch's stage does so already after the schedule's last backward: 1 is 2 there). The optimizer steps the shards in
+  all three.
 * ``no_sync()``: FSDP2's ``set_requires_gradient_sync(False)``: gradients accumulate unreduced (and unsharded)
-  until the last micro-batch, whose backward reduce-scatters the sum.
-* ``after_backward()``: nothing to wait for: FSDP2 waits for its reduce-scatters at the end of backward. It adds
+  until the last micro-batch, whose backward reduce-scatters the sum; with ZeRO-1/2 the weights stay gathered
+  (``set_reshard_after_backward(False)``), and pipelined stages skip their end-of-schedule reduce
+  (:func:`~lightning_ciuic.parallel.fsdp.gradients_held`).
+* ``after_backward(accumulated)``: ZeRO-1's one reduce-scatter (unless ``accumulated``: the gradients came from a
+  pipeline schedule, reduced by its stages, or were set without a backward); else nothing to wait for: FSDP2 waits
+  for its reduce-scatters at the end of backward. It adds
   the bytes of FSDP2's own all-reduce over ``dp_replicate`` (HSDP), computed for a ring (2 (r-1)/r of each unit's
   gradient shard, over the unit's own mesh), not measured, and not timed.
 * ``payload()``: (parameter values gathered, units): read from the sharded units (:func:`owned_numel`), each
@@ -56,12 +67,14 @@ from lightning_ciuic.comm.fsdp_comms import AllGatherComm, ReduceScatterComm
 from lightning_ciuic.comm.grad_sync import SyncStats
 from lightning_ciuic.comm.reduction import ReductionGroup
 from lightning_ciuic.wire.timing import DeviceClock
-from lightning_ciuic.parallel.fsdp import FSDPLayout, ShardingConfig, check_offload
+from lightning_ciuic.parallel.fsdp import FSDPLayout, ShardingConfig, check_offload, gradients_held
 from lightning_ciuic.tensors import device_of
 
 
 class Sharded(DataParallel):
     """Parameters, gradients and optimizer state sharded over ``dp_shard`` (FSDP2); see the module docstring."""
+
+    schedule_syncs = True  # torch's pipeline stage reduces an FSDP2 root's gradients after a schedule's last backward
 
     def __init__(self, config: ShardingConfig = ShardingConfig()) -> None:
         self.config = config
@@ -74,6 +87,7 @@ class Sharded(DataParallel):
         self._unit_numel: list[int] = []  # parameters each unit owns, the roots' last (gathered sizes: owned_numel)
         self._replica_bytes = 0
         self.gradient_comms: list[ReduceScatterComm] = []  # one per unit, the roots' last
+        self.pipelined, self.stage, self._defer = False, 3, False
 
     def setup(self, module: nn.Module, groups: Sequence[ReductionGroup], stages: Sequence[nn.Module] = ()) -> None:
         self.close()
@@ -91,23 +105,38 @@ class Sharded(DataParallel):
             unit.set_custom_all_gather(gather)  # type: ignore[operator]
             self.gradient_comms.append(scatter)
         self._replica_bytes = self._replica_traffic()  # derived once: the units and dtypes do not change
+        self.pipelined = bool(stages)
+        self.stage = self.config.stage_of(self.pipelined)
+        self._defer = self.stage == 1 and not self.pipelined  # ZeRO-1: one reduce-scatter after backward
+        self._hold(False)
+
+    def _hold(self, accumulating: bool) -> None:
+        """The roots' FSDP2 flags for the next backward: gradients reduced in it (unless accumulating or ZeRO-1
+        defers them) and weights resharded after it (unless accumulating under ZeRO-1/2, or ZeRO-1 holds them until
+        its reduce)."""
+        for root in self.roots:
+            root.set_requires_gradient_sync(not (accumulating or self._defer))
+            root.set_reshard_after_backward(not ((accumulating and self.stage < 3) or self._defer))
 
     def before_step(self, global_step: int) -> list[str]:
         return []
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        for root in self.roots:
-            root.set_requires_gradient_sync(False)
+        self._hold(True)
         self._sync = False
         try:
-            yield
+            with gradients_held(self.roots if self.stage < 3 else ()):
+                yield
         finally:
-            for root in self.roots:
-                root.set_requires_gradient_sync(True)
+            self._hold(False)
             self._sync = True
 
     def after_backward(self, accumulated: bool = False) -> None:
+        if self._sync and self._defer and not accumulated:
+            for root in self.roots:
+                compat.fsdp_end_backward(root, reduce=True)
+            self._hold(False)
         if self._sync:
             self._stats.bytes_sent += self._replica_bytes
             self._stats.bytes_reduced += sum(self._unit_numel) * 4

@@ -73,6 +73,25 @@ def fsdp_gathered_params(unit: Any) -> list[tuple[int, int]]:
     return [(fp.padded_sharded_param_size.numel() * ranks, fp.sharded_param.element_size()) for fp in group.fsdp_params]
 
 
+def fsdp_end_backward(root: Any, reduce: bool) -> None:
+    """End the backward passes an FSDP2 root and its units ran outside autograd's own end (a pipeline stage's, or
+    with ``set_requires_gradient_sync(False)``): with ``reduce``, reduce-scatter the unsharded gradients held through
+    them in one go and reshard, as torch's pipeline stage does after a schedule's last backward
+    (``_PipelineStageBase.perform_reduce_grad``: FSDP2's ``post_backward`` of each parameter group, then its root's
+    final callback); without, the same end with the gradients held and the weights kept gathered (an accumulation
+    micro-step: the final callback readies the root for the next forward)."""
+    from torch.distributed.fsdp import fully_shard
+
+    root.set_is_last_backward(reduce)
+    root.set_reshard_after_backward(reduce)
+    root.set_requires_gradient_sync(reduce)
+    state = fully_shard.state(root)
+    for unit_state in state._state_ctx.all_states:
+        for group in unit_state._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
 def forget_dtensor_meshes() -> None:
     """Forget the meshes DTensor keeps between calls, when their process groups end (a planner starts a fake world per
     rank it builds): its random-number tracker (made on the first mesh it saw) and its sharding-propagation cache,

@@ -8,9 +8,16 @@ Contract:
   ``nn.ModuleList`` s (a transformer's blocks), then the root. Under pipeline parallelism each of this rank's
   ``stages`` is a root (its default units: its pipeline blocks). Parameters become DTensors sharded on dim 0 over
   ``dp_shard`` (tensor-parallel DTensors gain the data-parallel axes: a 2-D mesh slice, as torchtitan does).
-  ``reshard_after_forward=True`` frees a unit's gathered parameters after its forward (ZeRO-3); a root is never
-  resharded after forward (its parameters are needed first in backward). ``param_dtype`` / ``reduce_dtype`` are
+  :attr:`ShardingConfig.zero_stage` (:meth:`ShardingConfig.stage_of`: ``None`` is 3, or 2 under pipeline parallelism
+  without ``cpu_offload``, torchtitan's default) picks what is sharded when: 3 frees a unit's gathered parameters after
+  its forward (``reshard_after_forward=True``: gathered again for its backward, every micro-batch); 2 and 1 keep
+  them from the first forward of an optimizer step to its last backward (``reshard_after_forward=False``, the
+  engine and the pipeline stage keeping them across micro-batches); a root is never resharded after forward (its
+  parameters are needed first in backward). ``param_dtype`` / ``reduce_dtype`` are
   FSDP2's ``MixedPrecisionPolicy``; ``cpu_offload`` its ``CPUOffloadPolicy``.
+* :func:`gradients_held(roots)`: while inside, torch's pipeline stages of these FSDP2 roots skip their reduce after a
+  schedule's last backward (:func:`holds_gradients`): under gradient accumulation, a pipelined stage's gradients are
+  reduce-scattered once per optimizer step (the engine's ``no_sync``), its weights kept gathered (ZeRO-1/2).
 * :func:`found_sharding(module)`: the units a user's own ``fully_shard`` calls made (in ``configure_model``, as
   for Lightning's ``ModelParallelStrategy``), or ``None``; the roots are the outermost ones.
 * :class:`FSDPLayout`: the mesh, the roots and the other units (sizes: ``comm.sharded.owned_numel``).
@@ -22,7 +29,9 @@ No Lightning imports.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -39,6 +48,7 @@ if TYPE_CHECKING:
     from lightning_ciuic.parallel.experts import ExpertLayout
 
 UnitSpec = Union[str, type]
+ZERO_STAGES = (1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,7 @@ class ShardingConfig:
     """How the model is cut into FSDP2 units and kept (see the module docstring)."""
 
     units: Optional[tuple[UnitSpec, ...]] = None
-    reshard_after_forward: bool = True
+    zero_stage: Optional[int] = None  # 1, 2, 3, or None: 3, and 2 under pipeline parallelism (stage_of)
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     cpu_offload: bool = False
@@ -62,6 +72,20 @@ class ShardingConfig:
                     f"fsdp_units must be a non-empty list of module names (as in named_modules()) or module classes,"
                     f" got {list(self.units)!r}."
                 )
+        if self.zero_stage not in (None, *ZERO_STAGES):
+            raise ValueError(
+                f"zero_stage={self.zero_stage!r}: use 1 (optimizer state sharded: weights gathered and gradients"
+                " reduce-scattered once per optimizer step, gradients held whole until the end of backward), 2 (the"
+                " same, gradients reduce-scattered unit by unit in the last backward), 3 (weights gathered for every"
+                " forward and backward) or None (3, and 2 under pipeline parallelism)."
+            )
+
+    def stage_of(self, pipelined: bool) -> int:
+        """The ZeRO stage that runs: ``zero_stage``, or by default 3, and 2 under pipeline parallelism (torchtitan's
+        default: a stage's weights gathered once per step, not once per micro-batch) unless ``cpu_offload``."""
+        if self.zero_stage is not None:
+            return self.zero_stage
+        return 2 if pipelined and not self.cpu_offload else 3
 
 
 @dataclass
@@ -129,7 +153,7 @@ def shard(
 ) -> FSDPLayout:
     """Apply ``fully_shard`` to the experts (each packed-experts module a unit over the ranks holding the same
     experts), the units, then the roots (see the module docstring)."""
-    expert_units = _shard_experts(experts, config) if experts is not None else []
+    expert_units = _shard_experts(experts, config, pipelined=bool(stages)) if experts is not None else []
     roots = list(stages) or [module]
     if config.units is None:
         units = [unit for root in roots for unit in default_units(root)]
@@ -137,7 +161,8 @@ def shard(
         inside = {id(m) for root in roots for m in root.modules()}
         units = [unit for unit in select_units(module, config.units) if id(unit) in inside]
     policies = _policies(config)
-    for group, reshard in ((units, config.reshard_after_forward), (roots, False)):
+    reshard_after_forward = config.stage_of(pipelined=bool(stages)) == 3
+    for group, reshard in ((units, reshard_after_forward), (roots, False)):
         for unit in group:
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, **policies)
     return FSDPLayout(mesh, roots, [*expert_units, *units])  # type: ignore[arg-type]
@@ -150,7 +175,7 @@ def _policies(config: ShardingConfig) -> dict:
     )
 
 
-def _shard_experts(experts: "ExpertLayout", config: ShardingConfig) -> list[nn.Module]:
+def _shard_experts(experts: "ExpertLayout", config: ShardingConfig, pipelined: bool) -> list[nn.Module]:
     """Each packed-experts module its own unit over ``experts.data_mesh`` (its parameters are ``ep`` DTensors already):
     on the experts' dim while each rank keeps at least one, else on the next."""
     mesh = experts.data_mesh
@@ -159,10 +184,29 @@ def _shard_experts(experts: "ExpertLayout", config: ShardingConfig) -> list[nn.M
         local_experts = local_tensor(unit.gate_up_proj).shape[0]
         dim = 0 if local_experts >= mesh.size(mesh.ndim - 1) else 1  # the last axis shards (HSDP: the first replicates)
         fully_shard(
-            unit, mesh=mesh, reshard_after_forward=config.reshard_after_forward,
+            unit, mesh=mesh, reshard_after_forward=config.stage_of(pipelined) == 3,
             shard_placement_fn=lambda param, dim=dim: Shard(dim), **_policies(config),
         )
     return units
+
+
+_HELD: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+@contextmanager
+def gradients_held(roots: Sequence[nn.Module]) -> Iterator[None]:
+    """See the module docstring: the roots' pipeline stages keep their gradients unreduced while inside."""
+    _HELD.update(roots)
+    try:
+        yield
+    finally:
+        for root in roots:
+            _HELD.discard(root)
+
+
+def holds_gradients(module: nn.Module) -> bool:
+    """Whether ``module`` (a pipeline stage's FSDP2 root) is inside :func:`gradients_held`."""
+    return module in _HELD
 
 
 def found_sharding(module: nn.Module) -> Optional[FSDPLayout]:

@@ -52,6 +52,7 @@ from lightning_ciuic import compat
 from lightning_ciuic.timeline import timeline
 from lightning_ciuic.validation import check_int
 from lightning_ciuic.parallel.axes import Axis
+from lightning_ciuic.parallel.fsdp import holds_gradients
 from lightning_ciuic.parallel.tensor import gradient_to_parameter_placements, local_loss
 
 PipelineScheduleName = Literal[
@@ -303,7 +304,7 @@ def partition(
 
 
 class _Stage(PipelineStage):
-    """torch's ``PipelineStage`` with three changes:
+    """torch's ``PipelineStage`` with four changes:
 
     * Shape inference feeds zeros, not uninitialized memory, to stages after the first. Tensor-parallel
       ranks of a stage must compute the same thing: with garbage inputs a mixture-of-experts router sends
@@ -311,6 +312,10 @@ class _Stage(PipelineStage):
     * Compute time (forward, backward, weight-gradient chunks) is added to ``clock[0]``, for the bubble.
     * ``forward_only``: the hand-off of input gradients between two adjacent stages on one rank is a no-op.
       torch 2.13's V-shaped schedules perform it even in ``eval()``, where no backward ran, and fail.
+    * A sharded stage inside :func:`~lightning_ciuic.parallel.fsdp.gradients_held` (an accumulation micro-step)
+      ends the schedule's backward without the reduce torch runs after it: the gradients stay unreduced and the
+      weights gathered (the module's parameters are then the gathered ones) until the optimizer step's last
+      micro-step.
     """
 
     def __init__(self, *args: Any, clock: list[float], forward_only: bool, **kwargs: Any) -> None:
@@ -347,6 +352,12 @@ class _Stage(PipelineStage):
     def set_local_bwd_input(self, *args: Any, **kwargs: Any) -> None:
         if not self._forward_only:
             super().set_local_bwd_input(*args, **kwargs)
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        if holds_gradients(self.submod):  # an accumulation micro-step: reduce with the optimizer step's last one
+            compat.fsdp_end_backward(self.submod, reduce=False)
+            return
+        super().perform_reduce_grad(grad_scale_factor)
 
 
 class PipelineRunner:

@@ -4,7 +4,9 @@ Contract: :func:`candidate_layouts` varies the degrees of a run's layout and kee
 activation checkpointing, expert parallelism, compression, schedule): tensor parallel over the divisors of the world
 that fit in a node (``tp <= devices_per_node``), pipeline stages over the divisors of what is left, and for the
 data-parallel ranks left the three usual shapes: replicated (DDP),
-sharded over all of them (FSDP), and sharded within a node, replicated across (HSDP). :func:`search` plans each
+sharded over all of them (FSDP), and sharded within a node, replicated across (HSDP); each sharded shape with each
+ZeRO stage (``zero_stage`` 3, 2, 1: weights gathered per use or once per step, gradients reduce-scattered unit by unit
+or held whole; under pipeline parallelism 1 runs as 2 and is not planned apart), unless the run's layout names one. :func:`search` plans each
 (:func:`~lightning_ciuic.planner.plan_layout`), keeps the reason of those the layout's own checks refuse (heads that
 tp does not divide, ...) and ranks what fits: by estimated MFU where there is a step-time estimate (the bound with
 communication hidden, then the other; each rank steps the same micro-batch, so a layout with more data-parallel
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from lightning_ciuic.config import ParallelismConfig
+from lightning_ciuic.parallel.fsdp import ZERO_STAGES
 from lightning_ciuic.planner.layout import ModuleFactory, OptimizerFactory
 from lightning_ciuic.planner.report import Plan
 
@@ -39,11 +42,14 @@ def candidate_layouts(
             dp = world_size // (tp * pp)
             within_node = devices_per_node // tp if devices_per_node % tp == 0 else 1  # tp x dp_shard: one node
             for shard in (1, dp, within_node if dp % within_node == 0 else 1):
-                key = (pp, tp, dp, shard)
-                found.setdefault(key, dataclasses.replace(
-                    parallelism, pipeline_parallel_size=pp, tensor_parallel_size=tp, data_parallel_size=dp,
-                    data_parallel_shard_size=shard,
-                ))
+                given = parallelism.sharding.zero_stage
+                stages = ZERO_STAGES[::-1] if pp == 1 else (3, 2)  # under pipelines 1 runs as 2: planned once
+                for zero in ((None,) if shard == 1 else (given,) if given is not None else stages):
+                    key = (pp, tp, dp, shard, -(zero or 0))
+                    found.setdefault(key, dataclasses.replace(
+                        parallelism, pipeline_parallel_size=pp, tensor_parallel_size=tp, data_parallel_size=dp,
+                        data_parallel_shard_size=shard, sharding=dataclasses.replace(parallelism.sharding, zero_stage=zero),
+                    ))
     return [found[key] for key in sorted(found)]
 
 
@@ -68,7 +74,7 @@ class Candidate:
         d = self.parallelism
         layout = {
             "pp": d.pipeline_parallel_size, "tp": d.tensor_parallel_size, "dp": d.data_parallel_size,
-            "dp_shard": d.data_parallel_shard_size, "ep": d.expert_parallel_size,
+            "dp_shard": d.data_parallel_shard_size, "ep": d.expert_parallel_size, "zero_stage": d.sharding.zero_stage,
         }
         if self.plan is None:
             return {"layout": layout, "refused": self.refused}
@@ -106,6 +112,7 @@ def search_table(candidates: Sequence[Candidate]) -> str:
         name = (
             f"pp={d.pipeline_parallel_size} tp={d.tensor_parallel_size} dp={d.data_parallel_size}"
             f" (shard {d.data_parallel_shard_size})" + (f" ep={d.expert_parallel_size}" if d.expert_parallel_size > 1 else "")
+            + (f" zero{d.sharding.zero_stage}" if d.sharding.zero_stage is not None else "")
         )
         if c.plan is None:
             lines.append(f"{name:<44} refused: {c.refused}")

@@ -135,8 +135,15 @@ class HybridParallelStrategy(ParallelStrategy):
             block-wise int8 codes (ZeRO++'s qwZ); forward and backward compute with the decoded weights.
         fsdp_units: module names (as in ``named_modules()``) or classes sharded as one unit each (default:
             every block of the model's outermost ``nn.ModuleList`` s), then the root.
-        reshard_after_forward: free gathered parameters after each unit's forward and gather them again for
-            its backward (ZeRO-3, the least memory); ``False`` keeps them until backward (ZeRO-2's traffic).
+        zero_stage: with ``data_parallel_shard_size > 1``, what is sharded when (docs/hybrid_parallel_strategy.md):
+            ``3`` gathers each unit's weights for every forward and backward (the least memory); ``2`` gathers a
+            unit's (a pipeline stage's) weights once per optimizer step, across micro-batches and accumulation
+            micro-steps, and reduce-scatters the gradients once per step; ``1`` as 2, the gradients held whole until
+            the end of backward and reduce-scattered in one go (optimizer-state sharding, Megatron's distributed
+            optimizer). ``None`` (default): 3, and 2 under pipeline parallelism without ``fsdp_cpu_offload``
+            (torchtitan's default).
+        reshard_after_forward: the older spelling of ``zero_stage``: ``True`` is 3, ``False`` 2; ``None`` (default)
+            leaves it to ``zero_stage``.
         fsdp_cpu_offload: keep shards, gradients and optimizer state in host memory.
         diloco: a :class:`~lightning_ciuic.comm.diloco.DiLoCo` configuration: data-parallel replicas train alone
             and average their pseudo-gradients every ``sync_every`` steps through an outer Nesterov step
@@ -180,7 +187,8 @@ class HybridParallelStrategy(ParallelStrategy):
         auto_recheck_steps: int = 500,
         data_parallel_shard_size: Union[int, Literal["auto"]] = 1,
         fsdp_units: Optional[list[Union[str, type]]] = None,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: Optional[bool] = None,
+        zero_stage: Optional[Literal[1, 2, 3]] = None,
         fsdp_cpu_offload: bool = False,
         weight_all_gather_compression: Literal["none", "int8"] = "none",
         diloco: Optional[DiLoCo] = None,

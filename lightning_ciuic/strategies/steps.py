@@ -123,9 +123,13 @@ def pipelined_training_step(strategy: HybridParallelStrategy, plain: Callable[..
     if automatic and compat.batch_index(trainer) % trainer.accumulate_grad_batches == 0:
         for p in params:
             p.grad = None
-    with strategy.block_backward_sync():
+    engine = strategy.data_parallel
+    # The schedule's micro-batches accumulate: held by the engine, or by the stages themselves (FSDP2 roots:
+    # the engine's no_sync then means accumulation micro-steps only, entered by Lightning)
+    with contextlib.nullcontext() if engine is not None and engine.schedule_syncs else strategy.block_backward_sync():
         output = plain(*args, **kwargs)
     if automatic:
+        params = strategy.pipeline.parameters()  # afresh: held FSDP2 stages (ZeRO-1/2) show their gathered weights
         strategy._pipeline_grads = [p.grad for p in params]
         for p in params:
             p.grad = None

@@ -42,26 +42,30 @@ def _fit(strategy, devices, max_steps, url=None, ckpt_path=None, every=STEPS_PER
     return {k: v.detach() for k, v in module.state_dict().items()}
 
 
-def _ciuic(dp, tp=1, shard=1, pp=1):
+def _ciuic(dp, tp=1, shard=1, pp=1, zero=None):
     return HybridParallelStrategy(
         data_parallel_size=dp, tensor_parallel_size=tp, data_parallel_shard_size=shard, pipeline_parallel_size=pp,
-        num_microbatches=2, start_method="forkserver",
+        num_microbatches=2, zero_stage=zero, start_method="forkserver",
     )
 
 
 @pytest.mark.parametrize(
-    "save_layout, resume_layout",  # (dp, tp, dp_shard, pp)
+    "save_layout, resume_layout",  # (dp, tp, dp_shard, pp[, zero_stage])
     [  # (dp 2 -> dp 4 is in dp2-to-hsdp2x2: another data-parallel size, and replicated to sharded)
         ((2, 2, 2, 1), (4, 1, 4, 1)), ((4, 1, 1, 1), (1, 2, 1, 1)), ((2, 1, 2, 2), (4, 1, 1, 1)), ((2, 1, 1, 1), (4, 1, 2, 1)),
         ((1, 1, 1, 2), (1, 1, 1, 2)),  # each stage's optimizer groups name its own parameters (was: another stage's)
+        ((2, 1, 2, 2, 3), (2, 1, 2, 2, 1)), ((2, 1, 2, 1, 1), (2, 1, 2, 1, 3)),  # across ZeRO stages
     ],
-    ids=["fsdp2xtp2-to-fsdp4", "dp4-to-tp2", "fsdp2xpp2-to-dp4", "dp2-to-hsdp2x2", "pp2-to-pp2"],
+    ids=[
+        "fsdp2xtp2-to-fsdp4", "dp4-to-tp2", "fsdp2xpp2-to-dp4", "dp2-to-hsdp2x2", "pp2-to-pp2",
+        "fsdp2xpp2-zero3-to-zero1", "fsdp2-zero1-to-zero3",
+    ],
 )
 def test_resume_from_last_continues_exactly(tmp_path, save_layout, resume_layout):
     url = str(tmp_path / "checkpoints")
-    (dp, tp, shard, pp), (dp2, tp2, shard2, pp2) = save_layout, resume_layout
-    _fit(_ciuic(dp, tp, shard, pp), dp * tp * pp, STEPS_PER_EPOCH, url)
-    resumed = _fit(_ciuic(dp2, tp2, shard2, pp2), dp2 * tp2 * pp2, 2 * STEPS_PER_EPOCH, url, ckpt_path="last")
+    (dp, tp, shard, pp, *zero), (dp2, tp2, shard2, pp2, *zero2) = save_layout, resume_layout
+    _fit(_ciuic(dp, tp, shard, pp, *zero), dp * tp * pp, STEPS_PER_EPOCH, url)
+    resumed = _fit(_ciuic(dp2, tp2, shard2, pp2, *zero2), dp2 * tp2 * pp2, 2 * STEPS_PER_EPOCH, url, ckpt_path="last")
     uninterrupted = reference_training(_tiny, 2 * STEPS_PER_EPOCH, GLOBAL_BATCH, num_samples=STEPS_PER_EPOCH * GLOBAL_BATCH)
     assert_state_close(resumed, uninterrupted, 2 * STEPS_PER_EPOCH)
     manifests = CheckpointCatalog(ChunkedCheckpointIO(url).store).manifests()

@@ -111,7 +111,7 @@ def test_shipped_sharded_config_parses():
         pipeline_parallel_size=1, data_parallel_size=2, tensor_parallel_size=2, data_parallel_shard_size=2,
         expert_parallel_size=1,
     )
-    assert strategy.parallelism.sharding.reshard_after_forward is True
+    assert strategy.parallelism.sharding.zero_stage == 3
 
 
 def test_shipped_experts_config_parses():

@@ -13,11 +13,17 @@ from lightning_ciuic.tensors import local_tensor
 from tests.helpers import PRECISION, TINY_MODEL, assert_state_close, loader, reference_training
 
 STEPS, PER_RANK_BATCH = 4, 2
+MOE_MODEL = {**TINY_MODEL, "n_routed_experts": 4}  # ep 2 divides its experts
 
 
 def _tiny() -> DeepSeekMini:
     seed_everything(7)
     return DeepSeekMini(**TINY_MODEL).double()
+
+
+def _tiny_moe() -> DeepSeekMini:
+    seed_everything(7)
+    return DeepSeekMini(**MOE_MODEL).double()
 
 
 def _parts(tensor: torch.Tensor, axis: str) -> int:
@@ -44,33 +50,72 @@ class ShardSizes(Callback):
         })
 
 
+class CollectiveCounts(Callback):
+    """Rank 0's sharded engine: the all-gathers and reduce-scatters of the last optimizer step (the first also
+    gathers for the pipeline's shape inference), and its FSDP2 units that own parameters (roots included)."""
+
+    def __init__(self) -> None:
+        self.before = (0, 0)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        stats = trainer.strategy.data_parallel.stats
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0 and trainer.global_step < trainer.max_steps:
+            self.before = (stats.gathers, stats.scatters)  # at the end of every optimizer step but the last
+
+    def on_train_end(self, trainer, pl_module):
+        engine = trainer.strategy.data_parallel
+        trainer.callback_metrics.update({
+            "counts/gathers": torch.tensor(float(engine.stats.gathers - self.before[0])),
+            "counts/scatters": torch.tensor(float(engine.stats.scatters - self.before[1])),
+            "counts/units": torch.tensor(float(sum(n > 0 for n in engine._unit_numel))),
+            "counts/stage": torch.tensor(float(engine.stage)),
+        })
+
+
 @pytest.mark.parametrize(
-    "dp, shard, tp, pp, accumulate, clip, reshard",
-    [(2, 2, 2, 1, 1, 0.05, True), (4, 2, 1, 1, 1, 0.05, False), (2, 2, 1, 2, 2, 0.05, True)],  # FSDP 2: meta test
-    ids=["fsdp2xtp2-clip", "hsdp2x2-clip-zero2", "fsdp2xpp2-accumulate2-clip"],
+    "dp, shard, tp, pp, ep, accumulate, clip, zero",
+    [
+        (2, 2, 2, 1, 1, 1, 0.05, None), (4, 2, 1, 1, 1, 1, 0.05, 2), (2, 2, 1, 2, 1, 2, 0.05, 3),
+        (2, 2, 1, 2, 2, 2, 0.05, None), (2, 2, 1, 2, 2, 2, 0.05, 1), (4, 4, 1, 1, 2, 2, 0.05, 1),
+        (4, 4, 1, 1, 2, 2, 0.05, 2),
+    ],  # FSDP 2 without accumulation: the meta test; FSDP 4 with ep 2: the experts sharded over 2 ranks too
+    ids=[
+        "fsdp2xtp2-clip", "hsdp2x2-clip-zero2", "fsdp2xpp2-accumulate2-clip-zero3", "fsdp2xpp2-ep2-accumulate2-zero2",
+        "fsdp2xpp2-ep2-accumulate2-zero1", "fsdp4-ep2-accumulate2-zero1", "fsdp4-ep2-accumulate2-zero2",
+    ],
 )
-def test_sharded_layout_matches_single_process(dp, shard, tp, pp, accumulate, clip, reshard):
+def test_sharded_layout_matches_single_process(dp, shard, tp, pp, ep, accumulate, clip, zero):
+    """Each ZeRO stage (zero_stage; None: 3, and 2 under pipelines) with pipelines and accumulation, the experts
+    sharded too. ZeRO-1/2 gather each unit's weights once per optimizer step and reduce-scatter its gradients once,
+    across micro-batches and accumulation micro-steps; ZeRO-3 gathers them for every forward and backward."""
     strategy = HybridParallelStrategy(
         data_parallel_size=dp, data_parallel_shard_size=shard, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-        num_microbatches=2, reshard_after_forward=reshard, start_method="forkserver",
+        expert_parallel_size=ep, num_microbatches=2, zero_stage=zero, start_method="forkserver",
     )
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=dp * tp * pp, max_steps=STEPS, logger=False, gradient_clip_val=clip,
         accumulate_grad_batches=accumulate, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, precision=PRECISION, callbacks=[ShardSizes()],
+        enable_model_summary=False, precision=PRECISION, callbacks=[ShardSizes(), CollectiveCounts()],
     )
-    module = _tiny()
+    factory = _tiny_moe if ep > 1 else _tiny
+    module = factory()
     global_batch = PER_RANK_BATCH * dp * accumulate
     trainer.fit(module, loader(STEPS * global_batch, PER_RANK_BATCH))
     actual = {k: v.detach() for k, v in module.state_dict().items()}
-    assert_state_close(actual, reference_training(_tiny, STEPS, global_batch, clip=clip), STEPS)
+    assert_state_close(actual, reference_training(factory, STEPS, global_batch, clip=clip), STEPS)
     sizes = {k.split("/")[1]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("sizes/")}
     # Every parameter is cut over dp_shard: a rank holds 1/shard of what tensor parallelism alone leaves it (dim-0
     # shards: a few rows of padding at most), and AdamW's two moments for that share only.
-    assert sizes["whole_over_dp_shard"] == 0, sizes
+    assert ep > 1 or sizes["whole_over_dp_shard"] == 0, sizes  # (the experts: cut over ep x their own data axis)
     share = sizes["tp_local_params"] / shard
     assert share <= sizes["local_params"] <= 1.1 * share, sizes
     assert sizes["local_state"] == 2 * sizes["local_params"], sizes
+    counts = {k.split("/")[1]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("counts/")}
+    assert counts["stage"] == (zero or (2 if pp > 1 else 3)), counts
+    if counts["stage"] < 3:  # one gather and one reduce-scatter per unit in the optimizer step
+        assert counts["gathers"] == counts["scatters"] == counts["units"], counts
+    else:  # regathered for backward, and for every micro-batch or micro-step
+        assert counts["gathers"] > accumulate * counts["units"] and counts["scatters"] >= counts["units"], counts
 
 
 class _LargestTensor(compat.TorchDispatchMode):

@@ -25,7 +25,7 @@ def test_every_flat_argument_lands_in_its_field_by_name():
         expert_parallel_size=1,
     )
     assert (config.pipeline.schedule, config.pipeline.num_microbatches, config.pipeline.split_points) == ("gpipe", 8, ("layers.2",))
-    assert (config.sharding.units, config.sharding.reshard_after_forward, config.sharding.weight_codec) == (("layers.0",), False, "int8")
+    assert (config.sharding.units, config.sharding.zero_stage, config.sharding.weight_codec) == (("layers.0",), 2, "int8")
     assert (config.compression.mode, config.compression.warmup_steps) == ("bf16", 3)
     assert config.process_group_backend == "gloo" and config.gradient_checkpointing == Recompute.parse(True)
     assert ParallelismConfig.from_strategy_args() == ParallelismConfig()  # nothing given: every default
@@ -120,3 +120,25 @@ def test_precision_is_resolved_in_one_place():
     assert (mixed.param_dtype, mixed.reduce_dtype, mixed.gradient_codec) == (torch.bfloat16, torch.float32, "int8")
     full = config.with_precision("32-true").sharding
     assert (full.param_dtype, full.reduce_dtype) == (None, None)
+
+
+def test_zero_stage_and_its_older_spelling():
+    """``zero_stage`` (1, 2, 3; ``None``: 3, and 2 under pipelines) and ``reshard_after_forward`` (3 / 2) land in
+    ShardingConfig.zero_stage; the bad combinations are refused, saying what works."""
+    assert ParallelismConfig.from_strategy_args(data_parallel_shard_size=2, zero_stage=1).sharding.zero_stage == 1
+    assert ParallelismConfig.from_strategy_args(data_parallel_shard_size=2, reshard_after_forward=True).sharding.zero_stage == 3
+    default = ParallelismConfig.from_strategy_args(data_parallel_shard_size=2).sharding
+    assert (default.zero_stage, default.stage_of(pipelined=False), default.stage_of(pipelined=True)) == (None, 3, 2)
+    offloaded = ParallelismConfig.from_strategy_args(data_parallel_shard_size=2, fsdp_cpu_offload=True).sharding
+    assert offloaded.stage_of(pipelined=True) == 3  # offload keeps ZeRO-3 under pipelines
+    with pytest.raises(ValueError, match=r"reshard_after_forward=False is zero_stage=2, and zero_stage=3 was given too"):
+        ParallelismConfig.from_strategy_args(data_parallel_shard_size=2, reshard_after_forward=False, zero_stage=3)
+    with pytest.raises(ValueError, match=r"zero_stage=4: use 1 .* 2 .* 3 .* or None"):
+        ParallelismConfig.from_strategy_args(data_parallel_shard_size=2, zero_stage=4)
+    with pytest.raises(ValueError, match=r"zero_stage=1 .* data_parallel_shard_size=1 keeps whole replicas: set data_parallel_shard_size > 1"):
+        ParallelismConfig.from_strategy_args(zero_stage=1)
+    with pytest.raises(ValueError, match=r"zero_stage=2 keeps .* use zero_stage=3 \(or leave it unset\) with fsdp_cpu_offload"):
+        ParallelismConfig.from_strategy_args(data_parallel_shard_size=2, zero_stage=2, fsdp_cpu_offload=True)
+    assert ParallelismConfig.from_strategy_args(data_parallel_shard_size=2, zero_stage=3, fsdp_cpu_offload=True).sharding.zero_stage == 3
+    with pytest.raises(ValueError, match=r"zero_stage=1 with diloco: .* drop zero_stage"):
+        ParallelismConfig.from_strategy_args(zero_stage=1, diloco=DiLoCo(sync_every=2))
