@@ -19,14 +19,17 @@ collective. The bytes of each hop go to ``layout.stats`` by link (``ep_node``: `
 ``"intra"``; the pairs' weights and int32 codes with the dispatch's).
 
 Under ``layout.assume_balanced`` (the planner's fake tensors) the sizes are those of :func:`balanced_node_index`'s
-routing on every rank (a token's ``k`` pairs over ``min(k, N)`` consecutive nodes, node ``(t + j) mod N`` for slot
-``s`` with ``s mod min(k, N) = j``, evenly over each node's experts), whatever the router chose; a real run routed by
-it sends the same bytes.
+routing on every rank (a token's ``k`` pairs over ``m = min(k, N, layout.node_limit)`` consecutive nodes, node
+``(t + j) mod N`` for slot ``s`` with ``s mod m = j``, spread over each node's experts; ``node_limit``: the most nodes
+the model's grouped router lets a token reach, none: ``N``), whatever the router chose; a real run routed by it sends
+the same bytes where the sizes divide evenly (the planner's even routing).
 
 No Lightning imports.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
@@ -37,9 +40,11 @@ from lightning_ciuic.parallel.experts.pairs import dispatch_pairs
 from lightning_ciuic.tensors import local_tensor
 
 
-def balanced_node_index(tokens: int, k: int, n_experts: int, nodes: int, device: torch.device | None = None) -> torch.Tensor:
+def balanced_node_index(
+    tokens: int, k: int, n_experts: int, nodes: int, limit: Optional[int] = None, device: Optional[torch.device] = None,
+) -> torch.Tensor:
     """The routing the planner assumes for the hierarchical dispatch (see the module docstring): ``[tokens, k]``."""
-    spread = min(k, nodes)
+    spread = min(k, nodes, limit or nodes)
     t = torch.arange(tokens, device=device).unsqueeze(1)
     s = torch.arange(k, device=device).unsqueeze(0)
     per_node = n_experts // nodes
@@ -47,10 +52,10 @@ def balanced_node_index(tokens: int, k: int, n_experts: int, nodes: int, device:
     return node * per_node + (t * k + s) % per_node
 
 
-def _balanced_counts(tokens: int, k: int, nodes: int, me: int) -> tuple[list[int], list[int], list[int], list[int]]:
+def _balanced_counts(tokens: int, k: int, nodes: int, limit: Optional[int], me: int) -> tuple[list[int], ...]:
     """Rows and pairs this rank sends to each node and receives from each under :func:`balanced_node_index` on every
     rank (each routes ``tokens``): the same from every source."""
-    spread = min(k, nodes)
+    spread = min(k, nodes, limit or nodes)
     rows, pairs = [0] * nodes, [0] * nodes
     for residue in range(min(tokens, nodes)):
         count = tokens // nodes + (1 if residue < tokens % nodes else 0)  # tokens t with t mod N = residue
@@ -73,7 +78,7 @@ def hierarchical_dispatch_and_combine(
     device = top_k_index.device
     flat = top_k_index.reshape(-1)
     if layout.assume_balanced:
-        sizes = _balanced_counts(tokens, k, nodes, inter.get_local_rank())
+        sizes = _balanced_counts(tokens, k, nodes, layout.node_limit, inter.get_local_rank())
         counts = flat.new_empty(2 * nodes)
         all_to_all_timed(torch.empty_like(counts), counts, [2] * nodes, [2] * nodes, layout, "counts", inter)
         send_rows, send_pairs, recv_rows, recv_pairs = sizes

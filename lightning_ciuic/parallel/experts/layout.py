@@ -106,6 +106,7 @@ class ExpertLayout:
     dispatch: DispatchCompression = "none"
     mode: DispatchMode = "flat"
     devices_per_node: Optional[int] = None  # None: the ep group on one node
+    node_limit: Optional[int] = None  # the most nodes a token's router lets it reach (grouped routers; None: any)
     stats: DispatchStats = field(default_factory=DispatchStats)
     codec: Optional[Codec] = field(init=False)
     grad_scale: float = field(init=False)

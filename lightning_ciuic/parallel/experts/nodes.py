@@ -16,7 +16,8 @@ Contract:
 * :func:`group_alignment(module, n_experts, nodes)`: for every router of ``module`` with expert groups (transformers'
   DeepSeek-V3 ``num_group``/``topk_group``, the example model's ``n_group``/``topk_group``), ``None`` when each node
   holds whole groups (so the group limit is a node limit: a token reaches at most ``topk_group`` nodes), else a
-  sentence saying what was given, how many nodes a token may reach, and what works.
+  sentence saying what was given, how many nodes a token may reach, and what works. :func:`node_limit`: the most
+  nodes a token of those routers may reach (``None``: no grouped router), what the planner's balanced routing assumes.
 * :func:`group_limited_top_k(scores, k, n_group, topk_group)`: DeepSeek-V3's group-limited routing (its node-limited
   routing when groups are nodes): the experts in ``n_group`` equal consecutive groups, each token's groups ranked by
   the sum of its ``max(1, k // topk_group)`` highest scores in each (the report's rule, transformers' top-2 for
@@ -109,6 +110,21 @@ def _router_groups(module: nn.Module) -> list[tuple[str, int, int]]:
     return found
 
 
+def _reach(groups: int, limit: int, n_experts: int, nodes: int) -> int:
+    """The most nodes a token limited to ``limit`` of ``groups`` expert groups may reach over ``nodes`` nodes."""
+    if groups % nodes == 0:  # each node holds whole groups
+        return min(limit, nodes)
+    per_group, per_node = n_experts // groups, n_experts // nodes
+    spans = -(-per_group // per_node) + (1 if per_group % per_node or per_group < per_node else 0)
+    return min(nodes, limit * spans)
+
+
+def node_limit(module: nn.Module, n_experts: int, nodes: ExpertNodes) -> Optional[int]:
+    """The most nodes a token of ``module``'s grouped routers may reach (``None``: no router limits its groups)."""
+    reaches = [_reach(groups, limit, n_experts, nodes.count) for _, groups, limit in _router_groups(module)]
+    return max(reaches) if reaches else None
+
+
 def group_alignment(module: nn.Module, n_experts: int, nodes: ExpertNodes) -> Optional[str]:
     """``None`` when every grouped router's groups are whole on the nodes, else what breaks it (module docstring)."""
     if nodes.count < 2:
@@ -117,15 +133,14 @@ def group_alignment(module: nn.Module, n_experts: int, nodes: ExpertNodes) -> Op
         if groups % nodes.count == 0:
             continue
         per_group, per_node = n_experts // groups, n_experts // nodes.count
-        spans = -(-per_group // per_node) if per_group > per_node else 2
-        reach = min(nodes.count, limit * spans)
         works = sorted({g for g in range(1, groups + 1) if groups % g == 0})
         return (
             f"the router {name} limits each token to {limit} of {groups} expert groups ({per_group} experts each), and"
             f" ep={len(nodes.ranks)} over {nodes.count} nodes of {nodes.per_node} ranks (expert_devices_per_node="
             f"{nodes.devices_per_node}) puts {per_node} experts on a node: a group spans nodes, so a token may reach up"
-            f" to {reach} nodes, not {limit}. Its group limit is a node limit when each node holds whole groups: ep"
-            f" over a number of nodes among {works} (expert_parallel_size = nodes x ep ranks per node)"
+            f" to {_reach(groups, limit, n_experts, nodes.count)} nodes, not {limit}. Its group limit is a node limit"
+            f" when each node holds whole groups: ep over a number of nodes among {works} (expert_parallel_size = nodes"
+            " x ep ranks per node)"
         )
     return None
 

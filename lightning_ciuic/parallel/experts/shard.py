@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from lightning_ciuic.parallel.dims import Meshes
 from lightning_ciuic.parallel.experts.forward import LAYOUT_ATTRIBUTE, expert_parallel_forward
 from lightning_ciuic.parallel.experts.layout import DispatchCompression, DispatchMode, ExpertLayout, packed_experts
-from lightning_ciuic.parallel.experts.nodes import group_alignment
+from lightning_ciuic.parallel.experts.nodes import group_alignment, node_limit
 from lightning_ciuic.parallel.experts.takeover import FORM, check_takeover
 
 
@@ -60,7 +60,9 @@ def shard_experts(
         _check_divisible(name, experts, dims.ep)
         check_takeover(name, experts, verdicts)
     layout = ExpertLayout(meshes, dict(found), dispatch, mode, devices_per_node)
-    _say_group_alignment(module, found[0][1].gate_up_proj.shape[0], layout)
+    n_experts = found[0][1].gate_up_proj.shape[0]
+    _say_group_alignment(module, n_experts, layout)
+    layout.node_limit = node_limit(module, n_experts, layout.nodes)
     ep_mesh = layout.ep_mesh
     for name, experts in found:
         for attr in ("gate_up_proj", "down_proj"):
