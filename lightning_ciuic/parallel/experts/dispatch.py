@@ -2,18 +2,20 @@
 
 Contract:
 
-* :func:`routing(layout, flat, n_experts)`: where one rank's ``T k`` (token, expert) pairs go (``flat``: each pair's
+* :func:`routing(layout, flat, n_experts, mesh=None)`: where one rank's ``T k`` (token, expert) pairs go (``flat``: each pair's
   expert): the counts exchanged over the ``ep`` group (one small all-to-all, one device sync), the rows to and from
   each rank, and of what arrives, each row's local expert (grouped by source rank, then expert) and the rows of each
   local expert (:class:`Routing`). :func:`balanced_routing`: the same as if every rank of the group routed as many
   pairs as this one, spread evenly over the experts, whatever their values (``ExpertLayout.assume_balanced``: the
   planner's step on fake tensors): the counts exchanged, every size and every tensor allocated as a real balanced
   step's.
-* :class:`Exchange` (``Exchange.apply(rows, send_rows, recv_rows, layout, codec, direction)``): ``send_rows[j]`` rows
-  to rank ``j`` of the ``ep`` group by ``all_to_all_single`` with uneven splits, forward ``codec``-encoded (each
+* :class:`Exchange` (``Exchange.apply(rows, send_rows, recv_rows, layout, codec, direction, mesh=None, hop=None)``):
+  ``send_rows[j]`` rows to rank ``j`` of ``mesh`` (the ``ep`` group by default; the hierarchical dispatch's hops) by
+  ``all_to_all_single`` with uneven splits, forward ``codec``-encoded (each
   destination's rows one block-scaled piece; ``None``: the rows' own bytes, exactly: ``fp8`` e4m3 / ``int8`` codes with
   a float32 scale per 128 values, ``bf16`` a cast), backward the gradients' own bytes. ``direction`` ``"dispatch"`` or
-  ``"combine"``: what left this rank is added to ``stats.<direction>_bytes`` / ``_rows``.
+  ``"combine"``: what left this rank is added to ``stats.<direction>_bytes`` / ``_rows``, and by link to
+  ``stats.link_bytes[direction]`` (``hop``: the link of every rank of ``mesh``; ``None``: each ep rank's own).
 * :func:`all_to_all_timed`: every all-to-all of the dispatch; every rank calls it, with or without anything to send;
   its seconds go to ``layout.stats`` (a :class:`~lightning_ciuic.wire.timing.DeviceClock`: on a GPU, events on the
   stream), and on the CPU each is also a span on the process timeline's ``ep collectives`` track (the monitor's

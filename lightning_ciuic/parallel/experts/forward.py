@@ -5,8 +5,11 @@ pairs sorted by expert, their routing exchanged (:mod:`~lightning_ciuic.parallel
 their experts' ranks (``codec``-encoded: the dispatch compression), the local experts run on what arrived
 (:func:`~lightning_ciuic.parallel.experts.gemm.run_local_experts`, their gradients scaled by the layout's
 ``grad_scale``), the results sent back in the working precision, and each token's outputs summed with its routing
-weights, on the sender (the router's gradient stays local). A rank that receives no token still takes part in every
-collective. Backward runs the same exchanges in reverse, in the working precision.
+weights, on the sender (the router's gradient stays local): :func:`~lightning_ciuic.parallel.experts.pairs.dispatch_pairs`
+over the ep group. With ``layout.mode == "hierarchical"`` the same result by
+:func:`~lightning_ciuic.parallel.experts.hierarchical.hierarchical_dispatch_and_combine` (once per node over the
+inter-node hop, fanned out inside the node). A rank that receives no token still takes part in every collective.
+Backward runs the same exchanges in reverse, in the working precision.
 
 Over tensor-parallel peers (``layout.tp_mesh``: ``ep`` takes the tp peers too, which hold the same tokens): each peer
 dispatches its share of the tokens, and the shares' outputs are all-gathered; the inputs' gradients are summed over the
