@@ -60,7 +60,8 @@ WEIGHT_CODECS = ("none", "int8")
 STRATEGY_ARGS: dict[str, tuple[str, str]] = {
     **{name: ("", name) for name in (
         "pipeline_parallel_size", "data_parallel_size", "tensor_parallel_size", "data_parallel_shard_size",
-        "expert_parallel_size", "expert_dispatch_compression", "expert_dispatch", "expert_devices_per_node", "diloco", "gradient_checkpointing",
+        "expert_parallel_size", "expert_dispatch_compression", "expert_dispatch", "expert_devices_per_node",
+        "expert_node_limit", "diloco", "gradient_checkpointing",
         "process_group_backend", "bucket_size_mb", "sync_timeout", "sequence_parallel",
     )},
     "pipeline_schedule": ("pipeline", "schedule"),
@@ -94,6 +95,7 @@ class ParallelismConfig:
     expert_dispatch_compression: DispatchCompression = "none"
     expert_dispatch: DispatchMode = "flat"  # "hierarchical": once per node over the inter-node link, fanned out inside
     expert_devices_per_node: Optional[int] = None  # the ep ranks' nodes (None: the cluster environment's, or one node)
+    expert_node_limit: Optional[int] = None  # opt-in: each token's experts on at most this many nodes (routers by groups)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
@@ -270,6 +272,13 @@ class ParallelismConfig:
             )
         if per_node is not None:
             check_int("expert_devices_per_node", per_node)
+        if self.expert_node_limit is not None:
+            check_int("expert_node_limit", self.expert_node_limit)
+            if self.expert_parallel_size == 1:
+                raise ValueError(
+                    f"expert_node_limit={self.expert_node_limit} limits the nodes a token's experts sit on, and"
+                    " expert_parallel_size=1 keeps every expert on every rank: set expert_parallel_size > 1, or leave it unset."
+                )
         if mode != "flat" and self.expert_parallel_size == 1:
             raise ValueError(
                 f"expert_dispatch={mode!r} sends tokens to other ranks' experts, and expert_parallel_size=1 sends none:"

@@ -98,6 +98,9 @@ class ParallelizeOptions(Protocol):
     def expert_devices_per_node(self) -> Optional[int]: ...  # the ep ranks' nodes (None: one node)
 
     @property
+    def expert_node_limit(self) -> Optional[int]: ...  # opt-in: a token's experts on at most this many nodes
+
+    @property
     def diloco(self) -> Optional[Any]: ...  # whole replicas that train apart: no user FSDP2 units
 
 
@@ -148,6 +151,7 @@ def parallelize(
             )
         result.experts = shard_experts(
             module, meshes, options.expert_dispatch_compression, options.expert_dispatch, options.expert_devices_per_node,
+            options.expert_node_limit,
         )
     if options.gradient_checkpointing:
         checkpoint_blocks(module, options.gradient_checkpointing)

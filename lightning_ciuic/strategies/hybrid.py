@@ -160,8 +160,8 @@ class HybridParallelStrategy(ParallelStrategy):
             experts cross the all-to-all (fp8/int8 with a scale per 128 values); results and gradients return in
             the working precision.
         expert_dispatch: ``"flat"`` or ``"hierarchical"`` (a token crosses the inter-node link once per node and
-            fans out inside it) and ``expert_devices_per_node`` (``None``: the cluster environment's devices per
-            node): docs/expert_parallel.md.
+            fans out inside it), ``expert_devices_per_node`` (``None``: the cluster environment's devices per
+            node), ``expert_node_limit`` (opt-in: a token's experts on at most that many nodes): docs/expert_parallel.md.
     """
 
     strategy_name = "ciuic"
@@ -201,6 +201,7 @@ class HybridParallelStrategy(ParallelStrategy):
         expert_dispatch_compression: DispatchCompression = "none",
         expert_dispatch: DispatchMode = "flat",
         expert_devices_per_node: Optional[int] = None,
+        expert_node_limit: Optional[int] = None,
         sequence_parallel: bool = True,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,

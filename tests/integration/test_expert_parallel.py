@@ -63,7 +63,13 @@ def test_hierarchical_dispatch_with_group_limited_routing_matches_single_process
     _fit_and_compare(dp, shard, 1, tp, ep, 0.05, factory=_grouped, expert_dispatch="hierarchical", expert_devices_per_node=per_node)
 
 
-def _fit_and_compare(dp, shard, pp, tp, ep, clip, accumulate=1, gradient_checkpointing=False, factory=_tiny, **dispatch):
+def test_the_opt_in_node_limit_trains_as_the_model_routed_by_node_groups():
+    """``expert_node_limit=1`` on the example model without groups, ep 4 as 2 nodes of 2 (flat dispatch): each token's
+    experts on one node, the parameters of one process training the model with one group per node, one per token."""
+    _fit_and_compare(4, 4, 1, 1, 4, 0.05, reference=_grouped, expert_devices_per_node=2, expert_node_limit=1)
+
+
+def _fit_and_compare(dp, shard, pp, tp, ep, clip, accumulate=1, gradient_checkpointing=False, factory=_tiny, reference=None, **dispatch):
     strategy = HybridParallelStrategy(
         data_parallel_size=dp, data_parallel_shard_size=shard, pipeline_parallel_size=pp, tensor_parallel_size=tp,
         expert_parallel_size=ep, num_microbatches=2, start_method="forkserver", gradient_checkpointing=gradient_checkpointing,
@@ -78,7 +84,7 @@ def _fit_and_compare(dp, shard, pp, tp, ep, clip, accumulate=1, gradient_checkpo
     global_batch = PER_RANK_BATCH * dp * accumulate
     trainer.fit(module, loader(STEPS * global_batch, PER_RANK_BATCH))
     actual = {k: v.detach() for k, v in module.state_dict().items()}
-    assert_state_close(actual, reference_training(factory, STEPS, global_batch, clip=clip), STEPS)
+    assert_state_close(actual, reference_training(reference or factory, STEPS, global_batch, clip=clip), STEPS)
 
 
 HF_COMMON = dict(

@@ -18,6 +18,10 @@ Contract:
   holds whole groups (so the group limit is a node limit: a token reaches at most ``topk_group`` nodes), else a
   sentence saying what was given, how many nodes a token may reach, and what works. :func:`node_limit`: the most
   nodes a token of those routers may reach (``None``: no grouped router), what the planner's balanced routing assumes.
+* :func:`limit_nodes(module, experts, nodes, limit)`: the opt-in node limit for a model without groups
+  (``expert_node_limit``): its routers that route by :func:`group_limited_top_k` get one group per node and ``limit``
+  groups per token, a change of the model's maths it asks for; refused (``ValueError``: what was given, what works)
+  on one node, with a limit of every node, where a router already limits groups, or where a layer's router cannot.
 * :func:`group_limited_top_k(scores, k, n_group, topk_group)`: DeepSeek-V3's group-limited routing (its node-limited
   routing when groups are nodes): the experts in ``n_group`` equal consecutive groups, each token's groups ranked by
   the sum of its ``max(1, k // topk_group)`` highest scores in each (the report's rule, transformers' top-2 for
@@ -142,6 +146,52 @@ def group_alignment(module: nn.Module, n_experts: int, nodes: ExpertNodes) -> Op
             f" when each node holds whole groups: ep over a number of nodes among {works} (expert_parallel_size = nodes"
             " x ep ranks per node)"
         )
+    return None
+
+
+def limit_nodes(module: nn.Module, experts: list[str], nodes: ExpertNodes, limit: int) -> None:
+    """The opt-in node limit (``expert_node_limit``): every router of ``module`` that routes by groups
+    (:func:`group_limited_top_k`: ``n_group``/``num_group`` and ``topk_group`` attributes it reads) gets one group per
+    node and ``limit`` groups per token. Raises ``ValueError``, before anything changes, naming what was given and what
+    works: the ep group on one node, a limit of all the nodes, a router that already limits its groups, or fewer such
+    routers than mixture-of-experts layers (``experts``: their names)."""
+    given = f"expert_node_limit={limit}"
+    if nodes.count < 2:
+        raise ValueError(
+            f"{given} limits each token to the experts of {limit} nodes, and the ep group {nodes.ranks} sits on one node"
+            f" (expert_devices_per_node={nodes.devices_per_node}): leave it unset, or place the ep ranks over several nodes."
+        )
+    if not 1 <= limit < nodes.count:
+        raise ValueError(
+            f"{given}: the ep group spans {nodes.count} nodes, so a limit of {limit} limits nothing; use 1 to"
+            f" {nodes.count - 1}, or leave it unset."
+        )
+    routers = [(name, sub) for name, sub in module.named_modules() if _group_attribute(sub) is not None]
+    grouped = [name for name, groups, _ in _router_groups(module)]
+    if grouped:
+        raise ValueError(
+            f"{given}, and the routers {grouped} already limit each token to some expert groups (their n_group and"
+            " topk_group): their group limit is the node limit where each node holds whole groups; leave"
+            " expert_node_limit unset."
+        )
+    if len(routers) < len(experts):
+        raise ValueError(
+            f"{given} changes how each router picks its experts, and of the {len(experts)} mixture-of-experts layers"
+            f" ({experts[:3]}{'...' if len(experts) > 3 else ''}) only {len(routers)} have a router the pack can"
+            " limit: one that routes by group_limited_top_k(scores, k, n_group, topk_group) and holds n_group (or"
+            " num_group) and topk_group, as the example model and transformers' DeepSeek-V3 do (Mixtral's and"
+            " Qwen3-MoE's routers do not). Leave it unset, or route by group_limited_top_k."
+        )
+    for _, router in routers:
+        setattr(router, _group_attribute(router), nodes.count)
+        router.topk_group = limit
+
+
+def _group_attribute(module: nn.Module) -> Optional[str]:
+    """The name of a grouped router's group count (``n_group`` or ``num_group``), if it has one and ``topk_group``."""
+    for name in ("num_group", "n_group"):
+        if isinstance(getattr(module, name, None), int) and isinstance(getattr(module, "topk_group", None), int):
+            return name
     return None
 
 

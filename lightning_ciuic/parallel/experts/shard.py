@@ -12,7 +12,8 @@ changes nothing. ``mode`` ``"flat"`` or ``"hierarchical"`` and the ep ranks' nod
 global rank ``rank // devices_per_node``; ``None``: one node) are the layout's (:class:`ExpertLayout`: the hierarchical
 dispatch refused where the ep group sits on one node or its nodes do not align); where a router of ``module`` limits
 its tokens to some expert groups and the nodes do not hold whole groups, it is said once (a warning on global rank 0:
-what was given, how many nodes a token may reach, what works). The caller makes the data-parallel replicas equal first: each rank keeps its experts' rows of its
+what was given, how many nodes a token may reach, what works); ``node_limit`` (opt-in, a model without groups):
+its routers limited to that many nodes (:func:`~lightning_ciuic.parallel.experts.nodes.limit_nodes`). The caller makes the data-parallel replicas equal first: each rank keeps its experts' rows of its
 own copy, without communication.
 
 No Lightning imports.
@@ -33,13 +34,14 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from lightning_ciuic.parallel.dims import Meshes
 from lightning_ciuic.parallel.experts.forward import LAYOUT_ATTRIBUTE, expert_parallel_forward
 from lightning_ciuic.parallel.experts.layout import DispatchCompression, DispatchMode, ExpertLayout, packed_experts
-from lightning_ciuic.parallel.experts.nodes import group_alignment, node_limit
+from lightning_ciuic.parallel.experts.nodes import group_alignment, limit_nodes
+from lightning_ciuic.parallel.experts.nodes import node_limit as routers_node_limit
 from lightning_ciuic.parallel.experts.takeover import FORM, check_takeover
 
 
 def shard_experts(
     module: nn.Module, meshes: Meshes, dispatch: DispatchCompression = "none", mode: DispatchMode = "flat",
-    devices_per_node: Optional[int] = None,
+    devices_per_node: Optional[int] = None, node_limit: Optional[int] = None,
 ) -> Optional[ExpertLayout]:
     """Shard every packed-experts module of ``module`` over ``ep`` (see the module docstring). The caller makes the
     data-parallel replicas equal first: each rank keeps its experts' rows of its own copy."""
@@ -61,8 +63,10 @@ def shard_experts(
         check_takeover(name, experts, verdicts)
     layout = ExpertLayout(meshes, dict(found), dispatch, mode, devices_per_node)
     n_experts = found[0][1].gate_up_proj.shape[0]
+    if node_limit is not None:  # opt-in: the routers' maths changes, one group per node
+        limit_nodes(module, [name for name, _ in found], layout.nodes, node_limit)
     _say_group_alignment(module, n_experts, layout)
-    layout.node_limit = node_limit(module, n_experts, layout.nodes)
+    layout.node_limit = routers_node_limit(module, n_experts, layout.nodes)
     ep_mesh = layout.ep_mesh
     for name, experts in found:
         for attr in ("gate_up_proj", "down_proj"):
