@@ -52,15 +52,18 @@ def _grouped() -> DeepSeekMini:
 
 
 @pytest.mark.parametrize(
-    "dp, shard, ep, per_node",
-    [(4, 4, 4, 2), (2, 1, 2, 1), (2, 2, 4, 2)],
-    ids=["ep4-as-2-nodes-of-2-over-fsdp4", "ep2-as-2-nodes-of-1-over-dp2", "ep4-over-fsdp2xtp2-as-2-nodes-of-2"],
+    "dp, shard, pp, ep, per_node",
+    [(4, 4, 1, 4, 2), (2, 1, 1, 2, 1), (2, 2, 1, 4, 2), (2, 1, 2, 2, 1)],
+    ids=[
+        "ep4-as-2-nodes-of-2-over-fsdp4", "ep2-as-2-nodes-of-1-over-dp2", "ep4-over-fsdp2xtp2-as-2-nodes-of-2",
+        "ep2-as-2-nodes-of-1-pp2",
+    ],
 )
-def test_hierarchical_dispatch_with_group_limited_routing_matches_single_process(dp, shard, ep, per_node):
+def test_hierarchical_dispatch_with_group_limited_routing_matches_single_process(dp, shard, pp, ep, per_node):
     """A token crosses the (simulated: node = rank // expert_devices_per_node) inter-node hop once per node, each node
-    holding one expert group; with FSDP, and with the tp peers in ep (tp = ep / dp_shard)."""
+    holding one expert group; with FSDP, with the tp peers in ep (tp = ep / dp_shard), with pp 2."""
     tp = ep // shard if ep > shard else 1
-    _fit_and_compare(dp, shard, 1, tp, ep, 0.05, factory=_grouped, expert_dispatch="hierarchical", expert_devices_per_node=per_node)
+    _fit_and_compare(dp, shard, pp, tp, ep, 0.05, factory=_grouped, expert_dispatch="hierarchical", expert_devices_per_node=per_node)
 
 
 def test_the_opt_in_node_limit_trains_as_the_model_routed_by_node_groups():
