@@ -6,7 +6,7 @@ egress with a ``tbf`` qdisc at ``rate`` (both directions of every link: node sid
 ``rate=None`` leaves the links uncapped. ``run(node, argv, env)`` starts a process inside a node, with
 ``GLOO_SOCKET_IFNAME`` set so gloo uses the capped link. Everything is removed on exit, also after an error.
 :func:`run_two_nodes` runs one command as the two ranks of a ``num_nodes=2`` job, in a cluster's nodes or on
-loopback.
+loopback; :func:`run_nodes` as ``per_node`` ranks on each of ``nodes`` nodes.
 
 Needs root and iproute2 (``ip``, ``tc``); :func:`available` says why not when it cannot work. Traffic stays on
 addresses this module creates inside its own namespaces.
@@ -98,13 +98,25 @@ class SimulatedCluster:
 def run_two_nodes(argv: list[str], cluster: Optional[SimulatedCluster], port: int = 29650, timeout: float = 1800) -> None:
     """Run ``argv`` as node 0 and node 1 of a two-node job (``WORLD_SIZE=2``, one process per node, as Lightning's
     ``num_nodes=2, devices=1`` expects): inside ``cluster``'s nodes, or on loopback when it is None."""
-    base = {**os.environ, "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "PYTHONPATH": str(ROOT)}
+    run_nodes(argv, cluster, 2, 1, port, timeout)
+
+
+def run_nodes(
+    argv: list[str], cluster: Optional[SimulatedCluster], nodes: int, per_node: int, port: int = 29650, timeout: float = 1800,
+) -> None:
+    """Run ``argv`` as ``per_node`` processes on each of ``nodes`` nodes (``WORLD_SIZE``, ``NODE_RANK``,
+    ``LOCAL_RANK`` as Lightning's ``num_nodes=nodes, devices=per_node`` expects): inside ``cluster``'s nodes (the
+    processes of one node share its namespace: what they send each other stays off its link), or on loopback."""
+    base = {**os.environ, "MASTER_PORT": str(port), "WORLD_SIZE": str(nodes * per_node), "PYTHONPATH": str(ROOT)}
     if cluster is None:
-        env = {**base, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
-        procs = [subprocess.Popen(argv, env={**env, "NODE_RANK": str(n)}) for n in range(2)]
+        base.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
     else:
-        env = {**base, "MASTER_ADDR": cluster.address(0)}
-        procs = [cluster.run(n, argv, {**env, "NODE_RANK": str(n)}) for n in range(2)]
+        base.update(MASTER_ADDR=cluster.address(0))
+    procs = []
+    for node in range(nodes):
+        for local in range(per_node):
+            env = {**base, "NODE_RANK": str(node), "LOCAL_RANK": str(local)}
+            procs.append(subprocess.Popen(argv, env=env) if cluster is None else cluster.run(node, argv, env))
     codes = [p.wait(timeout=timeout) for p in procs]
     if any(codes):
         raise RuntimeError(f"exit codes {codes}; the log shows why")

@@ -38,6 +38,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from lightning_ciuic import PipelineModule
+from lightning_ciuic.parallel.experts import group_limited_top_k
 from lightning_ciuic.parallel.tensor import (
     gathered_input,
     gathered_input_scattered_output,
@@ -62,6 +63,8 @@ class DeepSeekConfig:
     n_routed_experts: int = 4
     n_shared_experts: int = 1
     n_activated_experts: int = 2
+    n_expert_groups: int = 1  # DeepSeek-V3's n_group: with topk_expert_groups, each token's experts in its best groups
+    topk_expert_groups: int = 1
     moe_inter_dim: int = 96
     max_seq_len: int = 256
     rope_theta: float = 10000.0
@@ -178,6 +181,8 @@ class MixtureOfExperts(nn.Module):
     def __init__(self, cfg: DeepSeekConfig) -> None:
         super().__init__()
         self.top_k = cfg.n_activated_experts
+        # DeepSeek-V3's group-limited routing (a node limit where each node holds whole groups): 1 group, plain top-k
+        self.n_group, self.topk_group = cfg.n_expert_groups, cfg.topk_expert_groups
         self.gate = nn.Linear(cfg.dim, cfg.n_routed_experts, bias=False)
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
         self.experts = PackedExperts(cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim)
@@ -191,7 +196,7 @@ class MixtureOfExperts(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         scores = self.gate(x).softmax(dim=-1)
-        chosen = (scores + self.e_score_correction_bias).topk(self.top_k, dim=-1).indices  # the bias chooses only
+        chosen = group_limited_top_k(scores + self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group)  # the bias chooses only
         weights = scores.gather(1, chosen)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return (self.experts(x, chosen, weights) + self.shared(x)).view(shape)
@@ -284,6 +289,8 @@ class DeepSeekMini(PipelineModule, LightningModule):
         n_shared_experts: int = 1,
         n_activated_experts: int = 2,
         moe_inter_dim: int = 96,
+        n_expert_groups: int = 1,
+        topk_expert_groups: int = 1,
         dense_inter_dim: int = 256,
         n_dense_layers: int = 1,
         max_seq_len: int = 256,
@@ -296,7 +303,8 @@ class DeepSeekMini(PipelineModule, LightningModule):
         self.config = DeepSeekConfig(
             dim=dim, n_layers=n_layers, n_heads=n_heads, kv_lora_rank=kv_lora_rank,
             n_routed_experts=n_routed_experts, n_shared_experts=n_shared_experts,
-            n_activated_experts=n_activated_experts, moe_inter_dim=moe_inter_dim,
+            n_activated_experts=n_activated_experts, moe_inter_dim=moe_inter_dim, n_expert_groups=n_expert_groups,
+            topk_expert_groups=topk_expert_groups,
             dense_inter_dim=dense_inter_dim, n_dense_layers=n_dense_layers, max_seq_len=max_seq_len,
             v_head_dim=v_head_dim,
         )

@@ -270,7 +270,7 @@ def plan_command(argv: list[str]) -> int:
     try:
         result = plan(
             options.config, world_size=options.world_size, cli_args=overrides, device_memory=options.device_memory,
-            step=step, hardware=hardware, processes=options.processes,
+            step=step, hardware=hardware, processes=options.processes, devices_per_node=options.devices_per_node,
         )
     except ConfigError as err:  # the config's classes, as fit builds them
         print(f"the config does not work: {err}", file=sys.stderr)

@@ -8,7 +8,9 @@ parallelism only with the codecs and schedules it supports; ``zero_stage`` (1, 2
 not with ``fsdp_cpu_offload``, none with DiLoCo (``reshard_after_forward``, the older spelling, is stage 3 or 2); DiLoCo only with whole replicas and no per-step
 compression; ``expert_parallel_size`` a positive integer dividing the innermost data-parallel degree (checked
 against the world by ``resolve``), ``expert_dispatch_compression`` one of ``"none"``, ``"bf16"``, ``"fp8"``,
-``"int8"`` and only with expert parallelism; per-step compression only on a process-group backend that has the
+``"int8"`` and only with expert parallelism, ``expert_dispatch`` ``"flat"`` or ``"hierarchical"`` (only with expert
+parallelism; the nodes from ``expert_devices_per_node``, a positive integer, ``None`` for the cluster environment's
+devices per node, which the strategy fills in); per-step compression only on a process-group backend that has the
 collectives it needs (``process_group_backend`` ``None``, ``"gloo"`` or ``"nccl"``); ``weight_all_gather_compression``
 ``"none"`` or ``"int8"``; ``gradient_checkpointing`` one of the recomputation modes of
 :class:`~lightning_ciuic.parallel.recompute.Recompute` (kept as the parsed ``Recompute``). ``resolve(world_size)`` gives the :class:`~lightning_ciuic.parallel.dims.ParallelDims` (degrees against
@@ -41,10 +43,11 @@ from lightning_ciuic.comm.diloco import DiLoCo
 from lightning_ciuic.comm.grad_sync import check_bucket_size
 from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.parallel.dims import ParallelDims
-from lightning_ciuic.parallel.experts import DISPATCH_COMPRESSIONS, DispatchCompression
+from lightning_ciuic.parallel.experts import DISPATCH_COMPRESSIONS, DISPATCH_MODES, DispatchCompression, DispatchMode
 from lightning_ciuic.parallel.fsdp import ShardingConfig, check_offload
 from lightning_ciuic.parallel.pipeline_module import PipelineConfig
 from lightning_ciuic.parallel.recompute import GradientCheckpointing, Recompute
+from lightning_ciuic.validation import check_int
 
 Degree = Union[int, Literal["auto"]]
 SHARDED_REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # the reduce-scatter's dtype
@@ -59,7 +62,8 @@ WEIGHT_CODECS = ("none", "int8")
 STRATEGY_ARGS: dict[str, tuple[str, str]] = {
     **{name: ("", name) for name in (
         "pipeline_parallel_size", "data_parallel_size", "tensor_parallel_size", "data_parallel_shard_size",
-        "expert_parallel_size", "expert_dispatch_compression", "diloco", "gradient_checkpointing",
+        "expert_parallel_size", "expert_dispatch_compression", "expert_dispatch", "expert_devices_per_node",
+        "expert_node_limit", "diloco", "gradient_checkpointing",
         "process_group_backend", "bucket_size_mb", "sync_timeout", "sequence_parallel",
     )},
     "pipeline_schedule": ("pipeline", "schedule"),
@@ -111,6 +115,9 @@ class ParallelismConfig:
     data_parallel_shard_size: Degree = 1
     expert_parallel_size: int = 1
     expert_dispatch_compression: DispatchCompression = "none"
+    expert_dispatch: DispatchMode = "flat"  # "hierarchical": once per node over the inter-node link, fanned out inside
+    expert_devices_per_node: Optional[int] = None  # the ep ranks' nodes (None: the cluster environment's, or one node)
+    expert_node_limit: Optional[int] = None  # opt-in: each token's experts on at most this many nodes (routers by groups)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
@@ -192,6 +199,12 @@ class ParallelismConfig:
             gradient_codec=mode if mode in SHARDED_CODECS else None, error_feedback=self.compression.feedback_for(mode),
         )
         return replace(self, sharding=sharding)
+
+    def with_devices_per_node(self, devices_per_node: int) -> "ParallelismConfig":
+        """This config with ``expert_devices_per_node`` the cluster environment's ``devices_per_node`` unless given."""
+        if self.expert_devices_per_node is not None:
+            return self
+        return replace(self, expert_devices_per_node=devices_per_node)
 
     def check_devices(self, device_type: str) -> None:
         """The rules between the arguments and the kind of device the ranks compute on (before any process starts)."""
@@ -296,6 +309,26 @@ class ParallelismConfig:
                 f"expert_parallel_size={ep} with diloco: DiLoCo's data-parallel replicas train apart, so each"
                 f" replica holds every expert, spread over its tensor-parallel peers: expert_parallel_size must"
                 f" equal tensor_parallel_size={tp} (set both to the same degree), or drop diloco."
+            )
+        mode, per_node = self.expert_dispatch, self.expert_devices_per_node
+        if mode not in DISPATCH_MODES:
+            raise ValueError(
+                f"expert_dispatch={mode!r}: use one of {list(DISPATCH_MODES)} ('hierarchical': a token crosses the"
+                " inter-node link once per node, then fans out to its experts inside the node)."
+            )
+        if per_node is not None:
+            check_int("expert_devices_per_node", per_node)
+        if self.expert_node_limit is not None:
+            check_int("expert_node_limit", self.expert_node_limit)
+            if self.expert_parallel_size == 1:
+                raise ValueError(
+                    f"expert_node_limit={self.expert_node_limit} limits the nodes a token's experts sit on, and"
+                    " expert_parallel_size=1 keeps every expert on every rank: set expert_parallel_size > 1, or leave it unset."
+                )
+        if mode != "flat" and self.expert_parallel_size == 1:
+            raise ValueError(
+                f"expert_dispatch={mode!r} sends tokens to other ranks' experts, and expert_parallel_size=1 sends none:"
+                " set expert_parallel_size > 1, or leave it 'flat'."
             )
         if dispatch != "none" and self.expert_parallel_size == 1:
             raise ValueError(

@@ -21,6 +21,7 @@ RANK_FIELDS = (
     "checkpoint_stall", "snapshot_stall", "outer_sync",  # training stopped for a checkpoint's staging, a snapshot, a DiLoCo sync
     "ep_bytes", "ep_tokens",  # expert parallelism: bytes this rank sent in the token all-to-alls, tokens its experts ran
     "ep_comm",  # and the seconds those all-to-alls took (waiting for busier ranks included)
+    "ep_inter_bytes",  # of ep_bytes, those that crossed the inter-node link
 )
 
 RATE_UNIT = "GB/s"  # 10^9 bytes per second: every rate the report and the console print

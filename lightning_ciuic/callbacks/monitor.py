@@ -11,7 +11,8 @@ Contract:
   ``dp_payload`` (gradient bytes reduced), ``tp_comm`` (tensor-parallel collectives, timed on every
   ``profile_every``-th step by intercepting the functional collectives DTensor issues; that step's other
   timings are left out of the means), ``memory_mb`` (peak: CUDA allocator, or the process's RSS on CPU); under
-  expert parallelism ``ep_bytes`` (sent in the token all-to-alls), ``ep_comm`` (their time, forward and backward,
+  expert parallelism ``ep_bytes`` (sent in the token all-to-alls; ``ep_inter_bytes`` of them over the inter-node
+  link, the ep ranks placed on nodes by ``expert_devices_per_node``), ``ep_comm`` (their time, forward and backward,
   waiting for busier ranks included) and ``ep_tokens`` (rows this rank's experts ran); the all-to-alls are spans of
   the trace's ``ep collectives`` track (on the CPU).
 * Mixture-of-experts layers (packed experts, with or without expert parallelism): the tokens routed to each expert
@@ -205,13 +206,15 @@ class CommunicationMonitor(Callback):
         self._routed = RoutedTokens(pl_module) if packed_experts(pl_module) else None
         self._meta.update(ep=dims.ep)
 
-    def _expert_counters(self) -> tuple[float, float, float]:
-        """Bytes sent in the token all-to-alls, rows this rank's experts ran, seconds in the all-to-alls (totals)."""
+    def _expert_counters(self) -> tuple[float, float, float, float]:
+        """Bytes sent in the token all-to-alls, rows this rank's experts ran, seconds in the all-to-alls, and of the
+        bytes those that crossed the inter-node link (totals)."""
         if self._experts is None:
-            return 0.0, 0.0, 0.0
+            return 0.0, 0.0, 0.0, 0.0
         stats = self._experts.stats
         self._experts.clock.collect()
-        return float(stats.dispatch_bytes + stats.combine_bytes), float(stats.received_tokens), stats.seconds
+        inter = sum(by_link["inter"] for by_link in stats.link_bytes.values())
+        return float(stats.dispatch_bytes + stats.combine_bytes), float(stats.received_tokens), stats.seconds, float(inter)
 
     def _sync_counters(self) -> tuple[float, ...]:
         engine = self._context.data_parallel
@@ -280,6 +283,7 @@ class CommunicationMonitor(Callback):
             "ep_bytes": experts[0] - experts_last[0],
             "ep_tokens": experts[1] - experts_last[1],
             "ep_comm": experts[2] - experts_last[2],
+            "ep_inter_bytes": experts[3] - experts_last[3],
         }
         if self.trace:
             self._trace_steps.append(step_events(record, comm))

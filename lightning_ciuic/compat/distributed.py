@@ -54,6 +54,12 @@ def mesh_coordinates(mesh: Any) -> dict[int, tuple[int, ...]]:
     return coordinates
 
 
+def mesh_groups(mesh: Any) -> list[list[int]]:
+    """Every group of ranks a 1-D sub-mesh such as ``mesh["ep"]`` has over the world (global ranks, in mesh order)."""
+    full = mesh._layout.remap_to_tensor(mesh._rank_map).reshape(-1, mesh.size())
+    return [[int(r) for r in group.tolist()] for group in full]
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def local_shape(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], placements: Any) -> tuple[int, ...]:
     """(Cached: a model repeats its layers' shapes.) The shape of the shard a rank at ``coordinate`` of a mesh of ``mesh_shape`` holds of a DTensor of

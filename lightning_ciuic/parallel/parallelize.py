@@ -62,7 +62,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lightning_ciuic import compat
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.dims import Meshes, ParallelDims
-from lightning_ciuic.parallel.experts import DispatchCompression, ExpertLayout, shard_experts
+from lightning_ciuic.parallel.experts import DispatchCompression, DispatchMode, ExpertLayout, shard_experts
 from lightning_ciuic.parallel.fsdp import FSDPLayout, ShardingConfig, default_units, found_sharding, has_meta_tensors, shard
 from lightning_ciuic.parallel.fsdp import materialize as materialize_meta
 from lightning_ciuic.parallel.pipeline import PipelineRunner, block_modules
@@ -91,6 +91,15 @@ class ParallelizeOptions(Protocol):
 
     @property
     def expert_dispatch_compression(self) -> DispatchCompression: ...
+
+    @property
+    def expert_dispatch(self) -> DispatchMode: ...  # "flat" or "hierarchical"
+
+    @property
+    def expert_devices_per_node(self) -> Optional[int]: ...  # the ep ranks' nodes (None: one node)
+
+    @property
+    def expert_node_limit(self) -> Optional[int]: ...  # opt-in: a token's experts on at most this many nodes
 
     @property
     def diloco(self) -> Optional[Any]: ...  # whole replicas that train apart: no user FSDP2 units
@@ -139,7 +148,10 @@ def parallelize(
                 " experts first: leave sharding to the strategy (data_parallel_shard_size > 1), or use"
                 " expert_parallel_size=1."
             )
-        result.experts = shard_experts(module, meshes, options.expert_dispatch_compression)
+        result.experts = shard_experts(
+            module, meshes, options.expert_dispatch_compression, options.expert_dispatch, options.expert_devices_per_node,
+            options.expert_node_limit,
+        )
     if options.gradient_checkpointing:
         checkpoint_blocks(module, options.gradient_checkpointing)
     if dims.pp_enabled:

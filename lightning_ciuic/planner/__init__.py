@@ -79,7 +79,7 @@ def plan_layout(
 
 def plan(
     config: Optional[str] = None, *, world_size: int, cli_args: Sequence[str] = (), device_memory: int = 80 * GiB,
-    step: Optional[Any] = None, hardware: Optional[Hardware] = None, processes: int = 1,
+    step: Optional[Any] = None, hardware: Optional[Hardware] = None, processes: int = 1, devices_per_node: int = 8,
 ) -> Plan:
     """Plan the run a LightningCLI config describes (``config``: a YAML path; ``cli_args``: overrides as
     ``lightning-ciuic fit`` takes them) over ``world_size`` ranks: :func:`plan_layout` on its module, its strategy's
@@ -87,8 +87,8 @@ def plan(
     from lightning_ciuic.planner.config import from_config, module_factory, optimizers_of
 
     run = from_config(config, cli_args)
-    return plan_layout(
-        module_factory(run), run.parallelism, world_size, optimizers=optimizers_of, device_memory=device_memory,
+    return plan_layout(  # the ep ranks' nodes: the devices per node, as the strategy takes its cluster environment's
+        module_factory(run), run.parallelism.with_devices_per_node(devices_per_node), world_size, optimizers=optimizers_of, device_memory=device_memory,
         step=step, hardware=hardware, processes=processes,
     )
 
@@ -104,6 +104,6 @@ def search_layouts(
 
     run = from_config(config, cli_args)
     return search(
-        module_factory(run), run.parallelism, world_size, optimizers=optimizers_of, devices_per_node=devices_per_node,
+        module_factory(run), run.parallelism.with_devices_per_node(devices_per_node), world_size, optimizers=optimizers_of, devices_per_node=devices_per_node,
         step=step, device_memory=device_memory, hardware=hardware, processes=processes,
     )

@@ -77,7 +77,7 @@ from lightning_ciuic.data.check import EqualBatchCheck
 from lightning_ciuic.data.world import DataParallelWorld
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.dims import Meshes, ParallelDims
-from lightning_ciuic.parallel.experts import DispatchCompression
+from lightning_ciuic.parallel.experts import DispatchCompression, DispatchMode
 from lightning_ciuic.parallel.fsdp import has_meta_tensors
 from lightning_ciuic.parallel.parallelize import Parallelized, parallelize
 from lightning_ciuic.parallel.pipeline import PipelineRunner, PipelineScheduleName
@@ -156,6 +156,9 @@ class HybridParallelStrategy(ParallelStrategy):
         expert_dispatch_compression: ``"none"``, ``"bf16"``, ``"fp8"`` or ``"int8"``: how the tokens sent to the
             experts cross the all-to-all (fp8/int8 with a scale per 128 values); results and gradients return in
             the working precision.
+        expert_dispatch: ``"flat"`` or ``"hierarchical"`` (a token crosses the inter-node link once per node and
+            fans out inside it), ``expert_devices_per_node`` (``None``: the cluster environment's devices per
+            node), ``expert_node_limit`` (opt-in: a token's experts on at most that many nodes): docs/expert_parallel.md.
     """
 
     strategy_name = "ciuic"
@@ -194,6 +197,9 @@ class HybridParallelStrategy(ParallelStrategy):
         diloco: Optional[DiLoCo] = None,
         expert_parallel_size: int = 1,
         expert_dispatch_compression: DispatchCompression = "none",
+        expert_dispatch: DispatchMode = "flat",
+        expert_devices_per_node: Optional[int] = None,
+        expert_node_limit: Optional[int] = None,
         sequence_parallel: bool = True,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -340,7 +346,8 @@ class HybridParallelStrategy(ParallelStrategy):
     def _config_for_precision(self) -> ParallelismConfig:
         """The config with FSDP2's dtypes for the precision plugin's precision (:meth:`ParallelismConfig.with_precision`,
         the one place that decides them)."""
-        return self.parallelism.with_precision(getattr(self.precision_plugin, "precision", None))
+        config = self.parallelism.with_precision(getattr(self.precision_plugin, "precision", None))
+        return config.with_devices_per_node(max(1, self.num_processes))  # the cluster environment's: the ep ranks' nodes
 
     def _close_data_parallel(self) -> None:
         if self.data_parallel is not None:

@@ -76,3 +76,91 @@ def _compressed(rank: int, world: int) -> None:
 
 def test_compressed_dispatch_stays_within_the_codec_bound_and_sends_its_encoding():
     run_workers(_compressed, 2)
+
+
+# The hierarchical dispatch (a row per (token, node) over the inter-node hop, fanned out inside the node): ep 4 as 2
+# simulated nodes of 2 ranks (node = rank // devices_per_node), and ep 2 as 2 nodes of 1, in one process group.
+HE, HK = 8, 3
+
+
+def _hier_routing(rank: int, tokens: int, only: list[int] | None):
+    g = torch.Generator().manual_seed(300 + rank)
+    x = torch.randn(tokens, H, generator=g, dtype=torch.float64)
+    choices = torch.tensor(only if only is not None else list(range(HE)))
+    index = torch.stack([choices[torch.randperm(len(choices), generator=g)[:HK]] for _ in range(tokens)]) if tokens else torch.zeros(0, HK, dtype=torch.long)
+    return x, index, torch.rand(tokens, HK, generator=g, dtype=torch.float64)
+
+
+def _run_mode(reference, dims, mode, per_node, x, index, weights, dispatch="none"):
+    sharded = copy.deepcopy(reference)
+    layout = shard_experts(sharded, dims.build("cpu"), dispatch, mode, per_node)
+    x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
+    out = sharded(x, index, weights)
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out))
+    return layout, [out.detach(), x.grad, weights.grad, *(p.grad.to_local() for p in sharded.parameters())]
+
+
+def _remote_rows(index: torch.Tensor, node: int, experts_per_node: int) -> int:
+    """(token, node) pairs of ``index`` bound for another node than ``node``: the hierarchical dispatch's rows."""
+    nodes = index // experts_per_node
+    return sum(len(set(row) - {node}) for row in nodes.tolist())
+
+
+def _hierarchical(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    reference = PackedExperts(HE, H, I).double()
+    for ep, per_node in ((4, 2), (2, 1)):
+        dims = ParallelDims.resolve(world, data_parallel_size=world, expert_parallel_size=ep)
+        node, experts_per_node = (rank % ep) // per_node, HE // (ep // per_node)
+        cases = {
+            "random": (12, None),
+            "node 0 keeps its tokens": (12, list(range(experts_per_node)) if node == 0 else None),  # node 1 gets none from 0
+            "rank 1 routes none": (0 if rank == 1 else 12, None),
+        }
+        for name, (tokens, only) in cases.items():
+            x, index, weights = _hier_routing(rank, tokens, only)
+            flat_layout, flat = _run_mode(reference, dims, "flat", per_node, x, index, weights)
+            hier_layout, hier = _run_mode(reference, dims, "hierarchical", per_node, x, index, weights)
+            single = reference(x, index, weights)
+            torch.testing.assert_close(hier[0], single, rtol=0, atol=1e-12)
+            for a, b in zip(hier, flat):  # the same routing: outputs, input, weight and expert gradients
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=lambda m: f"ep{ep} {name}: {m}")
+            stats = hier_layout.stats
+            # one row per (token, remote node) crosses the inter-node link, and nothing else of the rows
+            rows = _remote_rows(index, node, experts_per_node)
+            row_bytes, pair_bytes = H * 8, 8 + 4  # float64 rows; each pair's float64 weight and int32 code
+            remote_pairs = int((index // experts_per_node != node).sum())
+            assert stats.link_bytes["dispatch"]["inter"] == rows * row_bytes + remote_pairs * pair_bytes, (ep, name)
+            # and each returns once: what the ranks send back is what they were sent (summed over the ranks)
+            returned = torch.tensor([stats.link_bytes["combine"]["inter"], rows * row_bytes])
+            dist.all_reduce(returned)
+            assert returned[0] == returned[1], (ep, name, returned)
+            assert stats.received_tokens == flat_layout.stats.received_tokens, (ep, name)
+            if name == "node 0 keeps its tokens" and node == 0:
+                assert stats.link_bytes["dispatch"]["inter"] == 0 == flat_layout.stats.link_bytes["dispatch"]["inter"]
+            if name == "random":  # k = 3 of 8 experts on 2 nodes: fewer rows cross than the flat dispatch's
+                assert stats.link_bytes["combine"]["inter"] < flat_layout.stats.link_bytes["combine"]["inter"], (ep, name)
+    # fp8 on the inter-node hop: within the codec's bound, and fewer bytes than the flat fp8 dispatch's
+    dims = ParallelDims.resolve(world, data_parallel_size=world, expert_parallel_size=4)
+    torch.manual_seed(0)
+    wide = PackedExperts(HE, 128, I).double()
+    g = torch.Generator().manual_seed(rank)
+    x, index = torch.randn(32, 128, generator=g, dtype=torch.float64), torch.stack([torch.randperm(HE, generator=g)[:HK] for _ in range(32)])
+    weights = torch.rand(32, HK, generator=g, dtype=torch.float64)
+    exact = wide(x, index, weights)
+    flat_layout, _ = _run_mode(wide, dims, "flat", 2, x, index, weights, "fp8")
+    hier_layout, hier = _run_mode(wide, dims, "hierarchical", 2, x, index, weights, "fp8")
+    assert (hier[0] - exact).abs().max() / exact.abs().max() < 4 * 2**-4
+    assert hier_layout.stats.link_bytes["dispatch"]["inter"] < flat_layout.stats.link_bytes["dispatch"]["inter"]
+    # refused where it cannot apply: the ep group on one node, or its nodes not aligned
+    for per_node, said in ((4, "sits on one node"), (3, "cannot split the ep group into nodes")):
+        try:
+            shard_experts(PackedExperts(HE, H, I).double(), dims.build("cpu"), "none", "hierarchical", per_node)
+        except ValueError as err:
+            assert said in str(err), str(err)
+        else:
+            raise AssertionError(f"expert_devices_per_node={per_node} was not refused")
+
+
+def test_hierarchical_dispatch_equals_one_process_and_the_flat_dispatch_and_counts_its_hops():
+    run_workers(_hierarchical, 4)

@@ -1,6 +1,9 @@
 """Expert parallelism trains to the parameters of single-process training (float64, tolerance from the numerics:
 tests/helpers.rounding_atol), on the example model and on Hugging Face mixture-of-experts models."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
@@ -42,21 +45,49 @@ def test_accumulation_and_activation_checkpointing_with_experts_sharded(recomput
     _fit_and_compare(2, 2, 1, 1, 2, 0.05, accumulate=2, gradient_checkpointing=recompute)
 
 
-def _fit_and_compare(dp, shard, pp, tp, ep, clip, accumulate=1, gradient_checkpointing=False):
+def _grouped() -> DeepSeekMini:
+    """DeepSeek-V3's group-limited routing: 4 experts in 2 groups, each token's 2 experts in its best group."""
+    seed_everything(7)
+    return DeepSeekMini(**MOE_MODEL, n_expert_groups=2, topk_expert_groups=1).double()
+
+
+@pytest.mark.parametrize(
+    "dp, shard, pp, ep, per_node",
+    [(4, 4, 1, 4, 2), (2, 1, 1, 2, 1), (2, 2, 1, 4, 2), (2, 1, 2, 2, 1)],
+    ids=[
+        "ep4-as-2-nodes-of-2-over-fsdp4", "ep2-as-2-nodes-of-1-over-dp2", "ep4-over-fsdp2xtp2-as-2-nodes-of-2",
+        "ep2-as-2-nodes-of-1-pp2",
+    ],
+)
+def test_hierarchical_dispatch_with_group_limited_routing_matches_single_process(dp, shard, pp, ep, per_node):
+    """A token crosses the (simulated: node = rank // expert_devices_per_node) inter-node hop once per node, each node
+    holding one expert group; with FSDP, with the tp peers in ep (tp = ep / dp_shard), with pp 2."""
+    tp = ep // shard if ep > shard else 1
+    _fit_and_compare(dp, shard, pp, tp, ep, 0.05, factory=_grouped, expert_dispatch="hierarchical", expert_devices_per_node=per_node)
+
+
+def test_the_opt_in_node_limit_trains_as_the_model_routed_by_node_groups():
+    """``expert_node_limit=1`` on the example model without groups, ep 4 as 2 nodes of 2 (flat dispatch): each token's
+    experts on one node, the parameters of one process training the model with one group per node, one per token."""
+    _fit_and_compare(4, 4, 1, 1, 4, 0.05, reference=_grouped, expert_devices_per_node=2, expert_node_limit=1)
+
+
+def _fit_and_compare(dp, shard, pp, tp, ep, clip, accumulate=1, gradient_checkpointing=False, factory=_tiny, reference=None, **dispatch):
     strategy = HybridParallelStrategy(
         data_parallel_size=dp, data_parallel_shard_size=shard, pipeline_parallel_size=pp, tensor_parallel_size=tp,
         expert_parallel_size=ep, num_microbatches=2, start_method="forkserver", gradient_checkpointing=gradient_checkpointing,
+        **dispatch,
     )
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=dp * pp * tp, max_steps=STEPS, logger=False, gradient_clip_val=clip,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
         accumulate_grad_batches=accumulate,
     )
-    module = _tiny()
+    module = factory()
     global_batch = PER_RANK_BATCH * dp * accumulate
     trainer.fit(module, loader(STEPS * global_batch, PER_RANK_BATCH))
     actual = {k: v.detach() for k, v in module.state_dict().items()}
-    assert_state_close(actual, reference_training(_tiny, STEPS, global_batch, clip=clip), STEPS)
+    assert_state_close(actual, reference_training(reference or factory, STEPS, global_batch, clip=clip), STEPS)
 
 
 HF_COMMON = dict(
@@ -66,6 +97,12 @@ HF_COMMON = dict(
 HF_MOE = {
     "qwen3_moe": dict(HF_COMMON, num_experts=4, moe_intermediate_size=16, norm_topk_prob=True),
     "mixtral": dict(HF_COMMON, num_local_experts=4),
+    # DeepSeek-V3's group-limited router: 4 experts in 2 groups, each token's 2 in its best group (routed in float32)
+    "deepseek_v3": dict(
+        HF_COMMON, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_group=2, topk_group=1,
+        first_k_dense_replace=1, moe_intermediate_size=16, kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=8,
+    ),
 }
 
 
@@ -109,6 +146,49 @@ def test_hugging_face_moe_families_train_with_experts_sharded(model_type, shard,
     trainer.fit(module, loader(STEPS * PER_RANK_BATCH * 2, PER_RANK_BATCH))
     actual = {k: v.detach() for k, v in module.state_dict().items()}
     assert_state_close(actual, reference_training(factory, STEPS, PER_RANK_BATCH * 2), STEPS, lr=1e-2)
+
+
+class _MeanLosses(Callback):
+    """Global rank 0 writes each step's loss, averaged over the (equal) data-parallel batches, to ``path`` (JSON)."""
+
+    def __init__(self, path) -> None:
+        self.path, self.losses = str(path), []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import torch.distributed as dist
+
+        loss = outputs["loss"].detach().clone()
+        dist.all_reduce(loss)
+        self.losses.append(float(loss) / dist.get_world_size())
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            Path(self.path).write_text(json.dumps(self.losses))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_hugging_face_moe_families_train_with_the_hierarchical_dispatch(model_type, tmp_path):
+    """ep 2 as 2 simulated nodes of 1 rank over FSDP 2: a token crosses once per node. Qwen3-MoE to the parameters of
+    one process; DeepSeek-V3 (each node one expert group) routes in float32 by design, so a last-bit difference can
+    flip a discrete expert choice: its losses compared, as tests/integration/test_hugging_face.py does."""
+    pytest.importorskip("transformers")
+    factory, recorder = _hugging_face(model_type), _MeanLosses(tmp_path / "losses.json")
+    strategy = HybridParallelStrategy(
+        data_parallel_size=2, data_parallel_shard_size=2, expert_parallel_size=2, expert_dispatch="hierarchical",
+        expert_devices_per_node=1, start_method="forkserver",
+    )
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, precision=PRECISION, callbacks=[recorder],
+    )
+    module = factory()
+    trainer.fit(module, loader(STEPS * PER_RANK_BATCH * 2, PER_RANK_BATCH))
+    expected_losses: list[float] = []
+    expected = reference_training(factory, STEPS, PER_RANK_BATCH * 2, losses=expected_losses)
+    assert json.loads((tmp_path / "losses.json").read_text()) == pytest.approx(expected_losses, rel=1e-4)
+    if model_type != "deepseek_v3":
+        actual = {k: v.detach() for k, v in module.state_dict().items()}
+        assert_state_close(actual, expected, STEPS, lr=1e-2)
 
 
 def _fit_for(steps: int, tmp_path, ckpt_path=None, **layout):
@@ -168,6 +248,7 @@ def test_the_monitor_counts_the_token_exchange_and_the_balance(tmp_path, capfd):
     pairs = 2 * PER_RANK_BATCH * SEQ_LEN * MOE_MODEL["n_activated_experts"]
     assert sum(rank["ep_tokens"] for rank in profile["ranks"]) == pytest.approx(pairs)
     assert all(rank["ep_bytes"] > 0 and rank["ep_comm"] > 0 for rank in profile["ranks"])
+    assert all(rank["ep_inter_bytes"] == 0 for rank in profile["ranks"])  # the cluster's one node of 2 devices
     # each MoE layer's step: counts, dispatch, combine forward; combine and dispatch gradients backward
     spans = [event for rank in record["trace"] for event in rank if event[0] == "ep collectives"]
     assert {event[1] for event in spans} == {"ep counts", "ep dispatch", "ep combine", "ep combine gradient", "ep dispatch gradient"}

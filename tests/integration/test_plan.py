@@ -189,6 +189,31 @@ def _routed_cyclically(module):
     return module
 
 
+def _routed_by_nodes(nodes: int, limit: int):
+    """Each token's experts as the planner assumes for the hierarchical dispatch (``balanced_node_index``: its ``k``
+    pairs over ``min(k, nodes)`` nodes, evenly over each node's experts), whatever its router chose."""
+    from lightning_ciuic.parallel.experts import balanced_node_index
+
+    def hook(experts, args, kwargs):
+        index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        spread = balanced_node_index(*index.shape, experts.gate_up_proj.shape[0], nodes, limit, index.device)
+        if len(args) > 1:
+            return (args[0], spread, *args[2:]), kwargs
+        return args, {**kwargs, "top_k_index": spread}
+
+    return hook
+
+
+def _deepseek_mini_on_2_nodes():
+    from lightning_ciuic.parallel.experts import packed_experts
+
+    # DeepSeek-V3's group limit: 2 groups of 2 experts, each token's 2 in 1 group (whole on a node: 1 node)
+    module = DeepSeekMini(**{**MODEL, "max_seq_len": 32, "v_head_dim": 24, "n_expert_groups": 2, "topk_expert_groups": 1})
+    for _, experts in packed_experts(module):
+        experts.register_forward_pre_hook(_routed_by_nodes(2, 1), with_kwargs=True)
+    return module
+
+
 MIXTRAL = dict(
     vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64,
     num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, num_local_experts=4,
@@ -208,7 +233,7 @@ def _mixtral():
     return _routed_cyclically(HuggingFaceCausalLM(model_type="mixtral", config=MIXTRAL))
 
 
-MODELS = {"llama": _llama, "deepseek-mini": _deepseek_mini, "mixtral": _mixtral}
+MODELS = {"llama": _llama, "deepseek-mini": _deepseek_mini, "mixtral": _mixtral, "deepseek-mini-2-nodes": _deepseek_mini_on_2_nodes}
 
 
 def _real_step(rank: int, world: int, layout: dict, out: str, model: str = "llama") -> None:
@@ -264,6 +289,11 @@ MOE_STEP_LAYOUTS = {
     "deepseek-mini-pp2-dp2-ep2": ("deepseek-mini", dict(pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2)),
     "mixtral-dp4-ep4": ("mixtral", dict(data_parallel_size=4, expert_parallel_size=4)),
     "mixtral-dp2-tp2-ep4": ("mixtral", dict(data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=4)),
+    # the hierarchical dispatch, ep 4 as 2 nodes of 2: its two hops (ep_node, ep_local) as the real run's
+    "deepseek-mini-fsdp4-ep4-hierarchical": ("deepseek-mini-2-nodes", dict(
+        data_parallel_size=4, data_parallel_shard_size=4, expert_parallel_size=4, expert_dispatch="hierarchical",
+        expert_devices_per_node=2, expert_dispatch_compression="fp8",
+    )),
 }
 # Each recomputation mode but "full" (the pipelined cases above recompute nothing): what it keeps is what the plan holds.
 RECOMPUTE_STEP_LAYOUTS = {
@@ -542,3 +572,29 @@ def test_selective_recomputation_of_hugging_face_deepseek_v3_with_sharded_expert
     )
     planned = plan_layout(build, layout, 8, optimizers=optimizers_of, step=StepSpec(1, 16))
     assert all(c.peak > 0 for c in planned.classes)  # (under ZeRO-3, the default before: the error above)
+
+
+def test_the_hierarchical_dispatch_plans_its_hops_on_their_links_with_fewer_inter_node_bytes():
+    """ep 4 as 2 nodes of 2 (replicated dp 4), DeepSeek-style groups (a token's experts on one node), fp8: the
+    inter-node hop's bytes all on the inter-node link, the intra-node hop's on the intra-node one, and the expert
+    dispatch's inter-node bytes at most 0.6x the flat all-to-all's (the bytes per hop are the real run's:
+    ``deepseek-mini-fsdp4-ep4-hierarchical`` above)."""
+    from lightning_ciuic.planner.estimate import Hardware, link_bytes
+
+    hardware = Hardware(100e12, 100e9, 10e9, devices_per_node=2)
+    inter = {}
+    for mode in ("flat", "hierarchical"):
+        config = ParallelismConfig(
+            data_parallel_size=4, expert_parallel_size=4, expert_dispatch=mode, expert_devices_per_node=2,
+            expert_dispatch_compression="fp8",
+        )
+        planned = plan_layout(_builder("deepseek-mini-2-nodes"), config, 4, optimizers=optimizers_of, step=STEP, hardware=hardware)
+        step = planned.pacing_step
+        dispatch = {axis: link_bytes({"all_to_all": by["all_to_all"]}, step.axis_ranks[axis], hardware) for axis, by in step.traffic.items() if "all_to_all" in by}
+        if mode == "hierarchical":
+            assert set(dispatch) == {"ep_node", "ep_local"}, dispatch
+            assert dispatch["ep_node"]["intra"] == 0 < dispatch["ep_node"]["inter"], dispatch
+            assert dispatch["ep_local"]["inter"] == 0 < dispatch["ep_local"]["intra"], dispatch
+            assert planned.estimate.axis_link_bytes["ep_node"] == dispatch["ep_node"]
+        inter[mode] = sum(by["inter"] for by in dispatch.values())
+    assert inter["hierarchical"] <= 0.6 * inter["flat"], inter

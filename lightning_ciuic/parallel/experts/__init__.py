@@ -10,6 +10,10 @@ One module per job, each with its contract:
 * :mod:`.forward`: the replaced forward (:func:`expert_parallel_forward`): route, dispatch, compute, combine; the
   split over tensor-parallel peers.
 * :mod:`.dispatch`: the routing counted and exchanged, the rows' all-to-alls (compressed dispatch, timed).
+* :mod:`.pairs`: (row, expert) pairs to their experts' ranks and back (:func:`dispatch_pairs`), what both dispatches run.
+* :mod:`.hierarchical`: the hierarchical dispatch (once per node over the inter-node hop, fanned out inside the node).
+* :mod:`.nodes`: which ep ranks share a node, the hierarchical dispatch's two hops, a router's group limit as a node
+  limit (:func:`group_alignment`) and DeepSeek-V3's group-limited routing (:func:`group_limited_top_k`).
 * :mod:`.gemm`: the local experts run by grouped GEMM or a loop (:func:`run_local_experts`).
 * :mod:`.grad_scale`: the experts' gradient scale (``1/ep_data_ranks``).
 * :mod:`.counts`: :class:`RoutedTokens`, the tokens routed to each expert.
@@ -21,29 +25,39 @@ No Lightning imports.
 
 from lightning_ciuic.parallel.experts.counts import RoutedTokens
 from lightning_ciuic.parallel.experts.forward import expert_parallel_forward
+from lightning_ciuic.parallel.experts.hierarchical import balanced_node_index
 from lightning_ciuic.parallel.experts.layout import (
     DISPATCH_COMPRESSIONS,
+    DISPATCH_MODES,
     DispatchCompression,
+    DispatchMode,
     DispatchStats,
     ExpertLayout,
     dispatch_codec,
     is_packed_experts,
     packed_experts,
 )
+from lightning_ciuic.parallel.experts.nodes import ExpertNodes, group_alignment, group_limited_top_k
 from lightning_ciuic.parallel.experts.shard import shard_experts
 from lightning_ciuic.parallel.experts.takeover import FORM, check_takeover, dispatched_output
 
 __all__ = [
     "DISPATCH_COMPRESSIONS",
+    "DISPATCH_MODES",
     "FORM",
     "DispatchCompression",
+    "DispatchMode",
     "DispatchStats",
     "ExpertLayout",
+    "ExpertNodes",
+    "balanced_node_index",
     "RoutedTokens",
     "check_takeover",
     "dispatch_codec",
     "dispatched_output",
     "expert_parallel_forward",
+    "group_alignment",
+    "group_limited_top_k",
     "is_packed_experts",
     "packed_experts",
     "shard_experts",

@@ -2,18 +2,20 @@
 
 Contract:
 
-* :func:`routing(layout, flat, n_experts)`: where one rank's ``T k`` (token, expert) pairs go (``flat``: each pair's
+* :func:`routing(layout, flat, n_experts, mesh=None)`: where one rank's ``T k`` (token, expert) pairs go (``flat``: each pair's
   expert): the counts exchanged over the ``ep`` group (one small all-to-all, one device sync), the rows to and from
   each rank, and of what arrives, each row's local expert (grouped by source rank, then expert) and the rows of each
   local expert (:class:`Routing`). :func:`balanced_routing`: the same as if every rank of the group routed as many
   pairs as this one, spread evenly over the experts, whatever their values (``ExpertLayout.assume_balanced``: the
   planner's step on fake tensors): the counts exchanged, every size and every tensor allocated as a real balanced
   step's.
-* :class:`Exchange` (``Exchange.apply(rows, send_rows, recv_rows, layout, codec, direction)``): ``send_rows[j]`` rows
-  to rank ``j`` of the ``ep`` group by ``all_to_all_single`` with uneven splits, forward ``codec``-encoded (each
+* :class:`Exchange` (``Exchange.apply(rows, send_rows, recv_rows, layout, codec, direction, mesh=None, hop=None)``):
+  ``send_rows[j]`` rows to rank ``j`` of ``mesh`` (the ``ep`` group by default; the hierarchical dispatch's hops) by
+  ``all_to_all_single`` with uneven splits, forward ``codec``-encoded (each
   destination's rows one block-scaled piece; ``None``: the rows' own bytes, exactly: ``fp8`` e4m3 / ``int8`` codes with
   a float32 scale per 128 values, ``bf16`` a cast), backward the gradients' own bytes. ``direction`` ``"dispatch"`` or
-  ``"combine"``: what left this rank is added to ``stats.<direction>_bytes`` / ``_rows``.
+  ``"combine"``: what left this rank is added to ``stats.<direction>_bytes`` / ``_rows``, and by link to
+  ``stats.link_bytes[direction]`` (``hop``: the link of every rank of ``mesh``; ``None``: each ep rank's own).
 * :func:`all_to_all_timed`: every all-to-all of the dispatch; every rank calls it, with or without anything to send;
   its seconds go to ``layout.stats`` (a :class:`~lightning_ciuic.wire.timing.DeviceClock`: on a GPU, events on the
   stream), and on the CPU each is also a span on the process timeline's ``ep collectives`` track (the monitor's
@@ -25,10 +27,11 @@ No Lightning imports.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.timeline import timeline
@@ -37,11 +40,15 @@ if TYPE_CHECKING:
     from lightning_ciuic.parallel.experts.layout import ExpertLayout
 
 
-def all_to_all_timed(received: torch.Tensor, send: torch.Tensor, recv_splits: list[int], send_splits: list[int], layout: ExpertLayout, name: str) -> torch.Tensor:
-    """``all_to_all_single`` over the layout's ep group, timed into its stats (see the module docstring)."""
+def all_to_all_timed(
+    received: torch.Tensor, send: torch.Tensor, recv_splits: list[int], send_splits: list[int], layout: ExpertLayout, name: str,
+    mesh: Optional[DeviceMesh] = None,
+) -> torch.Tensor:
+    """``all_to_all_single`` over ``mesh`` (the layout's ep group by default), timed into its stats (see the module
+    docstring)."""
     clock = layout.clock
     start = clock.mark()
-    dist.all_to_all_single(received, send, recv_splits, send_splits, group=layout.ep_mesh.get_group())
+    dist.all_to_all_single(received, send, recv_splits, send_splits, group=(mesh or layout.ep_mesh).get_group())
     end = clock.mark()
     clock.add(start, end, layout.stats.add_seconds)
     if not clock.cuda:  # host times are the collective's own on the CPU; on a GPU they would be its queueing
@@ -49,9 +56,9 @@ def all_to_all_timed(received: torch.Tensor, send: torch.Tensor, recv_splits: li
     return received
 
 
-def _all_to_all_bytes(send: torch.Tensor, send_bytes: list[int], recv_bytes: list[int], layout: ExpertLayout, name: str) -> torch.Tensor:
+def _all_to_all_bytes(send: torch.Tensor, send_bytes: list[int], recv_bytes: list[int], layout: ExpertLayout, name: str, mesh: DeviceMesh) -> torch.Tensor:
     """Flat bytes exchanged with uneven splits."""
-    return all_to_all_timed(send.new_empty(sum(recv_bytes)), send, recv_bytes, send_bytes, layout, name)
+    return all_to_all_timed(send.new_empty(sum(recv_bytes)), send, recv_bytes, send_bytes, layout, name, mesh)
 
 
 def _flat_bytes(rows: torch.Tensor) -> torch.Tensor:
@@ -62,8 +69,9 @@ class Exchange(torch.autograd.Function):
     """Rows to their ranks through an all-to-all (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, rows, send_rows, recv_rows, layout, codec, direction):  # type: ignore[override]
-        ctx.send_rows, ctx.recv_rows, ctx.layout, ctx.direction = send_rows, recv_rows, layout, direction
+    def forward(ctx, rows, send_rows, recv_rows, layout, codec, direction, mesh=None, hop=None):  # type: ignore[override]
+        mesh = mesh or layout.ep_mesh
+        ctx.send_rows, ctx.recv_rows, ctx.layout, ctx.direction, ctx.mesh = send_rows, recv_rows, layout, direction, mesh
         width, dtype = rows.shape[1], rows.dtype
         if codec is None:
             row_bytes = width * rows.element_size()
@@ -72,10 +80,8 @@ class Exchange(torch.autograd.Function):
         else:
             send_bytes, recv_bytes = [codec.nbytes(n * width) for n in send_rows], [codec.nbytes(n * width) for n in recv_rows]
             payload = torch.cat([codec.encode(piece.reshape(-1).float()) for piece in rows.split(send_rows)])
-        received = _all_to_all_bytes(payload, send_bytes, recv_bytes, layout, direction)
-        stats, me = layout.stats, layout.ep_mesh.get_local_rank()
-        setattr(stats, f"{direction}_bytes", getattr(stats, f"{direction}_bytes") + sum(send_bytes) - send_bytes[me])
-        setattr(stats, f"{direction}_rows", getattr(stats, f"{direction}_rows") + sum(send_rows) - send_rows[me])
+        received = _all_to_all_bytes(payload, send_bytes, recv_bytes, layout, direction, mesh)
+        layout.stats.count(direction, send_bytes, send_rows, mesh.get_local_rank(), layout.hop_of(mesh, hop))
         if codec is None:
             return received.view(dtype).view(-1, width)
         pieces = [
@@ -87,8 +93,8 @@ class Exchange(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         width, row_bytes = grad.shape[1], grad.shape[1] * grad.element_size()
         send_bytes, recv_bytes = [n * row_bytes for n in ctx.recv_rows], [n * row_bytes for n in ctx.send_rows]
-        back = _all_to_all_bytes(_flat_bytes(grad), send_bytes, recv_bytes, ctx.layout, f"{ctx.direction} gradient")
-        return back.view(grad.dtype).view(-1, width), None, None, None, None, None
+        back = _all_to_all_bytes(_flat_bytes(grad), send_bytes, recv_bytes, ctx.layout, f"{ctx.direction} gradient", ctx.mesh)
+        return back.view(grad.dtype).view(-1, width), None, None, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -102,13 +108,14 @@ class Routing:
     per_local_expert: list[int]
 
 
-def routing(layout: ExpertLayout, flat: torch.Tensor, n_experts: int) -> Routing:
-    """The routing of the pairs ``flat`` (each one's expert), counted and exchanged (one small all-to-all)."""
-    ep = layout.ep_mesh.size()
+def routing(layout: ExpertLayout, flat: torch.Tensor, n_experts: int, mesh: Optional[DeviceMesh] = None) -> Routing:
+    """The routing of the pairs ``flat`` (each one's expert of the ``n_experts`` that ``mesh``, the layout's ep group
+    by default, holds), counted and exchanged (one small all-to-all)."""
+    ep = (mesh or layout.ep_mesh).size()
     local = n_experts // ep
     counts = torch.bincount(flat, minlength=n_experts)
     arriving = torch.empty_like(counts)
-    all_to_all_timed(arriving, counts, [local] * ep, [local] * ep, layout, "counts")  # [source rank, local expert] tokens coming here
+    all_to_all_timed(arriving, counts, [local] * ep, [local] * ep, layout, "counts", mesh)  # [source rank, local expert] tokens coming here
     arriving = arriving.view(ep, local)
     sizes = torch.cat([counts.view(ep, local).sum(1), arriving.sum(1), arriving.sum(0)]).tolist()  # one device sync
     send_rows, recv_rows = sizes[:ep], sizes[ep : 2 * ep]
@@ -118,14 +125,15 @@ def routing(layout: ExpertLayout, flat: torch.Tensor, n_experts: int) -> Routing
     return Routing(send_rows, recv_rows, expert_of_row, sizes[2 * ep :])
 
 
-def balanced_routing(layout: ExpertLayout, flat: torch.Tensor, n_experts: int) -> Routing:
+def balanced_routing(layout: ExpertLayout, flat: torch.Tensor, n_experts: int, mesh: Optional[DeviceMesh] = None) -> Routing:
     """:func:`routing` as if every rank of the ep group routed as many pairs as this one, spread evenly over the experts
     (expert ``e`` gets ``P // E`` of the ``P`` pairs, one more for ``e < P % E``), whatever their values."""
-    ep, me = layout.ep_mesh.size(), layout.ep_mesh.get_local_rank()
+    mesh = mesh or layout.ep_mesh
+    ep, me = mesh.size(), mesh.get_local_rank()
     local, pairs = n_experts // ep, flat.numel()
     counts = [pairs // n_experts + (1 if e < pairs % n_experts else 0) for e in range(n_experts)]
     exchanged = flat.new_empty(n_experts)
-    all_to_all_timed(torch.empty_like(exchanged), exchanged, [local] * ep, [local] * ep, layout, "counts")
+    all_to_all_timed(torch.empty_like(exchanged), exchanged, [local] * ep, [local] * ep, layout, "counts", mesh)
     mine = counts[me * local : (me + 1) * local]
     arrived = ep * sum(mine)
     expert_of_row = flat.new_empty(arrived)

@@ -5,8 +5,11 @@ pairs sorted by expert, their routing exchanged (:mod:`~lightning_ciuic.parallel
 their experts' ranks (``codec``-encoded: the dispatch compression), the local experts run on what arrived
 (:func:`~lightning_ciuic.parallel.experts.gemm.run_local_experts`, their gradients scaled by the layout's
 ``grad_scale``), the results sent back in the working precision, and each token's outputs summed with its routing
-weights, on the sender (the router's gradient stays local). A rank that receives no token still takes part in every
-collective. Backward runs the same exchanges in reverse, in the working precision.
+weights, on the sender (the router's gradient stays local): :func:`~lightning_ciuic.parallel.experts.pairs.dispatch_pairs`
+over the ep group. With ``layout.mode == "hierarchical"`` the same result by
+:func:`~lightning_ciuic.parallel.experts.hierarchical.hierarchical_dispatch_and_combine` (once per node over the
+inter-node hop, fanned out inside the node). A rank that receives no token still takes part in every collective.
+Backward runs the same exchanges in reverse, in the working precision.
 
 Over tensor-parallel peers (``layout.tp_mesh``: ``ep`` takes the tp peers too, which hold the same tokens): each peer
 dispatches its share of the tokens, and the shares' outputs are all-gathered; the inputs' gradients are summed over the
@@ -21,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ciuic.parallel.experts.dispatch import Exchange, balanced_routing, routing
-from lightning_ciuic.parallel.experts.gemm import run_local_experts
+from lightning_ciuic.parallel.experts.hierarchical import hierarchical_dispatch_and_combine
 from lightning_ciuic.parallel.experts.layout import ExpertLayout
+from lightning_ciuic.parallel.experts.pairs import dispatch_pairs
 from lightning_ciuic.parallel.tensor import sum_grad_over
 
 LAYOUT_ATTRIBUTE = "_expert_layout"  # where shard_experts keeps a sharded module's ExpertLayout
@@ -71,22 +74,11 @@ class _GatherShares(torch.autograd.Function):
 
 
 def _dispatch_and_combine(self, layout: ExpertLayout, hidden, top_k_index, top_k_weights) -> torch.Tensor:
-    """Route, send, compute, send back, combine (see the module docstring)."""
-    n_experts = self.gate_up_proj.shape[0]
-    tokens, k = top_k_index.shape
-    flat = top_k_index.reshape(-1)
-    order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, so by destination rank
-    source_token = order // k
-    routed = (balanced_routing if layout.assume_balanced else routing)(layout, flat, n_experts)
-    received = Exchange.apply(
-        hidden.index_select(0, source_token), routed.send_rows, routed.recv_rows, layout, layout.codec, "dispatch"
+    """Route, send, compute, send back, combine (see the module docstring): flat, or hierarchical by the layout."""
+    if layout.mode == "hierarchical":
+        return hierarchical_dispatch_and_combine(self, layout, hidden, top_k_index, top_k_weights)
+    k = top_k_index.shape[1]
+    pair_row = torch.arange(top_k_index.numel(), device=top_k_index.device) // k
+    return dispatch_pairs(
+        self, layout, hidden, pair_row, top_k_index.reshape(-1), top_k_weights.reshape(-1), layout.ep_mesh, layout.codec, None,
     )
-    # what arrived is grouped by source rank, then expert; the experts want it grouped by expert
-    by_expert = routed.expert_of_row.argsort(stable=True)
-    computed = run_local_experts(self, received.index_select(0, by_expert), routed.per_local_expert, layout.grad_scale)
-    layout.stats.received_tokens += computed.shape[0]
-    unsorted = torch.empty_like(computed).index_copy(0, by_expert, computed)
-    returned = Exchange.apply(unsorted, routed.recv_rows, routed.send_rows, layout, None, "combine")
-    weights = top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(returned.dtype)
-    combined = hidden.new_zeros((tokens, returned.shape[1]), dtype=returned.dtype)
-    return combined.index_add(0, source_token, returned * weights).to(hidden.dtype)

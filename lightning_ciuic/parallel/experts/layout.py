@@ -13,8 +13,12 @@ Contract:
   (:func:`~lightning_ciuic.parallel.experts.grad_scale.expert_grad_scale`), the tensor-parallel peers that split
   their tokens (``dims.ep_over_tp``), a :class:`~lightning_ciuic.wire.timing.DeviceClock` and the
   :class:`DispatchStats` the forwards add to. ``assume_balanced``: route as if balanced (the planner's fake tensors).
-* :class:`DispatchStats`: running totals of the bytes each way, the rows this rank's experts computed and the
-  seconds spent in the all-to-alls.
+  ``mode``: ``"flat"`` (one all-to-all over the ep group, a row per (token, expert)) or ``"hierarchical"`` (a row per
+  (token, node) over the inter-node hop, fanned out inside the node: :mod:`~lightning_ciuic.parallel.experts.hierarchical`),
+  the nodes from ``devices_per_node`` (:mod:`~lightning_ciuic.parallel.experts.nodes`; ``hops`` the two hops' meshes,
+  hierarchical only, refused where it cannot apply).
+* :class:`DispatchStats`: running totals of the bytes each way (and by the link they crossed, ``link_bytes``), the rows
+  this rank's experts computed and the seconds spent in the all-to-alls.
 
 No Lightning imports.
 """
@@ -34,9 +38,12 @@ from lightning_ciuic.wire.timing import DeviceClock
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.dims import Meshes, ParallelDims
 from lightning_ciuic.parallel.experts.grad_scale import expert_grad_scale
+from lightning_ciuic.parallel.experts.nodes import ExpertNodes, expert_nodes
 
 DispatchCompression = Literal["none", "bf16", "fp8", "int8"]
 DISPATCH_COMPRESSIONS = ("none", "bf16", "fp8", "int8")
+DispatchMode = Literal["flat", "hierarchical"]
+DISPATCH_MODES = ("flat", "hierarchical")
 DISPATCH_BLOCK = 128  # values per scale of the fp8/int8 dispatch (DeepSeek-V3's 1x128 activation tiles)
 
 
@@ -72,9 +79,21 @@ class DispatchStats:
     combine_rows: int = 0
     received_tokens: int = 0  # rows this rank's experts computed
     seconds: float = 0.0  # in the token all-to-alls, forward and backward (waiting for the other ranks included)
+    # the same bytes (forward) by the link they crossed: {"dispatch": {"intra": n, "inter": n}, "combine": {...}}
+    link_bytes: dict[str, dict[str, int]] = field(
+        default_factory=lambda: {direction: {"intra": 0, "inter": 0} for direction in ("dispatch", "combine")}
+    )
 
     def add_seconds(self, seconds: float) -> None:
         self.seconds += seconds
+
+    def count(self, direction: str, send_bytes: Sequence[int], send_rows: Sequence[int], me: int, links: Sequence[str]) -> None:
+        """An exchange's bytes and rows to the other ranks (``links[j]``: the link to rank ``j`` of its group)."""
+        setattr(self, f"{direction}_bytes", getattr(self, f"{direction}_bytes") + sum(send_bytes) - send_bytes[me])
+        setattr(self, f"{direction}_rows", getattr(self, f"{direction}_rows") + sum(send_rows) - send_rows[me])
+        for j, (n, link) in enumerate(zip(send_bytes, links)):
+            if j != me:
+                self.link_bytes[direction][link] += n
 
 
 @dataclass
@@ -85,11 +104,16 @@ class ExpertLayout:
     meshes: Meshes
     modules: dict[str, nn.Module]
     dispatch: DispatchCompression = "none"
+    mode: DispatchMode = "flat"
+    devices_per_node: Optional[int] = None  # None: the ep group on one node
+    node_limit: Optional[int] = None  # the most nodes a token's router lets it reach (grouped routers; None: any)
     stats: DispatchStats = field(default_factory=DispatchStats)
     codec: Optional[Codec] = field(init=False)
     grad_scale: float = field(init=False)
     tp_mesh: Optional[DeviceMesh] = field(init=False)
     clock: DeviceClock = field(init=False)
+    nodes: ExpertNodes = field(init=False)
+    hops: Optional[tuple[DeviceMesh, DeviceMesh]] = field(init=False)  # (inter-node, intra-node) meshes: hierarchical
     assume_balanced: bool = False  # route as if balanced, whatever the router chose (the planner's fake tensors)
 
     def __post_init__(self) -> None:
@@ -97,6 +121,14 @@ class ExpertLayout:
         self.codec = dispatch_codec(self.dispatch)
         self.grad_scale = expert_grad_scale(self.dims)
         self.tp_mesh = self.meshes.mesh(Axis.TP) if self.dims.ep_over_tp else None  # peers that split their tokens
+        if self.mode not in DISPATCH_MODES:
+            raise ValueError(f"expert_dispatch={self.mode!r}: use one of {list(DISPATCH_MODES)}.")
+        self.nodes = expert_nodes(self.ep_mesh, self.devices_per_node)
+        self.hops = self.nodes.hops(self.ep_mesh) if self.mode == "hierarchical" else None
+
+    def hop_of(self, mesh: DeviceMesh, hop: Optional[str]) -> list[str]:
+        """The link to each rank of ``mesh``: ``hop`` for one of the hierarchical dispatch's, else the ep group's."""
+        return [hop] * mesh.size() if hop is not None else self.nodes.link
 
     @property
     def dims(self) -> ParallelDims:

@@ -1,0 +1,191 @@
+"""The hierarchical expert dispatch against the flat one on two simulated nodes: bytes on the inter-node link, step time.
+
+The model: the example DeepSeek-style decoder with DeepSeek-V3's group-limited routing (``MOE``: 32 routed experts in
+4 groups, each token's 8 experts in its best 2 groups), ep=4 over dp=4 as 2 nodes of 2 ranks (``num_nodes=2,
+devices=2``: the ep ranks' nodes are the cluster environment's, each node holds 2 whole groups, so a token reaches at
+most 2 nodes). Both dispatches route the same way (same seed, same data, the same maths: equal in float64,
+tests/distributed/test_expert_dispatch.py).
+
+Needs root (benchmarks/sim_cluster.py): two network namespaces joined by a ``--rate`` link, two processes in each (what
+they send each other stays inside the namespace, off its link). Variants ``flat`` and ``hierarchical``, each with the
+dispatch uncompressed and in ``fp8``, alternating for ``--rounds`` rounds of ``--steps`` steps. Per step, after
+``WARMUP`` steps: the bytes that crossed the inter-node link (the sum of both nodes' interface counters, ``tx_bytes``,
+every byte gloo sent, headers and the data-parallel gradient sync included), the expert dispatch's own inter-node bytes
+as its counters count them (``DispatchStats.link_bytes``: forward, summed over the ranks), and the step time (median);
+each as a ratio to ``flat`` with the same compression, per round (median and spread).
+
+Writes the ``expert_dispatch`` section of docs/benchmarks.md (``--dry-run``: prints it only).
+
+    sudo .venv/bin/python benchmarks/expert_dispatch.py [--rate 1gbit] [--steps 14] [--rounds 3] [--batch-size 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from benchmarks.common import StepTimer, machine, median_after_warmup, write_section  # noqa: E402
+from benchmarks.sim_cluster import SimulatedCluster, available, run_nodes  # noqa: E402
+
+WARMUP = 4
+NODES, PER_NODE = 2, 2
+MOE = dict(
+    dim=128, n_layers=4, n_routed_experts=32, n_activated_experts=8, n_expert_groups=4, topk_expert_groups=2,
+    moe_inter_dim=64, n_dense_layers=1,
+)
+VARIANTS = ("flat", "hierarchical", "flat fp8", "hierarchical fp8")
+
+
+def _strategy(variant: str):
+    from lightning_ciuic import HybridParallelStrategy
+
+    mode, _, codec = variant.partition(" ")
+    return HybridParallelStrategy(
+        data_parallel_size=NODES * PER_NODE, expert_parallel_size=NODES * PER_NODE, expert_dispatch=mode,
+        expert_dispatch_compression=codec or "none",
+    )
+
+
+def _tx_bytes(interface: str) -> int:
+    path = Path(f"/sys/class/net/{interface}/statistics/tx_bytes")
+    return int(path.read_text()) if path.exists() else 0
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from lightning.pytorch import Callback, Trainer, seed_everything
+
+    from examples.data import ByteCorpusDataModule
+    from examples.deepseek import DeepSeekMini
+
+    interface = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    report: dict = {}
+
+    class Measure(Callback):
+        """Interface and dispatch counters from the end of warm-up to the end of training, summed over the nodes."""
+
+        def _counters(self, trainer) -> tuple[float, float]:
+            stats = trainer.strategy.parallelized.experts.stats
+            return float(_tx_bytes(interface)), float(sum(by["inter"] for by in stats.link_bytes.values()))
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == WARMUP:
+                self.start = self._counters(trainer)
+
+        def on_train_end(self, trainer, pl_module):
+            steps = max(trainer.global_step - WARMUP, 1)
+            end = self._counters(trainer)
+            local_first = float(int(os.environ.get("LOCAL_RANK", "0")) == 0)  # one reader of each node's interface
+            mine = torch.tensor([(end[0] - self.start[0]) * local_first, end[1] - self.start[1]], dtype=torch.float64)
+            dist.all_reduce(mine)
+            report["wire_bytes_per_step"], report["dispatch_inter_bytes_per_step"] = (float(v) / steps for v in mine)
+
+    seed_everything(0)
+    torch.set_num_threads(1)
+    trainer = Trainer(
+        strategy=_strategy(args.variant), accelerator="cpu", devices=PER_NODE, num_nodes=NODES, max_steps=args.steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, callbacks=[StepTimer(args.out), Measure()],
+    )
+    trainer.fit(DeepSeekMini(**MOE), ByteCorpusDataModule(seq_len=64, batch_size=args.batch_size))
+    if trainer.is_global_zero:
+        Path(args.out + ".report").write_text(json.dumps(report))
+
+
+def run(variant: str, args: argparse.Namespace, workdir: Path, cluster) -> dict:
+    out = workdir / f"{variant.replace(' ', '_')}.json"
+    argv = [sys.executable, __file__, "--worker", "--variant", variant, "--steps", str(args.steps), "--batch-size",
+            str(args.batch_size), "--out", str(out)]
+    run_nodes(argv, cluster, NODES, PER_NODE)
+    result = {**json.loads(out.read_text()), **json.loads(Path(str(out) + ".report").read_text())}
+    result["step"] = median_after_warmup(result["times"], WARMUP)
+    return result
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f}x ({min(values):.3f}-{max(values):.3f})"
+
+
+def measure(args: argparse.Namespace, workdir: Path) -> str:
+    reason = available()
+    if reason:
+        return f"Not run: {reason}."
+    results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    with SimulatedCluster(nodes=NODES, rate=args.rate) as cluster:
+        for r in range(args.rounds):
+            for variant in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+                result = run(variant, args, workdir, cluster)
+                results[variant].append(result)
+                print(f"DISPATCH round {r} {variant}: {result['step']:.3f} s, wire {result['wire_bytes_per_step'] / 1e6:.2f}"
+                      f" MB/step, dispatch inter-node {result['dispatch_inter_bytes_per_step'] / 1e6:.2f} MB/step", flush=True)
+    rows = []
+    for variant in VARIANTS:
+        runs, flat = results[variant], results[variant.replace("hierarchical", "flat")]
+        ratio = {key: [a[key] / b[key] for a, b in zip(runs, flat)] for key in ("wire_bytes_per_step", "dispatch_inter_bytes_per_step", "step")}
+        rows.append(
+            f"| {variant} | {statistics.median(r['wire_bytes_per_step'] for r in runs) / 1e6:.2f} | {_spread(ratio['wire_bytes_per_step'])} |"
+            f" {statistics.median(r['dispatch_inter_bytes_per_step'] for r in runs) / 1e6:.2f} | {_spread(ratio['dispatch_inter_bytes_per_step'])} |"
+            f" {statistics.median(r['step'] for r in runs):.3f} | {_spread(ratio['step'])} |"
+        )
+    return "\n".join([
+        f"Two simulated nodes at {args.rate}, two processes each (ep=4 over dp=4), {args.steps} steps ({WARMUP} warm-up),"
+        f" batch {args.batch_size} x 64 tokens per rank, {args.rounds} alternating rounds. Wire: both nodes' interface"
+        " counters (tx_bytes; everything that crossed the link, the dense gradients' all-reduce included); dispatch:"
+        " the expert dispatch's own inter-node bytes, forward (DispatchStats.link_bytes), summed over the ranks; ratios"
+        " to flat with the same compression, per round.",
+        "",
+        "| dispatch | wire MB/step | vs flat | dispatch inter-node MB/step | vs flat | step (s) | vs flat |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        "Target (hierarchical against flat, same routing): bytes crossing the inter-node link per step <= 0.5x.",
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--variant", default="flat")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--dry-run", action="store_true", help="print the section, do not write docs/benchmarks.md")
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    from examples.deepseek import DeepSeekMini
+    from lightning_ciuic.parallel.experts import packed_experts
+
+    model = DeepSeekMini(**MOE)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for _, m in packed_experts(model) for p in m.parameters())
+    with tempfile.TemporaryDirectory() as tmp:
+        section = "\n".join([
+            "## Expert parallelism: hierarchical dispatch",
+            "",
+            f"`sudo .venv/bin/python benchmarks/expert_dispatch.py --rate {args.rate} --steps {args.steps} --rounds"
+            f" {args.rounds} --batch-size {args.batch_size}` on {machine()}. Model: the example decoder with"
+            f" {MOE['n_routed_experts']} routed experts per layer in {MOE['n_expert_groups']} groups, each token's"
+            f" {MOE['n_activated_experts']} in its best {MOE['topk_expert_groups']} groups, {total / 1e6:.2f}M parameters"
+            f" of which {experts / 1e6:.2f}M in routed experts.",
+            "",
+            measure(args, Path(tmp)),
+        ])
+    print(section)
+    if not args.dry_run:
+        write_section("expert_dispatch", section)
+
+
+if __name__ == "__main__":
+    main()
