@@ -22,29 +22,21 @@ Contract:
   Where the LightningModule is itself an FSDP2 root, every step is routed through its ``forward``
   (:mod:`~lightning_ciuic.strategies.redirection`).
 * Data parallel over the ``dp`` axis goes through one :class:`~lightning_ciuic.comm.data_parallel.DataParallel`
-  engine (``self.data_parallel``), driven at four points: set-up, the start of each step, ``no_sync`` for
-  accumulation, after backward. Today's engine is :class:`~lightning_ciuic.comm.data_parallel.Replicated`: our
-  own bucketed synchronizer (not torch DDP), overlapped with backward, skipped on accumulation micro-steps,
-  bounded by ``sync_timeout``, compressed as a :class:`~lightning_ciuic.comm.compression.CompressionConfig`
-  built from the ``communication_compression`` arguments says (error feedback, ring/tree, ``"auto"`` decided
-  from measured step times). ``comm/bytes_sent`` and ``comm/sync_time`` (the previous synchronization) are
-  logged every training step.
-* Pipeline parallel (``pipeline_parallel_size > 1``): after ``configure_model()`` the module (a
-  :class:`~lightning_ciuic.parallel.pipeline_module.PipelineModule`) is cut into stages over the ``pp`` axis,
-  this rank's kept in place; its steps run through the pipeline schedule (``self.pipelined_loss(batch)``),
-  which does the backward itself, so the strategy's backward only runs Lightning's hooks and then averages
-  the accumulated gradients over ``dp``. The idle fraction of the previous step is logged as
-  ``pipeline/bubble``.
+  engine (``self.data_parallel``, made by :func:`~lightning_ciuic.comm.engines.build_engine`: replicated, sharded
+  with its ZeRO stage, or DiLoCo), driven at four points: set-up, the start of each step, ``no_sync`` for
+  accumulation, after backward. ``comm/bytes_sent`` and ``comm/sync_time`` are logged every training step.
+* Pipeline parallel (``pipeline_parallel_size > 1``): the module (a
+  :class:`~lightning_ciuic.parallel.pipeline_module.PipelineModule`) is cut into stages over the ``pp`` axis; its
+  steps run through the pipeline schedule, which does the backward itself (``pipeline/bubble`` logged).
 * Loaders split data over the ``dp`` axis only; every ``pp`` and ``tp`` rank of a replica sees the same batch:
   Lightning's samplers by ``distributed_sampler_kwargs``, LitData's streaming datasets, the user's
   ``DistributedSampler`` s and iterable datasets with ``set_data_parallel(rank, size)`` pointed at the data-parallel
   world by :mod:`~lightning_ciuic.data.world`. On the first training step and after every restore the ranks of a
   replica compare a hash of their batch (:mod:`~lightning_ciuic.data.check`) and stop, saying why, where they differ.
 * Gradient clipping by norm uses the global norm across tensor-parallel shards and pipeline stages.
-* Checkpoints are ``torch.distributed.checkpoint`` directories (sharded state, any layout can load
-  them, the non-tensor Lightning state inside as one object), or, with ``AsyncCheckpointer`` /
-  ``ChunkedCheckpointIO``, chunked, asynchronous, incremental checkpoints on any fsspec storage;
-  ``Trainer.fit(ckpt_path=...)`` resumes exactly, also in another (pp, dp, tp) layout.
+* Checkpoints are ``torch.distributed.checkpoint`` directories any layout can load, or, with ``AsyncCheckpointer``
+  / ``ChunkedCheckpointIO``, chunked, asynchronous, incremental checkpoints on any fsspec storage;
+  ``Trainer.fit(ckpt_path=...)`` resumes exactly, also in another layout.
 """
 
 from __future__ import annotations
