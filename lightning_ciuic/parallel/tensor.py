@@ -81,6 +81,14 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_ciuic.parallel.regather import (
+    ColwiseSavingShard,
+    ReplicatedSavingShard,
+    forget_gathered,
+    record_gathered,
+    save_shard_when_replicated,
+)
+
 
 def _sharded_dimension(module: nn.Module, style: ParallelStyle) -> tuple[str, int] | None:
     """The (name, size) of the dimension ``style`` splits on ``module``, or None if it splits none we know."""
@@ -176,16 +184,21 @@ class SequenceLayout(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.input is not None:
             module.register_forward_pre_hook(partial(self._move_input, device_mesh), with_kwargs=True)
+        if self.input == (SEQUENCE, Replicate()):  # the gathered input recorded while the module runs (regather.py)
+            module.register_forward_hook(self._forget_gathered, with_kwargs=True, always_call=True)
         if self.output is not None:
             module.register_forward_hook(partial(self._move_output, device_mesh))
         return module
 
-    @staticmethod
-    def _move(tensor: torch.Tensor, mesh: DeviceMesh, layouts: tuple) -> torch.Tensor:
+    def _move(self, tensor: torch.Tensor, mesh: DeviceMesh, layouts: tuple) -> torch.Tensor:
         source, target = layouts
+        local = tensor
         if not isinstance(tensor, DTensor):
             tensor = DTensor.from_local(tensor, mesh, [source], run_check=False)
-        return tensor.redistribute(mesh, [target]).to_local()
+        moved = tensor.redistribute(mesh, [target]).to_local()
+        if layouts == (SEQUENCE, Replicate()) and local is not tensor and self.input == layouts:
+            record_gathered(moved, local, mesh, SEQUENCE.dim)
+        return moved
 
     def _move_input(self, mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
         if args:
@@ -196,6 +209,10 @@ class SequenceLayout(ParallelStyle):
                 f" positional arguments or a hidden_states keyword (keywords: {sorted(kwargs)})."
             )
         return args, {**kwargs, "hidden_states": self._move(kwargs["hidden_states"], mesh, self.input)}
+
+    @staticmethod
+    def _forget_gathered(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        forget_gathered(args[0] if args else kwargs.get("hidden_states"))
 
     def _move_output(self, mesh: DeviceMesh, module: nn.Module, args: tuple, output: Any) -> Any:
         if isinstance(output, tuple):
@@ -315,6 +332,7 @@ class SharedRotaryKey(ParallelStyle):
             return torch.cat([compressed, sum_grad_over(rotary, device_mesh)], dim=-1)
 
         module.register_forward_hook(sum_rotary_key_gradient)
+        save_shard_when_replicated(module)  # a gathered input (sequence parallelism): the rank's part kept (regather.py)
         return module
 
 
@@ -406,6 +424,9 @@ def hugging_face_sequence_parallel(model: nn.Module, plan: dict[str, ParallelSty
             f"sequence_parallel=True, and {type(model).__name__} has no nn.ModuleList named 'layers' (its decoder layers)"
             " to lay out sequence-parallel: pass sequence_parallel=False to the strategy."
         )
+    for name, style in plan.items():  # column-parallel linears keep the sequence's part where they read it gathered
+        if type(style) is ColwiseParallel and style.input_layouts == (Replicate(),):
+            plan[name] = ColwiseSavingShard(output_layouts=style.output_layouts[0], use_local_output=style.use_local_output)
     layers_name, layers = found[0]
     parent_name = layers_name.rpartition(".")[0]
     qualified = lambda *parts: prefix + ".".join(p for p in parts if p)  # noqa: E731
@@ -424,6 +445,9 @@ def hugging_face_sequence_parallel(model: nn.Module, plan: dict[str, ParallelSty
             for projection in projections:
                 plan[projection] = RowwiseParallel(input_layouts=plan[projection].input_layouts[0], output_layouts=SEQUENCE)
             plan[name] = gathered_input() if projections else gathered_input_scattered_output()
+            for linear, module in child.named_children():  # replicated linears reading the gathered input (q_a_proj)
+                if isinstance(module, nn.Linear) and f"{name}.{linear}" not in plan:
+                    plan[f"{name}.{linear}"] = ReplicatedSavingShard()
     parent = model.get_submodule(parent_name) if parent_name else model
     for child_name, child in parent.named_children():
         if _is_norm(child):
