@@ -45,11 +45,14 @@ between the tensor-parallel linears (embedding output, norms, residual adds) hol
 (``Shard(1)``). The styles a plan builds it from, torchtitan's: :func:`scattered_output` (a replicated module's output
 cut to this rank's part of the sequence), torch's ``SequenceParallel`` (norms: parameters replicated, the gradient each
 rank's sequence gives summed over tp), :func:`gathered_input` (an attention or feed-forward gathers the sequence and
-its row-parallel output projection reduce-scatters it back: ``RowwiseParallel(output_layouts=Shard(1))``),
+its row-parallel output projection reduce-scatters it back: ``RowwiseParallel(output_layouts=Shard(1))``; the gathered
+tensor is recorded while the module runs, so that its column-parallel linears, :class:`~lightning_ciuic.parallel.regather.
+ColwiseSavingShard`, keep this rank's part for backward, as Megatron-LM's do: :mod:`~lightning_ciuic.parallel.regather`),
 :func:`gathered_input_scattered_output` (a module whose output is whole on every rank, e.g. a mixture of experts routing
 the gathered sequence), and :func:`vocabulary_sharded_head` (the LM head gathers the sequence and keeps its logits a
 DTensor sharded on the vocabulary). Those logits' cross-entropy is computed from the shards inside torch's
-``loss_parallel()`` (:func:`loss_parallel_context`, which the strategy enters around each step and its backward);
+``loss_parallel()`` (:func:`loss_parallel_context`, which the strategy enters around each step and its backward; its
+backward in one logits-sized buffer: ``compat.loss_parallel_backward_in_place``);
 inside it, :class:`PlainLosses` hands the replicated DTensor loss back as a plain tensor (:func:`local_loss`, its
 gradient still flowing), so a user's ``F.cross_entropy(logits.flatten(0, 1), targets.flatten())``, ``self.log`` and
 the step's output work unchanged; anything else mixing the sharded logits with plain tensors fails naming the fix.
@@ -419,7 +422,9 @@ def hugging_face_sequence_parallel(model: nn.Module, plan: dict[str, ParallelSty
     model computes positions and masks) to this rank's part; every other sub-module of a layer that has parameters
     (attention, MLP, mixture of experts) gathers its input and scatters its output back, by its row-parallel output
     projection where it has one (``RowwiseParallel(output_layouts=Shard(1))``), else whole and cut; the LM head
-    gathers the sequence and keeps its logits vocabulary-sharded (:func:`vocabulary_sharded_head`)."""
+    gathers the sequence and keeps its logits vocabulary-sharded (:func:`vocabulary_sharded_head`). Column-parallel
+    linears become ``ColwiseSavingShard`` and a gathered module's unplanned linears ``ReplicatedSavingShard``: where they
+    read the gathered input they keep this rank's part of it for backward (:mod:`~lightning_ciuic.parallel.regather`)."""
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and name.split(".")[-1] == "layers"]
     if not found:
         raise ValueError(
