@@ -11,9 +11,11 @@ for its backward the rank's part (``1/tp`` of the sequence) instead of the gathe
 keeps the whole, tp times the bytes. Backward gathers the part again (an all-gather over tp, once for all the linears
 that read the same gathered tensor: q/k/v share one, gate/up another; dropped after the last of them) and computes the
 weight's gradient and the input's. The input gradients of those linears are each rank's part of a sum over tp (its
-heads' part): autograd adds them up first and they are summed over tp once per gathered tensor (one all-reduce, where
-torch's ``ColwiseParallel`` on a plain input all-reduces each linear's own), then flow back through the gather to the
-rank's part of the sequence. Autocast is honoured: the gradients are computed in the forward's compute dtype and
+heads' part): autograd adds them up first (they reach the rank's part through a node of their own, not through the
+gather) and their sum is reduce-scattered over tp to the rank's part of the sequence once per gathered tensor, as
+Megatron-LM and torchtitan do (torch's ``ColwiseParallel`` on a plain input all-reduces each linear's own). A replicated
+linear reading it (:class:`ReplicatedSavingShard`: MLA's latent down-projections) keeps the part too; its gradient,
+whole on every rank, and anything else's that reads the gathered tensor go back through the gather. Autocast is honoured: the gradients are computed in the forward's compute dtype and
 returned in the dtypes of the input, weight and bias. Works under recomputation (a recomputed forward records and
 gathers again; the recorded part is a saved tensor like any other, checkpointed or dropped as the mode says), pipeline
 schedules (a record per micro-batch's forward) and FSDP2 (the weight's local shard is that of its unsharded DTensor).
