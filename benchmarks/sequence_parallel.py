@@ -148,12 +148,12 @@ machine: {machine()}). Target: sequence + loss parallel <= 0.6x of replicated.
 {rows}
 | **ratio** | **{ratios[0]:.2f}** | **{ratios[1]:.2f}** |
 
-{verdict.capitalize()} (target <= 0.6 by both figures). Where it goes: the logits and their loss are halved (each rank
-holds its half of the vocabulary); a layer's activations shrink less, because torch's column-parallel linears (torch's
-`ColwiseParallel` after a gathered input, as torchtitan lays them out) keep the gathered, whole sequence they read for
-their backward, while Megatron-LM's keep their rank's part and gather it again in backward: the norms, residuals and
-their float32 copies are what halves. (Planned with 256 tokens of vocabulary, where the layers are most of it, on
-2026-12-05: 0.82 at 4 and at 8 layers.)
+{verdict.capitalize()} (target <= 0.6 by both figures). Where it goes: the logits are halved (each rank holds its half of
+the vocabulary), and torch's `loss_parallel()` backward, which held three logits-sized buffers at once beside the saved
+log-probabilities (the step's peak), runs in one (`compat.loss_parallel_backward_in_place`; the peak is now the
+log-softmax's forward); the norms, residuals and their float32 copies hold half the sequence; the column-parallel
+linears reading a gathered input keep the rank's half of it for backward and gather it again there (`parallel/regather.py`, Megatron-LM's layout; torch's `ColwiseParallel` keeps
+the gathered whole). Before those two (2026-12-05): 0.65 by both figures, 0.63 with the linears' change alone.
 """
 
 

@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from lightning_ciuic import PipelineModule
 from lightning_ciuic.parallel.experts import group_limited_top_k
+from lightning_ciuic.parallel.regather import ColwiseSavingShard, ReplicatedSavingShard
 from lightning_ciuic.parallel.tensor import (
     gathered_input,
     gathered_input_scattered_output,
@@ -248,21 +249,24 @@ class DeepSeekTransformer(nn.Module):
                 f" among {[d for d in range(1, heads + 1) if heads % d == 0]}."
             )
         out = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
+        # a column-parallel linear reading the gathered sequence keeps the rank's part for its backward (Megatron's)
+        column = ColwiseSavingShard if sequence_parallel else ColwiseParallel
         plan = {}
         for i, layer in enumerate(self.layers):
             layer.attn.tp_mesh = tp_mesh
             prefix = f"layers.{i}"
-            plan[f"{prefix}.attn.wq"] = ColwiseParallel()
+            plan[f"{prefix}.attn.wq"] = column()
             plan[f"{prefix}.attn.wkv_b"] = ColwiseParallel()
             plan[f"{prefix}.attn.wo"] = RowwiseParallel(output_layouts=out)
             dense = isinstance(layer.ffn, SwiGLU)
             mlp = f"{prefix}.ffn" if dense else f"{prefix}.ffn.shared"
-            plan[f"{mlp}.w1"] = ColwiseParallel()
-            plan[f"{mlp}.w3"] = ColwiseParallel()
+            plan[f"{mlp}.w1"] = column()
+            plan[f"{mlp}.w3"] = column()
             plan[f"{mlp}.w2"] = RowwiseParallel(output_layouts=out if dense else Replicate())
             if sequence_parallel:
                 plan[f"{prefix}.attn_norm"] = SequenceParallel()
                 plan[f"{prefix}.attn"] = gathered_input()
+                plan[f"{prefix}.attn.wkv_a"] = ReplicatedSavingShard()  # replicated, reading the gathered sequence too
                 plan[f"{prefix}.ffn_norm"] = SequenceParallel()
                 plan[f"{prefix}.ffn"] = gathered_input() if dense else gathered_input_scattered_output()
         if sequence_parallel:

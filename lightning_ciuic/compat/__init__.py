@@ -69,6 +69,7 @@ from lightning_ciuic.compat.distributed import (
     load_state_dict_into,
     local_shape,
     local_shape_and_offset,
+    loss_parallel_backward_in_place,
     mesh_coordinates,
     mesh_groups,
     pipeline_sends_held,
@@ -143,8 +144,12 @@ OVERRIDDEN_PRIVATE_HOOKS = {
         "HybridParallelStrategy: its launchers, as every Lightning strategy sets them (Lightning 2.0+)",
     "torch.distributed.pipelining.stage.PipelineStage._to_tensor":
         "parallel/pipeline.py's stage: shape inference on zeros (torch 2.4+)",
+    "torch.distributed.tensor.parallel.style.ColwiseParallel._apply":
+        "ColwiseSavingShard: torch's column-parallel linear, its forward keeping a gathered input's part (torch 2.2+)",
+    "torch.distributed.tensor.parallel.style.ColwiseParallel._prepare_input_fn":
+        "ColwiseSavingShard: a gathered input handed to its forward as the plain tensor it is (torch 2.2+)",
     "torch.distributed.tensor.parallel.style.ParallelStyle._apply":
-        "HeadwiseReplicated, SharedRotaryKey: torch's way to write a ParallelStyle (torch 2.2+)",
+        "HeadwiseReplicated, SharedRotaryKey, ReplicatedSavingShard: torch's way to write a ParallelStyle (torch 2.2+)",
 }
 
 # The ranges the suite ran on: (lowest, first untested) major.minor
@@ -198,6 +203,7 @@ __all__ = [
     "load_pending_loader_states",
     "load_state_dict_into",
     "local_shape",
+    "loss_parallel_backward_in_place",
     "local_shape_and_offset",
     "memory_tracker",
     "mesh_coordinates",

@@ -45,11 +45,14 @@ between the tensor-parallel linears (embedding output, norms, residual adds) hol
 (``Shard(1)``). The styles a plan builds it from, torchtitan's: :func:`scattered_output` (a replicated module's output
 cut to this rank's part of the sequence), torch's ``SequenceParallel`` (norms: parameters replicated, the gradient each
 rank's sequence gives summed over tp), :func:`gathered_input` (an attention or feed-forward gathers the sequence and
-its row-parallel output projection reduce-scatters it back: ``RowwiseParallel(output_layouts=Shard(1))``),
+its row-parallel output projection reduce-scatters it back: ``RowwiseParallel(output_layouts=Shard(1))``; the gathered
+tensor is recorded while the module runs, so that its column-parallel linears, :class:`~lightning_ciuic.parallel.regather.
+ColwiseSavingShard`, keep this rank's part for backward, as Megatron-LM's do: :mod:`~lightning_ciuic.parallel.regather`),
 :func:`gathered_input_scattered_output` (a module whose output is whole on every rank, e.g. a mixture of experts routing
 the gathered sequence), and :func:`vocabulary_sharded_head` (the LM head gathers the sequence and keeps its logits a
 DTensor sharded on the vocabulary). Those logits' cross-entropy is computed from the shards inside torch's
-``loss_parallel()`` (:func:`loss_parallel_context`, which the strategy enters around each step and its backward);
+``loss_parallel()`` (:func:`loss_parallel_context`, which the strategy enters around each step and its backward; its
+backward in one logits-sized buffer: ``compat.loss_parallel_backward_in_place``);
 inside it, :class:`PlainLosses` hands the replicated DTensor loss back as a plain tensor (:func:`local_loss`, its
 gradient still flowing), so a user's ``F.cross_entropy(logits.flatten(0, 1), targets.flatten())``, ``self.log`` and
 the step's output work unchanged; anything else mixing the sharded logits with plain tensors fails naming the fix.
@@ -79,6 +82,15 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     loss_parallel,
     parallelize_module,
+)
+
+from lightning_ciuic import compat
+from lightning_ciuic.parallel.regather import (
+    ColwiseSavingShard,
+    ReplicatedSavingShard,
+    forget_gathered,
+    record_gathered,
+    save_shard_when_replicated,
 )
 
 
@@ -176,16 +188,21 @@ class SequenceLayout(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.input is not None:
             module.register_forward_pre_hook(partial(self._move_input, device_mesh), with_kwargs=True)
+        if self.input == (SEQUENCE, Replicate()):  # the gathered input recorded while the module runs (regather.py)
+            module.register_forward_hook(self._forget_gathered, with_kwargs=True, always_call=True)
         if self.output is not None:
             module.register_forward_hook(partial(self._move_output, device_mesh))
         return module
 
-    @staticmethod
-    def _move(tensor: torch.Tensor, mesh: DeviceMesh, layouts: tuple) -> torch.Tensor:
+    def _move(self, tensor: torch.Tensor, mesh: DeviceMesh, layouts: tuple) -> torch.Tensor:
         source, target = layouts
+        local = tensor
         if not isinstance(tensor, DTensor):
             tensor = DTensor.from_local(tensor, mesh, [source], run_check=False)
-        return tensor.redistribute(mesh, [target]).to_local()
+        moved = tensor.redistribute(mesh, [target]).to_local()
+        if layouts == (SEQUENCE, Replicate()) and local is not tensor and self.input == layouts:
+            record_gathered(moved, local, mesh, SEQUENCE.dim)
+        return moved
 
     def _move_input(self, mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
         if args:
@@ -196,6 +213,10 @@ class SequenceLayout(ParallelStyle):
                 f" positional arguments or a hidden_states keyword (keywords: {sorted(kwargs)})."
             )
         return args, {**kwargs, "hidden_states": self._move(kwargs["hidden_states"], mesh, self.input)}
+
+    @staticmethod
+    def _forget_gathered(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        forget_gathered(args[0] if args else kwargs.get("hidden_states"))
 
     def _move_output(self, mesh: DeviceMesh, module: nn.Module, args: tuple, output: Any) -> Any:
         if isinstance(output, tuple):
@@ -236,6 +257,7 @@ def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     stack.enter_context(loss_parallel())
+    stack.enter_context(compat.loss_parallel_backward_in_place())  # the same gradient, two logits-sized buffers fewer
     stack.enter_context(PlainLosses())
     return stack
 
@@ -315,6 +337,7 @@ class SharedRotaryKey(ParallelStyle):
             return torch.cat([compressed, sum_grad_over(rotary, device_mesh)], dim=-1)
 
         module.register_forward_hook(sum_rotary_key_gradient)
+        save_shard_when_replicated(module)  # a gathered input (sequence parallelism): the rank's part kept (regather.py)
         return module
 
 
@@ -399,13 +422,18 @@ def hugging_face_sequence_parallel(model: nn.Module, plan: dict[str, ParallelSty
     model computes positions and masks) to this rank's part; every other sub-module of a layer that has parameters
     (attention, MLP, mixture of experts) gathers its input and scatters its output back, by its row-parallel output
     projection where it has one (``RowwiseParallel(output_layouts=Shard(1))``), else whole and cut; the LM head
-    gathers the sequence and keeps its logits vocabulary-sharded (:func:`vocabulary_sharded_head`)."""
+    gathers the sequence and keeps its logits vocabulary-sharded (:func:`vocabulary_sharded_head`). Column-parallel
+    linears become ``ColwiseSavingShard`` and a gathered module's unplanned linears ``ReplicatedSavingShard``: where they
+    read the gathered input they keep this rank's part of it for backward (:mod:`~lightning_ciuic.parallel.regather`)."""
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and name.split(".")[-1] == "layers"]
     if not found:
         raise ValueError(
             f"sequence_parallel=True, and {type(model).__name__} has no nn.ModuleList named 'layers' (its decoder layers)"
             " to lay out sequence-parallel: pass sequence_parallel=False to the strategy."
         )
+    for name, style in plan.items():  # column-parallel linears keep the sequence's part where they read it gathered
+        if type(style) is ColwiseParallel and style.input_layouts == (Replicate(),):
+            plan[name] = ColwiseSavingShard(output_layouts=style.output_layouts[0], use_local_output=style.use_local_output)
     layers_name, layers = found[0]
     parent_name = layers_name.rpartition(".")[0]
     qualified = lambda *parts: prefix + ".".join(p for p in parts if p)  # noqa: E731
@@ -424,6 +452,9 @@ def hugging_face_sequence_parallel(model: nn.Module, plan: dict[str, ParallelSty
             for projection in projections:
                 plan[projection] = RowwiseParallel(input_layouts=plan[projection].input_layouts[0], output_layouts=SEQUENCE)
             plan[name] = gathered_input() if projections else gathered_input_scattered_output()
+            for linear, module in child.named_children():  # replicated linears reading the gathered input (q_a_proj)
+                if isinstance(module, nn.Linear) and f"{name}.{linear}" not in plan:
+                    plan[f"{name}.{linear}"] = ReplicatedSavingShard()
     parent = model.get_submodule(parent_name) if parent_name else model
     for child_name, child in parent.named_children():
         if _is_norm(child):

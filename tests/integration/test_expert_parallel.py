@@ -37,12 +37,15 @@ def test_expert_parallel_layout_matches_single_process(dp, shard, pp, tp, ep, cl
 
 
 @pytest.mark.parametrize(
-    "recompute", [True, "selective", {"recompute": ["norm", "mla_up"]}], ids=["full", "selective", "deepseek-recipe"],
+    "recompute, tp",
+    [(True, 1), ("selective", 1), ({"recompute": ["norm", "mla_up"]}, 1), ("selective", 2), ({"recompute": ["norm"]}, 2)],
+    ids=["full", "selective", "deepseek-recipe", "selective-tp2", "norms-tp2"],
 )
-def test_accumulation_and_activation_checkpointing_with_experts_sharded(recompute):
+def test_accumulation_and_activation_checkpointing_with_experts_sharded(recompute, tp):
     """Two micro-batches per step, activations recomputed in backward: every block, torchtitan's op-level policy
-    (the dispatch's all-to-alls recomputed), DeepSeek-V3's norms and MLA up-projections."""
-    _fit_and_compare(2, 2, 1, 1, 2, 0.05, accumulate=2, gradient_checkpointing=recompute)
+    (the dispatch's all-to-alls recomputed), DeepSeek-V3's norms and MLA up-projections; under FSDP 2 x tp 2 (ep 4)
+    with sequence parallelism, whose linears keep the norms' (recomputed) output as their part of the gathered input."""
+    _fit_and_compare(2, 2, 1, tp, 2 * tp, 0.05, accumulate=2, gradient_checkpointing=recompute)
 
 
 def _grouped() -> DeepSeekMini:

@@ -1,6 +1,7 @@
 """One check per private part of Lightning and torch the pack touches (lightning_ciuic/compat/): an upgrade
 that moves one fails here, by name, rather than in a training run."""
 
+import contextlib
 import inspect
 
 import pytest
@@ -313,3 +314,36 @@ def test_a_strategys_precision_plugin_is_kept_where_lightning_keeps_it():
     plugin = Precision()
     compat.set_precision_plugin(strategy, plugin)
     assert strategy.precision_plugin is plugin and compat.precision_plugin_given(strategy) is plugin
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_loss_parallels_backward_in_place_gives_torchs_gradient_bit_for_bit(weighted):
+    """The cross-entropy of vocabulary-sharded logits (torch's loss_parallel, on a one-rank mesh of the fake process
+    group, where each collective returns its input: the values are exact) has the same gradient with the in-place
+    backward as with torch's, with ignored targets and with class weights."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    dist.init_process_group("fake", store=compat.fake_store(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        logits = torch.randn(12, 10, dtype=torch.float64)
+        targets = torch.randint(0, 10, (12,))
+        if not weighted:  # torch's own loss_parallel backward indexes the class weights by an ignored target: refused
+            targets[3] = -100
+        weight = torch.rand(10, dtype=torch.float64) if weighted else None
+        grads = []
+        for in_place in (False, True):
+            sharded = distribute_tensor(logits, mesh, [Shard(-1)]).requires_grad_()
+            with loss_parallel(), compat.loss_parallel_backward_in_place() if in_place else contextlib.nullcontext():
+                F.cross_entropy(sharded, targets, weight=weight).backward()
+            grads.append(sharded.grad.full_tensor())
+        assert torch.equal(grads[0], grads[1])
+        reference = logits.clone().requires_grad_()
+        F.cross_entropy(reference, targets, weight=weight).backward()
+        torch.testing.assert_close(grads[1], reference.grad)
+    finally:
+        dist.destroy_process_group()
