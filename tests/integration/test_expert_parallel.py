@@ -22,27 +22,31 @@ def _tiny() -> DeepSeekMini:
 
 
 @pytest.mark.parametrize(
-    "dp, shard, pp, tp, ep, clip",
+    "dp, shard, pp, tp, ep, clip, overlap",
     [
-        (2, 1, 1, 1, 2, 0.05), (2, 2, 1, 1, 2, None), (4, 4, 1, 1, 2, 0.05), (4, 2, 1, 1, 2, None), (2, 1, 2, 1, 2, 0.05),
-        (2, 2, 1, 2, 2, 0.05), (2, 2, 1, 2, 4, 0.05), (2, 1, 1, 2, 4, None),
+        (2, 1, 1, 1, 2, 0.05, False), (2, 2, 1, 1, 2, None, False), (4, 4, 1, 1, 2, 0.05, False), (4, 2, 1, 1, 2, None, False),
+        (2, 1, 2, 1, 2, 0.05, False), (2, 2, 1, 2, 2, 0.05, False), (2, 2, 1, 2, 4, 0.05, False), (2, 1, 1, 2, 4, None, False),
+        (2, 1, 1, 1, 2, 0.05, True), (2, 2, 1, 2, 4, 0.05, True),
     ],
     ids=[
         "ep2-over-dp2", "ep2-over-fsdp2", "ep2-over-fsdp4", "ep2-over-hsdp2x2", "ep2-pp2", "ep2-over-fsdp2-tp2",
-        "ep4-over-fsdp2xtp2", "ep4-over-dp2xtp2",
+        "ep4-over-fsdp2xtp2", "ep4-over-dp2xtp2", "ep2-over-dp2-overlap", "ep4-over-fsdp2xtp2-overlap",
     ],
 )
-def test_expert_parallel_layout_matches_single_process(dp, shard, pp, tp, ep, clip):
-    _fit_and_compare(dp, shard, pp, tp, ep, clip)
+def test_expert_parallel_layout_matches_single_process(dp, shard, pp, tp, ep, clip, overlap):
+    """``overlap``: expert_dispatch_overlap, each layer's tokens in two chunks, one's all-to-alls while the other computes."""
+    _fit_and_compare(dp, shard, pp, tp, ep, clip, expert_dispatch_overlap=overlap)
 
 
 @pytest.mark.parametrize(
-    "recompute", [True, "selective", {"recompute": ["norm", "mla_up"]}], ids=["full", "selective", "deepseek-recipe"],
+    "recompute, overlap",
+    [(True, False), ("selective", False), ({"recompute": ["norm", "mla_up"]}, False), ("selective", True)],
+    ids=["full", "selective", "deepseek-recipe", "selective-overlap"],
 )
-def test_accumulation_and_activation_checkpointing_with_experts_sharded(recompute):
+def test_accumulation_and_activation_checkpointing_with_experts_sharded(recompute, overlap):
     """Two micro-batches per step, activations recomputed in backward: every block, torchtitan's op-level policy
-    (the dispatch's all-to-alls recomputed), DeepSeek-V3's norms and MLA up-projections."""
-    _fit_and_compare(2, 2, 1, 1, 2, 0.05, accumulate=2, gradient_checkpointing=recompute)
+    (the dispatch's all-to-alls recomputed; also overlapped, asynchronous), DeepSeek-V3's norms and MLA up-projections."""
+    _fit_and_compare(2, 2, 1, 1, 2, 0.05, accumulate=2, gradient_checkpointing=recompute, expert_dispatch_overlap=overlap)
 
 
 def _grouped() -> DeepSeekMini:
@@ -52,18 +56,21 @@ def _grouped() -> DeepSeekMini:
 
 
 @pytest.mark.parametrize(
-    "dp, shard, pp, ep, per_node",
-    [(4, 4, 1, 4, 2), (2, 1, 1, 2, 1), (2, 2, 1, 4, 2), (2, 1, 2, 2, 1)],
+    "dp, shard, pp, ep, per_node, overlap",
+    [(4, 4, 1, 4, 2, False), (2, 1, 1, 2, 1, False), (2, 2, 1, 4, 2, False), (2, 1, 2, 2, 1, False), (2, 1, 2, 2, 1, True)],
     ids=[
         "ep4-as-2-nodes-of-2-over-fsdp4", "ep2-as-2-nodes-of-1-over-dp2", "ep4-over-fsdp2xtp2-as-2-nodes-of-2",
-        "ep2-as-2-nodes-of-1-pp2",
+        "ep2-as-2-nodes-of-1-pp2", "ep2-as-2-nodes-of-1-pp2-overlap",
     ],
 )
-def test_hierarchical_dispatch_with_group_limited_routing_matches_single_process(dp, shard, pp, ep, per_node):
+def test_hierarchical_dispatch_with_group_limited_routing_matches_single_process(dp, shard, pp, ep, per_node, overlap):
     """A token crosses the (simulated: node = rank // expert_devices_per_node) inter-node hop once per node, each node
-    holding one expert group; with FSDP, with the tp peers in ep (tp = ep / dp_shard), with pp 2."""
+    holding one expert group; with FSDP, with the tp peers in ep (tp = ep / dp_shard), with pp 2; overlapped."""
     tp = ep // shard if ep > shard else 1
-    _fit_and_compare(dp, shard, pp, tp, ep, 0.05, factory=_grouped, expert_dispatch="hierarchical", expert_devices_per_node=per_node)
+    _fit_and_compare(
+        dp, shard, pp, tp, ep, 0.05, factory=_grouped, expert_dispatch="hierarchical", expert_devices_per_node=per_node,
+        expert_dispatch_overlap=overlap,
+    )
 
 
 def test_the_opt_in_node_limit_trains_as_the_model_routed_by_node_groups():
@@ -117,26 +124,27 @@ def _hugging_face(model_type: str):
 
 
 @pytest.mark.parametrize(
-    "model_type, shard, tp, ep",
+    "model_type, shard, tp, ep, overlap",
     [
-        ("qwen3_moe", 1, 1, 2), ("qwen3_moe", 2, 1, 2), ("mixtral", 1, 1, 2), ("mixtral", 2, 1, 2), ("mixtral", 2, 2, 4),
-        ("qwen3_moe", 2, 2, 4), ("qwen3_moe", 1, 2, 2),
+        ("qwen3_moe", 1, 1, 2, False), ("qwen3_moe", 2, 1, 2, False), ("mixtral", 1, 1, 2, False), ("mixtral", 2, 1, 2, False),
+        ("mixtral", 2, 2, 4, False), ("qwen3_moe", 2, 2, 4, False), ("qwen3_moe", 1, 2, 2, False), ("qwen3_moe", 2, 1, 2, True),
     ],
     ids=[
         "qwen3_moe-replicated", "qwen3_moe-fsdp", "mixtral-replicated", "mixtral-fsdp", "mixtral-fsdp2xtp2-ep4",
-        "qwen3_moe-fsdp2xtp2-ep4", "qwen3_moe-dp2xtp2-ep2",
+        "qwen3_moe-fsdp2xtp2-ep4", "qwen3_moe-dp2xtp2-ep2", "qwen3_moe-fsdp-overlap",
     ],
 )
-def test_hugging_face_moe_families_train_with_experts_sharded(model_type, shard, tp, ep):
+def test_hugging_face_moe_families_train_with_experts_sharded(model_type, shard, tp, ep, overlap):
     """transformers' own experts modules (packed weights, routed in float32 by the model) over dp=2 (x tp=2: the
     Hugging Face tensor-parallel plan for attention, experts split by ep over the tp peers too). Qwen3-MoE's per-head
     q_norm / k_norm under tp ("replicated_with_grad_allreduce"): each rank's gradient is its heads' part, summed over
-    tp (trained on the partial gradients, the run was 0.036 off single-process training after 4 steps)."""
+    tp (trained on the partial gradients, the run was 0.036 off single-process training after 4 steps). ``overlap``:
+    expert_dispatch_overlap (two chunks, one's all-to-alls while the other computes)."""
     pytest.importorskip("transformers")
     factory = _hugging_face(model_type)
     strategy = HybridParallelStrategy(
         data_parallel_size=2, data_parallel_shard_size=shard, tensor_parallel_size=tp, expert_parallel_size=ep,
-        start_method="forkserver",
+        expert_dispatch_overlap=overlap, start_method="forkserver",
     )
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=2 * tp, max_steps=STEPS, logger=False, enable_checkpointing=False,
