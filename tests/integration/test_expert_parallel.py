@@ -236,14 +236,19 @@ def test_a_checkpoint_of_an_expert_parallel_run_resumes_in_another_layout(tmp_pa
     assert_state_close(resumed, expected, 6)
 
 
-def test_the_monitor_counts_the_token_exchange_and_the_balance(tmp_path, capfd):
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+def test_the_monitor_counts_the_token_exchange_and_the_balance(tmp_path, capfd, overlap):
+    """Overlapped, the all-to-alls' wall time (ep_comm) is more than the time the training thread was blocked on them
+    (ep_exposed); blocking, the two are the same."""
     import json
 
     from lightning_ciuic import CommunicationMonitor
 
     steps = 6
     trainer = Trainer(
-        strategy=HybridParallelStrategy(data_parallel_size=2, expert_parallel_size=2, start_method="forkserver"),
+        strategy=HybridParallelStrategy(
+            data_parallel_size=2, expert_parallel_size=2, expert_dispatch_overlap=overlap, start_method="forkserver"
+        ),
         accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
         callbacks=[CommunicationMonitor(measure_link=False, gather_every=3, trace=True)],
@@ -256,6 +261,8 @@ def test_the_monitor_counts_the_token_exchange_and_the_balance(tmp_path, capfd):
     pairs = 2 * PER_RANK_BATCH * SEQ_LEN * MOE_MODEL["n_activated_experts"]
     assert sum(rank["ep_tokens"] for rank in profile["ranks"]) == pytest.approx(pairs)
     assert all(rank["ep_bytes"] > 0 and rank["ep_comm"] > 0 for rank in profile["ranks"])
+    for rank in profile["ranks"]:
+        assert 0 < rank["ep_exposed"] < rank["ep_comm"] if overlap else rank["ep_exposed"] == pytest.approx(rank["ep_comm"]), rank
     assert all(rank["ep_inter_bytes"] == 0 for rank in profile["ranks"])  # the cluster's one node of 2 devices
     # each MoE layer's step: counts, dispatch, combine forward; combine and dispatch gradients backward
     spans = [event for rank in record["trace"] for event in rank if event[0] == "ep collectives"]
@@ -265,6 +272,7 @@ def test_the_monitor_counts_the_token_exchange_and_the_balance(tmp_path, capfd):
     assert list(profile["expert_load"]) == ["model.layers.1.ffn.experts"] and profile["expert_load"]["model.layers.1.ffn.experts"] >= 1
     out = capfd.readouterr()
     assert "experts (ep=2): tokens per expert max/mean over the run: model.layers.1.ffn.experts" in out.out + out.err
+    assert ("hidden behind compute" in out.out + out.err) and (overlap or "(0% hidden behind compute" in out.out + out.err)
 
 
 class _ExpertReplicas(Callback):
