@@ -2,10 +2,11 @@
 
 Contract:
 
-* :func:`routing(layout, flat, n_experts, mesh=None)`: where one rank's ``T k`` (token, expert) pairs go (``flat``: each pair's
-  expert): the counts exchanged over the ``ep`` group (one small all-to-all, one device sync), the rows to and from
-  each rank, and of what arrives, each row's local expert (grouped by source rank, then expert) and the rows of each
-  local expert (:class:`Routing`). :func:`balanced_routing`: the same as if every rank of the group routed as many
+* :func:`routing_of(counts, arriving, ep)`: where one rank's (token, expert) pairs go, from its pairs per expert
+  (``counts``) and those the ranks of its group exchanged (``arriving``: one small all-to-all, which
+  :func:`~lightning_ciuic.parallel.experts.pairs.pairs_flow` runs): the rows to and from each rank (one device sync),
+  and of what arrives, each row's local expert (grouped by source rank, then expert) and the rows of each local expert
+  (:class:`Routing`). :func:`balanced_routing`: the same as if every rank of the group routed as many
   pairs as this one, spread evenly over the experts, whatever their values (``ExpertLayout.assume_balanced``: the
   planner's step on fake tensors): the counts exchanged, every size and every tensor allocated as a real balanced
   step's.
@@ -125,25 +126,21 @@ class Routing:
     per_local_expert: list[int]
 
 
-def routing(layout: ExpertLayout, flat: torch.Tensor, n_experts: int, mesh: Optional[DeviceMesh] = None) -> Routing:
-    """The routing of the pairs ``flat`` (each one's expert of the ``n_experts`` that ``mesh``, the layout's ep group
-    by default, holds), counted and exchanged (one small all-to-all)."""
-    ep = (mesh or layout.ep_mesh).size()
-    local = n_experts // ep
-    counts = torch.bincount(flat, minlength=n_experts)
-    arriving = torch.empty_like(counts)
-    all_to_all_timed(arriving, counts, [local] * ep, [local] * ep, layout, "counts", mesh)  # [source rank, local expert] tokens coming here
-    arriving = arriving.view(ep, local)
+def routing_of(counts: torch.Tensor, arriving: torch.Tensor, ep: int) -> Routing:
+    """Where this rank's pairs go, from its pairs per expert (``counts``, ``[E]``) and the exchanged ones
+    (``arriving``: from each source rank, its pairs per local expert of this rank, ``[ep * E / ep]``)."""
+    local = counts.numel() // ep
+    arriving = arriving.view(ep, local)  # [source rank, local expert] tokens coming here
     sizes = torch.cat([counts.view(ep, local).sum(1), arriving.sum(1), arriving.sum(0)]).tolist()  # one device sync
     send_rows, recv_rows = sizes[:ep], sizes[ep : 2 * ep]
-    expert_of_row = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(
+    expert_of_row = torch.arange(local, device=counts.device).repeat(ep).repeat_interleave(
         arriving.reshape(-1), output_size=sum(recv_rows)
     )
     return Routing(send_rows, recv_rows, expert_of_row, sizes[2 * ep :])
 
 
 def balanced_routing(layout: ExpertLayout, flat: torch.Tensor, n_experts: int, mesh: Optional[DeviceMesh] = None) -> Routing:
-    """:func:`routing` as if every rank of the ep group routed as many pairs as this one, spread evenly over the experts
+    """The routing as if every rank of the ep group routed as many pairs as this one, spread evenly over the experts
     (expert ``e`` gets ``P // E`` of the ``P`` pairs, one more for ``e < P % E``), whatever their values."""
     mesh = mesh or layout.ep_mesh
     ep, me = mesh.size(), mesh.get_local_rank()

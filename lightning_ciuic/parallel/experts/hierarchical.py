@@ -19,8 +19,8 @@ collective. The bytes of each hop go to ``layout.stats`` by link (``ep_node``: `
 ``"intra"``; the pairs' weights and int32 codes with the dispatch's).
 
 :func:`hierarchical_flow`: the same as a flow (:mod:`~lightning_ciuic.parallel.experts.overlap`) that yields at each
-of its exchanges (the inter-node dispatch's three as one, the node's own two, the inter-node combine), asynchronous with
-``overlap``: what the overlapped dispatch interleaves.
+of its exchanges (the inter-node counts; the inter-node dispatch's three as one; the node's own counts, dispatch and
+combine; the inter-node combine), asynchronous with ``overlap``: what the overlapped dispatch interleaves.
 
 Under ``layout.assume_balanced`` (the planner's fake tensors) the sizes are those of :func:`balanced_node_index`'s
 routing on every rank (a token's ``k`` pairs over ``m = min(k, N, layout.node_limit)`` consecutive nodes, node
@@ -112,8 +112,7 @@ def hierarchical_flow(
         row_in_block = pair_row.index_select(0, order) - block_start.index_select(0, sorted_node)
         code = (row_in_block * per_node + flat.index_select(0, order) - sorted_node * per_node).to(torch.int32)
         counts = torch.stack([rows_to, pairs_to], dim=1).reshape(-1)
-        arriving = torch.empty_like(counts)
-        all_to_all_timed(arriving, counts, [2] * nodes, [2] * nodes, layout, "counts", inter)
+        arriving = yield transfer(counts, [2] * nodes, [2] * nodes, layout, "counts", inter, overlap)
         both = torch.cat([counts.view(nodes, 2).t().reshape(-1), arriving.view(nodes, 2).t().reshape(-1)]).tolist()  # one sync
         send_rows, send_pairs = both[:nodes], both[nodes : 2 * nodes]
         recv_rows, recv_pairs = both[2 * nodes : 3 * nodes], both[3 * nodes :]

@@ -19,6 +19,8 @@ Contract:
   combine gradient while chunk 1's experts, chunk 1's dispatch gradient while chunk 0's: forward's interleaving,
   reversed). :func:`transfer(tensor, ...)`: a tensor without gradient
   (the hierarchical dispatch's int32 codes), the same way. :func:`together(*pending)`: several waited as one.
+  :func:`chunks(tokens, count=2)`: the slices of the tokens the chunks take (consecutive, the first ones a token
+  longer where they do not divide; a chunk may be empty).
 * Time (into ``layout.stats``): an asynchronous all-to-all's wall time is from its issue to its completion (on the
   CPU the moment its completion callback runs, on a GPU the moment the stream passes its wait: an upper bound), added
   to ``seconds``; the time the caller spent blocked in ``wait()`` (on a GPU: the stream's stall there, CUDA events)

@@ -10,7 +10,8 @@ results sent back in the working precision, and each row's outputs summed with i
 link both exchanges cross (``"inter"``/``"intra"``), ``None``: each rank's own (the flat dispatch over the ep group).
 The flat dispatch is this over the ep group, a row per token; the hierarchical one runs it inside each node.
 :func:`pairs_flow`: the same as a flow (:mod:`~lightning_ciuic.parallel.experts.overlap`) that yields at its dispatch
-and its combine exchange, asynchronous with ``overlap``: what the overlapped dispatch interleaves.
+and its combine exchange, and at the routing counts' before them, asynchronous with ``overlap``: what the overlapped
+dispatch interleaves.
 
 No Lightning imports.
 """
@@ -23,10 +24,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_ciuic.parallel.experts.dispatch import balanced_routing, routing
+from lightning_ciuic.parallel.experts.dispatch import balanced_routing, routing_of
 from lightning_ciuic.parallel.experts.gemm import run_local_experts
 from lightning_ciuic.parallel.experts.layout import ExpertLayout
-from lightning_ciuic.parallel.experts.overlap import Flow, exchange, run_alone
+from lightning_ciuic.parallel.experts.overlap import Flow, exchange, run_alone, transfer
 from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.wire.codecs import Codec
 
@@ -45,12 +46,16 @@ def pairs_flow(
     self: nn.Module, layout: ExpertLayout, hidden: torch.Tensor, pair_row: torch.Tensor, pair_expert: torch.Tensor,
     pair_weight: torch.Tensor, mesh: DeviceMesh, codec: Optional[Codec], hop: Optional[str], overlap: bool,
 ) -> Flow:
-    """:func:`dispatch_pairs` as a flow (:mod:`~lightning_ciuic.parallel.experts.overlap`): it yields at its two
-    exchanges, asynchronous with ``overlap``."""
+    """:func:`dispatch_pairs` as a flow (:mod:`~lightning_ciuic.parallel.experts.overlap`): it yields at its three
+    exchanges (counts, dispatch, combine), asynchronous with ``overlap``."""
     n_experts = local_tensor(self.gate_up_proj).shape[0] * mesh.size()
     order = pair_expert.argsort(stable=True)  # pairs grouped by expert, so by destination rank
     source_row = pair_row.index_select(0, order)
-    routed = (balanced_routing if layout.assume_balanced else routing)(layout, pair_expert, n_experts, mesh)
+    if layout.assume_balanced:
+        routed = balanced_routing(layout, pair_expert, n_experts, mesh)
+    else:  # the counts exchanged (one small all-to-all), then the sizes (one device sync)
+        counts, share = torch.bincount(pair_expert, minlength=n_experts), [n_experts // mesh.size()] * mesh.size()
+        routed = routing_of(counts, (yield transfer(counts, share, share, layout, "counts", mesh, overlap)), mesh.size())
     received = yield exchange(
         hidden.index_select(0, source_row), routed.send_rows, routed.recv_rows, layout, codec, "dispatch", mesh, hop, overlap
     )
