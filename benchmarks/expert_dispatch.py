@@ -94,7 +94,8 @@ def worker(args: argparse.Namespace) -> None:
             steps = max(trainer.global_step - WARMUP, 1)
             end = self._counters(trainer)
             local_first = float(int(os.environ.get("LOCAL_RANK", "0")) == 0)  # one reader of each node's interface
-            mine = torch.tensor([(end[0] - self.start[0]) * local_first, *(e - s for e, s in zip(end[1:], self.start[1:]))], dtype=torch.float64)
+            deltas = [e - s for e, s in zip(end, self.start)]
+            mine = torch.tensor([deltas[0] * local_first, *deltas[1:]], dtype=torch.float64)
             dist.all_reduce(mine)
             wire, inter, comm, exposed = (float(v) / steps for v in mine)
             ranks = dist.get_world_size()
