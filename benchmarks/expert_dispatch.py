@@ -1,4 +1,5 @@
-"""The hierarchical expert dispatch against the flat one on two simulated nodes: bytes on the inter-node link, step time.
+"""The hierarchical expert dispatch against the flat one on two simulated nodes: bytes on the inter-node link, step
+time; and each with its all-to-alls overlapped with compute (``expert_dispatch_overlap``) against without.
 
 The model: the example DeepSeek-style decoder with DeepSeek-V3's group-limited routing (``MOE``: 32 routed experts in
 4 groups, each token's 8 experts in its best 2 groups), ep=4 over dp=4 as 2 nodes of 2 ranks (``num_nodes=2,
@@ -8,15 +9,19 @@ tests/distributed/test_expert_dispatch.py).
 
 Needs root (benchmarks/sim_cluster.py): two network namespaces joined by a ``--rate`` link, two processes in each (what
 they send each other stays inside the namespace, off its link). Variants ``flat`` and ``hierarchical``, each with the
-dispatch uncompressed and in ``fp8``, alternating for ``--rounds`` rounds of ``--steps`` steps. Per step, after
-``WARMUP`` steps: the bytes that crossed the inter-node link (the sum of both nodes' interface counters, ``tx_bytes``,
-every byte gloo sent, headers and the data-parallel gradient sync included), the expert dispatch's own inter-node bytes
-as its counters count them (``DispatchStats.link_bytes``: forward, summed over the ranks), and the step time (median);
-each as a ratio to ``flat`` with the same compression, per round (median and spread).
+dispatch uncompressed and in ``fp8``, and each uncompressed with ``overlap`` (``expert_dispatch_overlap=True``: two
+chunks per micro-batch, one's all-to-alls in flight while the other computes), alternating (the order reversed every
+other round) for ``--rounds`` rounds of ``--steps`` steps. Per step, after ``WARMUP`` steps: the bytes that crossed the
+inter-node link (the sum of both nodes' interface counters, ``tx_bytes``, every byte gloo sent, headers and the
+data-parallel gradient sync included), the expert dispatch's own inter-node bytes as its counters count them
+(``DispatchStats.link_bytes``: forward, summed over the ranks), the all-to-alls' wall time and the part the training
+thread was blocked on them (``DispatchStats.seconds`` / ``exposed_seconds``, rank mean: the monitor's ``ep_comm`` /
+``ep_exposed``), and the step time (median). Ratios per round (median and spread): the dispatches to ``flat`` with the
+same compression; the overlapped ones to the same dispatch without overlap (target: step time <= 0.75x).
 
 Writes the ``expert_dispatch`` section of docs/benchmarks.md (``--dry-run``: prints it only).
 
-    sudo .venv/bin/python benchmarks/expert_dispatch.py [--rate 1gbit] [--steps 14] [--rounds 3] [--batch-size 8]
+    sudo .venv/bin/python benchmarks/expert_dispatch.py [--rate 1gbit] [--steps 14] [--rounds 3] [--batch-size 8] [--moe-inter-dim 64]
 """
 
 from __future__ import annotations
@@ -41,16 +46,19 @@ MOE = dict(
     dim=128, n_layers=4, n_routed_experts=32, n_activated_experts=8, n_expert_groups=4, topk_expert_groups=2,
     moe_inter_dim=64, n_dense_layers=1,
 )
-VARIANTS = ("flat", "hierarchical", "flat fp8", "hierarchical fp8")
+VARIANTS = ("flat", "hierarchical", "flat fp8", "hierarchical fp8", "flat overlap", "hierarchical overlap")
+DISPATCHES = VARIANTS[:4]  # compared with flat of the same compression
+OVERLAPPED = VARIANTS[4:]  # compared with the same dispatch without overlap
 
 
 def _strategy(variant: str):
     from lightning_ciuic import HybridParallelStrategy
 
-    mode, _, codec = variant.partition(" ")
+    mode, *options = variant.split()
+    codec = next((o for o in options if o != "overlap"), "none")
     return HybridParallelStrategy(
         data_parallel_size=NODES * PER_NODE, expert_parallel_size=NODES * PER_NODE, expert_dispatch=mode,
-        expert_dispatch_compression=codec or "none",
+        expert_dispatch_compression=codec, expert_dispatch_overlap="overlap" in options,
     )
 
 
@@ -73,9 +81,10 @@ def worker(args: argparse.Namespace) -> None:
     class Measure(Callback):
         """Interface and dispatch counters from the end of warm-up to the end of training, summed over the nodes."""
 
-        def _counters(self, trainer) -> tuple[float, float]:
+        def _counters(self, trainer) -> tuple[float, ...]:
             stats = trainer.strategy.parallelized.experts.stats
-            return float(_tx_bytes(interface)), float(sum(by["inter"] for by in stats.link_bytes.values()))
+            inter = float(sum(by["inter"] for by in stats.link_bytes.values()))
+            return float(_tx_bytes(interface)), inter, stats.seconds, stats.exposed_seconds
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.global_step == WARMUP:
@@ -85,9 +94,12 @@ def worker(args: argparse.Namespace) -> None:
             steps = max(trainer.global_step - WARMUP, 1)
             end = self._counters(trainer)
             local_first = float(int(os.environ.get("LOCAL_RANK", "0")) == 0)  # one reader of each node's interface
-            mine = torch.tensor([(end[0] - self.start[0]) * local_first, end[1] - self.start[1]], dtype=torch.float64)
+            deltas = [e - s for e, s in zip(end, self.start)]
+            mine = torch.tensor([deltas[0] * local_first, *deltas[1:]], dtype=torch.float64)
             dist.all_reduce(mine)
-            report["wire_bytes_per_step"], report["dispatch_inter_bytes_per_step"] = (float(v) / steps for v in mine)
+            wire, inter, comm, exposed = (float(v) / steps for v in mine)
+            ranks = dist.get_world_size()
+            report.update(wire_bytes_per_step=wire, dispatch_inter_bytes_per_step=inter, ep_comm=comm / ranks, ep_exposed=exposed / ranks)
 
     seed_everything(0)
     torch.set_num_threads(1)
@@ -96,15 +108,19 @@ def worker(args: argparse.Namespace) -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, callbacks=[StepTimer(args.out), Measure()],
     )
-    trainer.fit(DeepSeekMini(**MOE), ByteCorpusDataModule(seq_len=64, batch_size=args.batch_size))
+    trainer.fit(DeepSeekMini(**_model(args)), ByteCorpusDataModule(seq_len=64, batch_size=args.batch_size))
     if trainer.is_global_zero:
         Path(args.out + ".report").write_text(json.dumps(report))
+
+
+def _model(args: argparse.Namespace) -> dict:
+    return {**MOE, "moe_inter_dim": args.moe_inter_dim}
 
 
 def run(variant: str, args: argparse.Namespace, workdir: Path, cluster) -> dict:
     out = workdir / f"{variant.replace(' ', '_')}.json"
     argv = [sys.executable, __file__, "--worker", "--variant", variant, "--steps", str(args.steps), "--batch-size",
-            str(args.batch_size), "--out", str(out)]
+            str(args.batch_size), "--moe-inter-dim", str(args.moe_inter_dim), "--out", str(out)]
     run_nodes(argv, cluster, NODES, PER_NODE)
     result = {**json.loads(out.read_text()), **json.loads(Path(str(out) + ".report").read_text())}
     result["step"] = median_after_warmup(result["times"], WARMUP)
@@ -127,14 +143,23 @@ def measure(args: argparse.Namespace, workdir: Path) -> str:
                 results[variant].append(result)
                 print(f"DISPATCH round {r} {variant}: {result['step']:.3f} s, wire {result['wire_bytes_per_step'] / 1e6:.2f}"
                       f" MB/step, dispatch inter-node {result['dispatch_inter_bytes_per_step'] / 1e6:.2f} MB/step", flush=True)
-    rows = []
-    for variant in VARIANTS:
+    rows, overlapped = [], []
+    for variant in DISPATCHES:
         runs, flat = results[variant], results[variant.replace("hierarchical", "flat")]
         ratio = {key: [a[key] / b[key] for a, b in zip(runs, flat)] for key in ("wire_bytes_per_step", "dispatch_inter_bytes_per_step", "step")}
         rows.append(
             f"| {variant} | {statistics.median(r['wire_bytes_per_step'] for r in runs) / 1e6:.2f} | {_spread(ratio['wire_bytes_per_step'])} |"
             f" {statistics.median(r['dispatch_inter_bytes_per_step'] for r in runs) / 1e6:.2f} | {_spread(ratio['dispatch_inter_bytes_per_step'])} |"
             f" {statistics.median(r['step'] for r in runs):.3f} | {_spread(ratio['step'])} |"
+        )
+    for variant in (v for pair in zip(DISPATCHES[:2], OVERLAPPED) for v in pair):
+        runs, blocking = results[variant], results[variant.replace(" overlap", "")]
+        step = [a["step"] / b["step"] for a, b in zip(runs, blocking)]
+        hidden = [1 - r["ep_exposed"] / r["ep_comm"] if r["ep_comm"] else 0.0 for r in runs]
+        overlapped.append(
+            f"| {variant} | {statistics.median(r['step'] for r in runs):.3f} |"
+            f" {_spread(step) if variant in OVERLAPPED else '1'} | {statistics.median(r['ep_comm'] for r in runs) * 1e3:.0f} |"
+            f" {statistics.median(r['ep_exposed'] for r in runs) * 1e3:.0f} | {statistics.median(hidden):.0%} |"
         )
     return "\n".join([
         f"Two simulated nodes at {args.rate}, two processes each (ep=4 over dp=4), {args.steps} steps ({WARMUP} warm-up),"
@@ -148,6 +173,17 @@ def measure(args: argparse.Namespace, workdir: Path) -> str:
         *rows,
         "",
         "Target (hierarchical against flat, same routing): bytes crossing the inter-node link per step <= 0.5x.",
+        "",
+        "Overlap (expert_dispatch_overlap: two chunks per micro-batch, one's all-to-alls in flight while the other"
+        " computes, forward and backward): step time against the same dispatch without overlap, per round; the expert"
+        " all-to-alls' wall time per step (ep_comm: issue to completion) and the part the training thread was blocked"
+        " on them (ep_exposed), rank mean; hidden = 1 - ep_exposed / ep_comm.",
+        "",
+        "| dispatch | step (s) | vs without overlap | ep_comm (ms/step) | ep_exposed (ms/step) | hidden |",
+        "|---|---|---|---|---|---|",
+        *overlapped,
+        "",
+        "Target: step time with overlap <= 0.75x of without.",
     ])
 
 
@@ -160,6 +196,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--moe-inter-dim", type=int, default=MOE["moe_inter_dim"], help="each routed expert's hidden width")
     parser.add_argument("--dry-run", action="store_true", help="print the section, do not write docs/benchmarks.md")
     args = parser.parse_args()
     if args.worker:
@@ -167,15 +204,16 @@ def main() -> None:
     from examples.deepseek import DeepSeekMini
     from lightning_ciuic.parallel.experts import packed_experts
 
-    model = DeepSeekMini(**MOE)
+    model = DeepSeekMini(**_model(args))
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for _, m in packed_experts(model) for p in m.parameters())
     with tempfile.TemporaryDirectory() as tmp:
         section = "\n".join([
-            "## Expert parallelism: hierarchical dispatch",
+            "## Expert parallelism: hierarchical dispatch and overlap",
             "",
             f"`sudo .venv/bin/python benchmarks/expert_dispatch.py --rate {args.rate} --steps {args.steps} --rounds"
-            f" {args.rounds} --batch-size {args.batch_size}` on {machine()}. Model: the example decoder with"
+            f" {args.rounds} --batch-size {args.batch_size} --moe-inter-dim {args.moe_inter_dim}` on {machine()}. Model:"
+            " the example decoder with"
             f" {MOE['n_routed_experts']} routed experts per layer in {MOE['n_expert_groups']} groups, each token's"
             f" {MOE['n_activated_experts']} in its best {MOE['topk_expert_groups']} groups, {total / 1e6:.2f}M parameters"
             f" of which {experts / 1e6:.2f}M in routed experts.",

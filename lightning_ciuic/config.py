@@ -10,7 +10,7 @@ compression; ``expert_parallel_size`` a positive integer dividing the innermost 
 against the world by ``resolve``), ``expert_dispatch_compression`` one of ``"none"``, ``"bf16"``, ``"fp8"``,
 ``"int8"`` and only with expert parallelism, ``expert_dispatch`` ``"flat"`` or ``"hierarchical"`` (only with expert
 parallelism; the nodes from ``expert_devices_per_node``, a positive integer, ``None`` for the cluster environment's
-devices per node, which the strategy fills in); per-step compression only on a process-group backend that has the
+devices per node, which the strategy fills in), ``expert_dispatch_overlap`` only with expert parallelism; per-step compression only on a process-group backend that has the
 collectives it needs (``process_group_backend`` ``None``, ``"gloo"`` or ``"nccl"``); ``weight_all_gather_compression``
 ``"none"`` or ``"int8"``; ``gradient_checkpointing`` one of the recomputation modes of
 :class:`~lightning_ciuic.parallel.recompute.Recompute` (kept as the parsed ``Recompute``). ``resolve(world_size)`` gives the :class:`~lightning_ciuic.parallel.dims.ParallelDims` (degrees against
@@ -63,7 +63,7 @@ STRATEGY_ARGS: dict[str, tuple[str, str]] = {
     **{name: ("", name) for name in (
         "pipeline_parallel_size", "data_parallel_size", "tensor_parallel_size", "data_parallel_shard_size",
         "expert_parallel_size", "expert_dispatch_compression", "expert_dispatch", "expert_devices_per_node",
-        "expert_node_limit", "diloco", "gradient_checkpointing",
+        "expert_node_limit", "expert_dispatch_overlap", "diloco", "gradient_checkpointing",
         "process_group_backend", "bucket_size_mb", "sync_timeout", "sequence_parallel",
     )},
     "pipeline_schedule": ("pipeline", "schedule"),
@@ -118,6 +118,7 @@ class ParallelismConfig:
     expert_dispatch: DispatchMode = "flat"  # "hierarchical": once per node over the inter-node link, fanned out inside
     expert_devices_per_node: Optional[int] = None  # the ep ranks' nodes (None: the cluster environment's, or one node)
     expert_node_limit: Optional[int] = None  # opt-in: each token's experts on at most this many nodes (routers by groups)
+    expert_dispatch_overlap: bool = False  # two chunks per micro-batch: one chunk's all-to-alls run while the other computes
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
@@ -325,6 +326,11 @@ class ParallelismConfig:
                     f"expert_node_limit={self.expert_node_limit} limits the nodes a token's experts sit on, and"
                     " expert_parallel_size=1 keeps every expert on every rank: set expert_parallel_size > 1, or leave it unset."
                 )
+        if self.expert_dispatch_overlap and self.expert_parallel_size == 1:
+            raise ValueError(
+                "expert_dispatch_overlap=True runs one chunk's expert all-to-alls while the other chunk computes, and"
+                " expert_parallel_size=1 has no all-to-all to hide: set expert_parallel_size > 1, or leave it False."
+            )
         if mode != "flat" and self.expert_parallel_size == 1:
             raise ValueError(
                 f"expert_dispatch={mode!r} sends tokens to other ranks' experts, and expert_parallel_size=1 sends none:"

@@ -22,6 +22,7 @@ RANK_FIELDS = (
     "ep_bytes", "ep_tokens",  # expert parallelism: bytes this rank sent in the token all-to-alls, tokens its experts ran
     "ep_comm",  # and the seconds those all-to-alls took (waiting for busier ranks included)
     "ep_inter_bytes",  # of ep_bytes, those that crossed the inter-node link
+    "ep_exposed",  # of ep_comm, the time the training thread was blocked on them (all of it without expert_dispatch_overlap)
 )
 
 RATE_UNIT = "GB/s"  # 10^9 bytes per second: every rate the report and the console print

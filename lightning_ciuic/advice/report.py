@@ -67,6 +67,11 @@ def throughput(profile: RunProfile) -> tuple[float, float]:
     return effective, effective * 2 * (profile.dp - 1) / profile.dp
 
 
+def _hidden(exposed: float, comm: float) -> str:
+    """The share of the expert all-to-alls' wall time the training thread did not wait for."""
+    return f"{max(0.0, 1 - exposed / comm):.0%}" if comm > 0 else "0%"
+
+
 def summary_table(profile: RunProfile) -> str:
     header = "rank | step ms | compute ms | dp exposed ms | dp comm ms | tp comm ms | data ms | straggler wait ms | MB sent | overlap | memory MB"
     slowest = max((r["compute"] for r in profile.ranks), default=0.0)
@@ -90,7 +95,8 @@ def summary_table(profile: RunProfile) -> str:
         lines.append(
             f"experts (ep={profile.ep}): tokens per expert max/mean over the run: {load or 'none routed'};"
             f" tokens each rank's experts ran per step {spread}; all-to-all {profile.mean('ep_bytes') / 1e6:.2f} MB sent"
-            f" and {profile.mean('ep_comm') * 1e3:.1f} ms per step (rank mean)"
+            f" and {profile.mean('ep_comm') * 1e3:.1f} ms per step, {profile.mean('ep_exposed') * 1e3:.1f} ms of it exposed"
+            f" ({_hidden(profile.mean('ep_exposed'), profile.mean('ep_comm'))} hidden behind compute; rank mean)"
         )
     effective, per_link = throughput(profile)
     lines.append(

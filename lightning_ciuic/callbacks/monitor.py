@@ -12,9 +12,11 @@ Contract:
   ``profile_every``-th step by intercepting the functional collectives DTensor issues; that step's other
   timings are left out of the means), ``memory_mb`` (peak: CUDA allocator, or the process's RSS on CPU); under
   expert parallelism ``ep_bytes`` (sent in the token all-to-alls; ``ep_inter_bytes`` of them over the inter-node
-  link, the ep ranks placed on nodes by ``expert_devices_per_node``), ``ep_comm`` (their time, forward and backward,
-  waiting for busier ranks included) and ``ep_tokens`` (rows this rank's experts ran); the all-to-alls are spans of
-  the trace's ``ep collectives`` track (on the CPU).
+  link, the ep ranks placed on nodes by ``expert_devices_per_node``), ``ep_comm`` (their wall time, forward and
+  backward, from issue to completion, waiting for busier ranks included), ``ep_exposed`` (of it, the time the training
+  thread was blocked on them: all of it without ``expert_dispatch_overlap``; the hidden part is ``1 - ep_exposed /
+  ep_comm``) and ``ep_tokens`` (rows this rank's experts ran); the blocked waits are spans of the trace's ``ep
+  collectives`` track (on the CPU).
 * Mixture-of-experts layers (packed experts, with or without expert parallelism): the tokens routed to each expert
   over the run, summed over the data-parallel ranks, as ``expert_load`` (layer -> max / mean) in ``monitor.json``,
   the summary and the report's findings.
@@ -73,7 +75,7 @@ from lightning_ciuic.validation import check_int
 _WARMUP_STEPS = 2  # first steps (allocation, first collectives) left out of the means
 _TIMED = (
     "step", "compute", "data_wait", "dp_exposed", "dp_comm", "tp_comm", "dp_gather", "dp_scatter", "pp_bubble",
-    "checkpoint_stall", "snapshot_stall", "outer_sync", "ep_comm",
+    "checkpoint_stall", "snapshot_stall", "outer_sync", "ep_comm", "ep_exposed",
 )
 
 
@@ -206,15 +208,18 @@ class CommunicationMonitor(Callback):
         self._routed = RoutedTokens(pl_module) if packed_experts(pl_module) else None
         self._meta.update(ep=dims.ep)
 
-    def _expert_counters(self) -> tuple[float, float, float, float]:
-        """Bytes sent in the token all-to-alls, rows this rank's experts ran, seconds in the all-to-alls, and of the
-        bytes those that crossed the inter-node link (totals)."""
+    def _expert_counters(self) -> tuple[float, float, float, float, float]:
+        """Bytes sent in the token all-to-alls, rows this rank's experts ran, the all-to-alls' seconds, of the bytes
+        those that crossed the inter-node link, and of the seconds those the training thread was blocked (totals)."""
         if self._experts is None:
-            return 0.0, 0.0, 0.0, 0.0
+            return 0.0, 0.0, 0.0, 0.0, 0.0
         stats = self._experts.stats
         self._experts.clock.collect()
         inter = sum(by_link["inter"] for by_link in stats.link_bytes.values())
-        return float(stats.dispatch_bytes + stats.combine_bytes), float(stats.received_tokens), stats.seconds, float(inter)
+        return (
+            float(stats.dispatch_bytes + stats.combine_bytes), float(stats.received_tokens), stats.seconds, float(inter),
+            stats.exposed_seconds,
+        )
 
     def _sync_counters(self) -> tuple[float, ...]:
         engine = self._context.data_parallel
@@ -284,6 +289,7 @@ class CommunicationMonitor(Callback):
             "ep_tokens": experts[1] - experts_last[1],
             "ep_comm": experts[2] - experts_last[2],
             "ep_inter_bytes": experts[3] - experts_last[3],
+            "ep_exposed": experts[4] - experts_last[4],
         }
         if self.trace:
             self._trace_steps.append(step_events(record, comm))

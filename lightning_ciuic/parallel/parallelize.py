@@ -102,6 +102,9 @@ class ParallelizeOptions(Protocol):
     def expert_node_limit(self) -> Optional[int]: ...  # opt-in: a token's experts on at most this many nodes
 
     @property
+    def expert_dispatch_overlap(self) -> bool: ...  # two chunks per micro-batch, one's all-to-alls while the other computes
+
+    @property
     def diloco(self) -> Optional[Any]: ...  # whole replicas that train apart: no user FSDP2 units
 
 
@@ -150,7 +153,7 @@ def parallelize(
             )
         result.experts = shard_experts(
             module, meshes, options.expert_dispatch_compression, options.expert_dispatch, options.expert_devices_per_node,
-            options.expert_node_limit,
+            options.expert_node_limit, options.expert_dispatch_overlap,
         )
     if options.gradient_checkpointing:
         checkpoint_blocks(module, options.gradient_checkpointing)

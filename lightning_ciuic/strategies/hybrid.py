@@ -150,7 +150,9 @@ class HybridParallelStrategy(ParallelStrategy):
             the working precision.
         expert_dispatch: ``"flat"`` or ``"hierarchical"`` (a token crosses the inter-node link once per node and
             fans out inside it), ``expert_devices_per_node`` (``None``: the cluster environment's devices per
-            node), ``expert_node_limit`` (opt-in: a token's experts on at most that many nodes): docs/expert_parallel.md.
+            node), ``expert_node_limit`` (opt-in: a token's experts on at most that many nodes),
+            ``expert_dispatch_overlap`` (each micro-batch's tokens in two chunks, one chunk's all-to-alls in flight
+            while the other's experts compute, forward and backward): docs/expert_parallel.md.
     """
 
     strategy_name = "ciuic"
@@ -192,6 +194,7 @@ class HybridParallelStrategy(ParallelStrategy):
         expert_dispatch: DispatchMode = "flat",
         expert_devices_per_node: Optional[int] = None,
         expert_node_limit: Optional[int] = None,
+        expert_dispatch_overlap: bool = False,
         sequence_parallel: bool = True,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,

@@ -26,12 +26,12 @@ def _routing(tokens: int, rank: int, only: list[int] | None, hidden: int) -> tup
     return x, index, weights
 
 
-def _check(rank: int, world: int, tokens: int, only, dispatch: str, hidden: int = H) -> dict:
+def _check(rank: int, world: int, tokens: int, only, dispatch: str, hidden: int = H, overlap: bool = False) -> dict:
     torch.manual_seed(0)
     reference = PackedExperts(E, hidden, I).double()
     sharded = copy.deepcopy(reference)
     dims = ParallelDims.resolve(world, data_parallel_size=world, expert_parallel_size=world)
-    layout = shard_experts(sharded, dims.build("cpu"), dispatch)
+    layout = shard_experts(sharded, dims.build("cpu"), dispatch, overlap=overlap)
     x, index, weights = _routing(tokens, rank, only, hidden)
     x_ref, w_ref = x.clone().requires_grad_(), weights.clone().requires_grad_()
     x_ep, w_ep = x.clone().requires_grad_(), weights.clone().requires_grad_()
@@ -49,29 +49,39 @@ def _check(rank: int, world: int, tokens: int, only, dispatch: str, hidden: int 
 
 
 def _exact(rank: int, world: int) -> None:
-    for tokens, only in ((12, None), (12, [0, 1]), (0 if rank == 1 else 12, None)):  # random; all to rank 0; none from 1
-        out = _check(rank, world, tokens, only, "none")
+    # random; all to rank 0; none from rank 1; overlapped, rank 1's one token leaves its second chunk empty
+    cases = ((12, None, False), (12, [0, 1], False), (0 if rank == 1 else 12, None, False), (12, None, True),
+             (12, [0, 1], True), (1 if rank == 1 else 12, [0, 1], True), (0 if rank == 1 else 12, None, True))
+    for tokens, only, overlap in cases:
+        out = _check(rank, world, tokens, only, "none", overlap=overlap)
         torch.testing.assert_close(out["actual"], out["expected"], rtol=0, atol=1e-12)
         for expected, actual in (out["x"], out["w"], *out["params"]):
             torch.testing.assert_close(actual, expected, rtol=0, atol=1e-12)
         if only == [0, 1]:
-            assert out["layout"].stats.received_tokens == (2 * 12 * K if rank == 0 else 0)
+            routed = torch.tensor(tokens)
+            dist.all_reduce(routed)
+            assert out["layout"].stats.received_tokens == (int(routed) * K if rank == 0 else 0)
+        stats = out["layout"].stats
+        assert 0 < stats.exposed_seconds <= stats.seconds + 1e-9 and (overlap or stats.exposed_seconds == stats.seconds)
 
 
 def test_dispatch_and_combine_equal_the_experts_own_forward_with_empty_ranks():
+    """Also overlapped (two chunks, one's all-to-alls in flight while the other computes), with a chunk empty."""
     run_workers(_exact, 2)
 
 
 def _compressed(rank: int, world: int) -> None:
     sent = {}
     for dispatch, bound in (("bf16", 2**-8), ("fp8", 2**-4), ("int8", 2**-7)):
-        out = _check(rank, world, 64, None, dispatch, hidden=128)  # a row is one block of 128 (DeepSeek-V3's 1x128 tiles)
-        # Relative to the largest value: a few of the codec's steps (the inputs' error through two small matmuls)
-        for expected, actual in ((out["expected"], out["actual"]), out["w"], out["x"]):
-            error = (actual - expected).abs().max() / expected.abs().max()
-            assert error < 4 * bound, (dispatch, float(error))
-        sent[dispatch] = out["layout"].stats.dispatch_bytes
-    assert sent["fp8"] <= 0.55 * sent["bf16"] and sent["int8"] == sent["fp8"], sent
+        for overlap in (False, True):
+            out = _check(rank, world, 64, None, dispatch, hidden=128, overlap=overlap)  # a row is one block of 128 (DeepSeek-V3's 1x128 tiles)
+            # Relative to the largest value: a few of the codec's steps (the inputs' error through two small matmuls)
+            for expected, actual in ((out["expected"], out["actual"]), out["w"], out["x"]):
+                error = (actual - expected).abs().max() / expected.abs().max()
+                assert error < 4 * bound, (dispatch, overlap, float(error))
+            sent[dispatch, overlap] = out["layout"].stats.dispatch_bytes
+    assert sent["fp8", False] <= 0.55 * sent["bf16", False] and sent["int8", False] == sent["fp8", False], sent
+    assert all(sent[d, True] == sent[d, False] for d in ("bf16", "fp8", "int8")), sent  # one block per row: the same bytes
 
 
 def test_compressed_dispatch_stays_within_the_codec_bound_and_sends_its_encoding():
@@ -91,9 +101,9 @@ def _hier_routing(rank: int, tokens: int, only: list[int] | None):
     return x, index, torch.rand(tokens, HK, generator=g, dtype=torch.float64)
 
 
-def _run_mode(reference, dims, mode, per_node, x, index, weights, dispatch="none"):
+def _run_mode(reference, dims, mode, per_node, x, index, weights, dispatch="none", overlap=False):
     sharded = copy.deepcopy(reference)
-    layout = shard_experts(sharded, dims.build("cpu"), dispatch, mode, per_node)
+    layout = shard_experts(sharded, dims.build("cpu"), dispatch, mode, per_node, overlap=overlap)
     x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
     out = sharded(x, index, weights)
     out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out))
@@ -125,6 +135,10 @@ def _hierarchical(rank: int, world: int) -> None:
             torch.testing.assert_close(hier[0], single, rtol=0, atol=1e-12)
             for a, b in zip(hier, flat):  # the same routing: outputs, input, weight and expert gradients
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=lambda m: f"ep{ep} {name}: {m}")
+            overlapped_layout, overlapped = _run_mode(reference, dims, "hierarchical", per_node, x, index, weights, overlap=True)
+            for a, b in zip(overlapped, flat):  # two chunks interleaved: the same again, and the same bytes
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=lambda m: f"ep{ep} {name} overlapped: {m}")
+            assert overlapped_layout.stats.link_bytes == hier_layout.stats.link_bytes, (ep, name)
             stats = hier_layout.stats
             # one row per (token, remote node) crosses the inter-node link, and nothing else of the rows
             rows = _remote_rows(index, node, experts_per_node)
@@ -164,3 +178,70 @@ def _hierarchical(rank: int, world: int) -> None:
 
 def test_hierarchical_dispatch_equals_one_process_and_the_flat_dispatch_and_counts_its_hops():
     run_workers(_hierarchical, 4)
+
+
+def _interleaving(rank: int, world: int) -> None:
+    """The order of the all-to-alls' issues and waits and of the experts' forward and backward, overlapped: chunk 1's
+    dispatch issued before chunk 0's experts run, and in backward an expert backward between a gradient all-to-all's
+    issue and its wait (as it fails when the chunks run one after the other)."""
+    events: list[str] = []
+    real = dist.all_to_all_single
+
+    class Logged:
+        def __init__(self, work, n):
+            self.work, self.n = work, n
+
+        def wait(self):
+            events.append(f"wait {self.n}")
+            return self.work.wait()
+
+        def get_future(self):
+            return self.work.get_future()
+
+    def all_to_all(*args, async_op=False, **kwargs):
+        n = len([e for e in events if e.startswith("issue")])
+        events.append(f"issue {n}" + (" async" if async_op else ""))
+        work = real(*args, async_op=async_op, **kwargs)
+        return Logged(work, n) if async_op else work
+
+    class Act(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            events.append("experts")
+            ctx.save_for_backward(x)
+            return torch.nn.functional.silu(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            events.append("experts backward")
+            (x,) = ctx.saved_tensors
+            s = torch.sigmoid(x)
+            return grad * s * (1 + x * (1 - s))
+
+    torch.manual_seed(0)
+    experts = PackedExperts(E, H, I).double()
+    experts.act_fn = Act.apply
+    dims = ParallelDims.resolve(world, data_parallel_size=world, expert_parallel_size=world)
+    shard_experts(experts, dims.build("cpu"), "none", overlap=True)
+    events.clear()  # the takeover check ran the experts' own forward
+    x, index, weights = _routing(12, rank, None, H)
+    dist.all_to_all_single = all_to_all
+    try:
+        out = experts(x.requires_grad_(), index, weights)
+        forward = len(events)
+        out.sum().backward()
+    finally:
+        dist.all_to_all_single = real
+    first_experts = events.index("experts")
+    # both chunks' counts, then both chunks' dispatch issued before chunk 0's experts run
+    assert sum(e.endswith("async") for e in events[:first_experts]) == 4, events
+    backward = events[forward:]
+    hidden = [
+        e for i, e in enumerate(backward) if e.endswith("async")
+        and any(b == "experts backward" for b in backward[i:backward.index(f"wait {e.split()[1]}")])
+    ]
+    assert len(hidden) >= 2, backward  # a combine gradient, then a dispatch gradient, in flight over the other's experts
+
+
+def test_overlapped_dispatch_runs_one_chunks_all_to_alls_while_the_other_computes():
+    run_workers(_interleaving, 2)

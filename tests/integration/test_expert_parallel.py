@@ -22,30 +22,38 @@ def _tiny() -> DeepSeekMini:
 
 
 @pytest.mark.parametrize(
-    "dp, shard, pp, tp, ep, clip",
+    "dp, shard, pp, tp, ep, clip, overlap",
     [
-        (2, 1, 1, 1, 2, 0.05), (2, 2, 1, 1, 2, None), (4, 4, 1, 1, 2, 0.05), (4, 2, 1, 1, 2, None), (2, 1, 2, 1, 2, 0.05),
-        (2, 2, 1, 2, 2, 0.05), (2, 2, 1, 2, 4, 0.05), (2, 1, 1, 2, 4, None),
+        (2, 1, 1, 1, 2, 0.05, False), (2, 2, 1, 1, 2, None, False), (4, 4, 1, 1, 2, 0.05, False), (4, 2, 1, 1, 2, None, False),
+        (2, 1, 2, 1, 2, 0.05, False), (2, 2, 1, 2, 2, 0.05, False), (2, 2, 1, 2, 4, 0.05, False), (2, 1, 1, 2, 4, None, False),
+        (2, 1, 1, 1, 2, 0.05, True), (2, 2, 1, 2, 4, 0.05, True),
     ],
     ids=[
         "ep2-over-dp2", "ep2-over-fsdp2", "ep2-over-fsdp4", "ep2-over-hsdp2x2", "ep2-pp2", "ep2-over-fsdp2-tp2",
-        "ep4-over-fsdp2xtp2", "ep4-over-dp2xtp2",
+        "ep4-over-fsdp2xtp2", "ep4-over-dp2xtp2", "ep2-over-dp2-overlap", "ep4-over-fsdp2xtp2-overlap",
     ],
 )
-def test_expert_parallel_layout_matches_single_process(dp, shard, pp, tp, ep, clip):
-    _fit_and_compare(dp, shard, pp, tp, ep, clip)
+def test_expert_parallel_layout_matches_single_process(dp, shard, pp, tp, ep, clip, overlap):
+    """``overlap``: expert_dispatch_overlap, each layer's tokens in two chunks, one's all-to-alls while the other computes."""
+    _fit_and_compare(dp, shard, pp, tp, ep, clip, expert_dispatch_overlap=overlap)
 
 
 @pytest.mark.parametrize(
-    "recompute, tp",
-    [(True, 1), ("selective", 1), ({"recompute": ["norm", "mla_up"]}, 1), ("selective", 2), ({"recompute": ["norm"]}, 2)],
-    ids=["full", "selective", "deepseek-recipe", "selective-tp2", "norms-tp2"],
+    "recompute, tp, overlap",
+    [
+        (True, 1, False), ("selective", 1, False), ({"recompute": ["norm", "mla_up"]}, 1, False),
+        ("selective", 2, False), ({"recompute": ["norm"]}, 2, False), ("selective", 1, True),
+    ],
+    ids=["full", "selective", "deepseek-recipe", "selective-tp2", "norms-tp2", "selective-overlap"],
 )
-def test_accumulation_and_activation_checkpointing_with_experts_sharded(recompute, tp):
+def test_accumulation_and_activation_checkpointing_with_experts_sharded(recompute, tp, overlap):
     """Two micro-batches per step, activations recomputed in backward: every block, torchtitan's op-level policy
-    (the dispatch's all-to-alls recomputed), DeepSeek-V3's norms and MLA up-projections; under FSDP 2 x tp 2 (ep 4)
-    with sequence parallelism, whose linears keep the norms' (recomputed) output as their part of the gathered input."""
-    _fit_and_compare(2, 2, 1, tp, 2 * tp, 0.05, accumulate=2, gradient_checkpointing=recompute)
+    (the dispatch's all-to-alls recomputed; also overlapped, asynchronous), DeepSeek-V3's norms and MLA
+    up-projections; under FSDP 2 x tp 2 (ep 4) with sequence parallelism, whose linears keep the norms' (recomputed)
+    output as their part of the gathered input."""
+    _fit_and_compare(
+        2, 2, 1, tp, 2 * tp, 0.05, accumulate=2, gradient_checkpointing=recompute, expert_dispatch_overlap=overlap
+    )
 
 
 def _grouped() -> DeepSeekMini:
@@ -55,18 +63,21 @@ def _grouped() -> DeepSeekMini:
 
 
 @pytest.mark.parametrize(
-    "dp, shard, pp, ep, per_node",
-    [(4, 4, 1, 4, 2), (2, 1, 1, 2, 1), (2, 2, 1, 4, 2), (2, 1, 2, 2, 1)],
+    "dp, shard, pp, ep, per_node, overlap",
+    [(4, 4, 1, 4, 2, False), (2, 1, 1, 2, 1, False), (2, 2, 1, 4, 2, False), (2, 1, 2, 2, 1, False), (2, 1, 2, 2, 1, True)],
     ids=[
         "ep4-as-2-nodes-of-2-over-fsdp4", "ep2-as-2-nodes-of-1-over-dp2", "ep4-over-fsdp2xtp2-as-2-nodes-of-2",
-        "ep2-as-2-nodes-of-1-pp2",
+        "ep2-as-2-nodes-of-1-pp2", "ep2-as-2-nodes-of-1-pp2-overlap",
     ],
 )
-def test_hierarchical_dispatch_with_group_limited_routing_matches_single_process(dp, shard, pp, ep, per_node):
+def test_hierarchical_dispatch_with_group_limited_routing_matches_single_process(dp, shard, pp, ep, per_node, overlap):
     """A token crosses the (simulated: node = rank // expert_devices_per_node) inter-node hop once per node, each node
-    holding one expert group; with FSDP, with the tp peers in ep (tp = ep / dp_shard), with pp 2."""
+    holding one expert group; with FSDP, with the tp peers in ep (tp = ep / dp_shard), with pp 2; overlapped."""
     tp = ep // shard if ep > shard else 1
-    _fit_and_compare(dp, shard, pp, tp, ep, 0.05, factory=_grouped, expert_dispatch="hierarchical", expert_devices_per_node=per_node)
+    _fit_and_compare(
+        dp, shard, pp, tp, ep, 0.05, factory=_grouped, expert_dispatch="hierarchical", expert_devices_per_node=per_node,
+        expert_dispatch_overlap=overlap,
+    )
 
 
 def test_the_opt_in_node_limit_trains_as_the_model_routed_by_node_groups():
@@ -120,26 +131,27 @@ def _hugging_face(model_type: str):
 
 
 @pytest.mark.parametrize(
-    "model_type, shard, tp, ep",
+    "model_type, shard, tp, ep, overlap",
     [
-        ("qwen3_moe", 1, 1, 2), ("qwen3_moe", 2, 1, 2), ("mixtral", 1, 1, 2), ("mixtral", 2, 1, 2), ("mixtral", 2, 2, 4),
-        ("qwen3_moe", 2, 2, 4), ("qwen3_moe", 1, 2, 2),
+        ("qwen3_moe", 1, 1, 2, False), ("qwen3_moe", 2, 1, 2, False), ("mixtral", 1, 1, 2, False), ("mixtral", 2, 1, 2, False),
+        ("mixtral", 2, 2, 4, False), ("qwen3_moe", 2, 2, 4, False), ("qwen3_moe", 1, 2, 2, False), ("qwen3_moe", 2, 1, 2, True),
     ],
     ids=[
         "qwen3_moe-replicated", "qwen3_moe-fsdp", "mixtral-replicated", "mixtral-fsdp", "mixtral-fsdp2xtp2-ep4",
-        "qwen3_moe-fsdp2xtp2-ep4", "qwen3_moe-dp2xtp2-ep2",
+        "qwen3_moe-fsdp2xtp2-ep4", "qwen3_moe-dp2xtp2-ep2", "qwen3_moe-fsdp-overlap",
     ],
 )
-def test_hugging_face_moe_families_train_with_experts_sharded(model_type, shard, tp, ep):
+def test_hugging_face_moe_families_train_with_experts_sharded(model_type, shard, tp, ep, overlap):
     """transformers' own experts modules (packed weights, routed in float32 by the model) over dp=2 (x tp=2: the
     Hugging Face tensor-parallel plan for attention, experts split by ep over the tp peers too). Qwen3-MoE's per-head
     q_norm / k_norm under tp ("replicated_with_grad_allreduce"): each rank's gradient is its heads' part, summed over
-    tp (trained on the partial gradients, the run was 0.036 off single-process training after 4 steps)."""
+    tp (trained on the partial gradients, the run was 0.036 off single-process training after 4 steps). ``overlap``:
+    expert_dispatch_overlap (two chunks, one's all-to-alls while the other computes)."""
     pytest.importorskip("transformers")
     factory = _hugging_face(model_type)
     strategy = HybridParallelStrategy(
         data_parallel_size=2, data_parallel_shard_size=shard, tensor_parallel_size=tp, expert_parallel_size=ep,
-        start_method="forkserver",
+        expert_dispatch_overlap=overlap, start_method="forkserver",
     )
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=2 * tp, max_steps=STEPS, logger=False, enable_checkpointing=False,
@@ -231,14 +243,19 @@ def test_a_checkpoint_of_an_expert_parallel_run_resumes_in_another_layout(tmp_pa
     assert_state_close(resumed, expected, 6)
 
 
-def test_the_monitor_counts_the_token_exchange_and_the_balance(tmp_path, capfd):
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+def test_the_monitor_counts_the_token_exchange_and_the_balance(tmp_path, capfd, overlap):
+    """Overlapped, the all-to-alls' wall time (ep_comm) is more than the time the training thread was blocked on them
+    (ep_exposed); blocking, the two are the same."""
     import json
 
     from lightning_ciuic import CommunicationMonitor
 
     steps = 6
     trainer = Trainer(
-        strategy=HybridParallelStrategy(data_parallel_size=2, expert_parallel_size=2, start_method="forkserver"),
+        strategy=HybridParallelStrategy(
+            data_parallel_size=2, expert_parallel_size=2, expert_dispatch_overlap=overlap, start_method="forkserver"
+        ),
         accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
         callbacks=[CommunicationMonitor(measure_link=False, gather_every=3, trace=True)],
@@ -251,6 +268,8 @@ def test_the_monitor_counts_the_token_exchange_and_the_balance(tmp_path, capfd):
     pairs = 2 * PER_RANK_BATCH * SEQ_LEN * MOE_MODEL["n_activated_experts"]
     assert sum(rank["ep_tokens"] for rank in profile["ranks"]) == pytest.approx(pairs)
     assert all(rank["ep_bytes"] > 0 and rank["ep_comm"] > 0 for rank in profile["ranks"])
+    for rank in profile["ranks"]:
+        assert 0 < rank["ep_exposed"] < rank["ep_comm"] if overlap else rank["ep_exposed"] == pytest.approx(rank["ep_comm"]), rank
     assert all(rank["ep_inter_bytes"] == 0 for rank in profile["ranks"])  # the cluster's one node of 2 devices
     # each MoE layer's step: counts, dispatch, combine forward; combine and dispatch gradients backward
     spans = [event for rank in record["trace"] for event in rank if event[0] == "ep collectives"]
@@ -260,6 +279,7 @@ def test_the_monitor_counts_the_token_exchange_and_the_balance(tmp_path, capfd):
     assert list(profile["expert_load"]) == ["model.layers.1.ffn.experts"] and profile["expert_load"]["model.layers.1.ffn.experts"] >= 1
     out = capfd.readouterr()
     assert "experts (ep=2): tokens per expert max/mean over the run: model.layers.1.ffn.experts" in out.out + out.err
+    assert ("hidden behind compute" in out.out + out.err) and (overlap or "(0% hidden behind compute" in out.out + out.err)
 
 
 class _ExpertReplicas(Callback):

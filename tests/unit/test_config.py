@@ -71,6 +71,11 @@ def test_the_strategys_arguments_are_the_configs_by_the_same_names():
         ),
         ({"expert_dispatch_compression": "fp8"}, r"expert_dispatch_compression='fp8' compresses the tokens .* expert_parallel_size=1 sends none"),
         (
+            {"expert_dispatch_overlap": True},
+            r"expert_dispatch_overlap=True runs one chunk's expert all-to-alls while the other chunk computes, and"
+            r" expert_parallel_size=1 has no all-to-all to hide: set expert_parallel_size > 1, or leave it False",
+        ),
+        (
             {"expert_dispatch_compression": "fp4", "expert_parallel_size": 2},
             r"expert_dispatch_compression='fp4': use one of \['none', 'bf16', 'fp8', 'int8'\] \(how the tokens sent to the experts",
         ),

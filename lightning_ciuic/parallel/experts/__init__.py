@@ -11,6 +11,8 @@ One module per job, each with its contract:
   split over tensor-parallel peers.
 * :mod:`.dispatch`: the routing counted and exchanged, the rows' all-to-alls (compressed dispatch, timed).
 * :mod:`.pairs`: (row, expert) pairs to their experts' ranks and back (:func:`dispatch_pairs`), what both dispatches run.
+* :mod:`.overlap`: exchanges waited later and the schedule that interleaves two chunks' dispatches (one chunk's
+  all-to-alls in flight while the other computes, forward and backward), and what they were exposed.
 * :mod:`.hierarchical`: the hierarchical dispatch (once per node over the inter-node hop, fanned out inside the node).
 * :mod:`.nodes`: which ep ranks share a node, the hierarchical dispatch's two hops, a router's group limit as a node
   limit (:func:`group_alignment`) and DeepSeek-V3's group-limited routing (:func:`group_limited_top_k`).

@@ -2,10 +2,11 @@
 
 Contract:
 
-* :func:`routing(layout, flat, n_experts, mesh=None)`: where one rank's ``T k`` (token, expert) pairs go (``flat``: each pair's
-  expert): the counts exchanged over the ``ep`` group (one small all-to-all, one device sync), the rows to and from
-  each rank, and of what arrives, each row's local expert (grouped by source rank, then expert) and the rows of each
-  local expert (:class:`Routing`). :func:`balanced_routing`: the same as if every rank of the group routed as many
+* :func:`routing_of(counts, arriving, ep)`: where one rank's (token, expert) pairs go, from its pairs per expert
+  (``counts``) and those the ranks of its group exchanged (``arriving``: one small all-to-all, which
+  :func:`~lightning_ciuic.parallel.experts.pairs.pairs_flow` runs): the rows to and from each rank (one device sync),
+  and of what arrives, each row's local expert (grouped by source rank, then expert) and the rows of each local expert
+  (:class:`Routing`). :func:`balanced_routing`: the same as if every rank of the group routed as many
   pairs as this one, spread evenly over the experts, whatever their values (``ExpertLayout.assume_balanced``: the
   planner's step on fake tensors): the counts exchanged, every size and every tensor allocated as a real balanced
   step's.
@@ -35,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.timeline import timeline
+from lightning_ciuic.wire.codecs import Codec
 
 if TYPE_CHECKING:
     from lightning_ciuic.parallel.experts.layout import ExpertLayout
@@ -51,6 +53,7 @@ def all_to_all_timed(
     dist.all_to_all_single(received, send, recv_splits, send_splits, group=(mesh or layout.ep_mesh).get_group())
     end = clock.mark()
     clock.add(start, end, layout.stats.add_seconds)
+    clock.add(start, end, layout.stats.add_exposed)  # the caller waited all of it
     if not clock.cuda:  # host times are the collective's own on the CPU; on a GPU they would be its queueing
         timeline.record(f"ep {name}", Axis.EP, start, end, track="ep collectives")
     return received
@@ -65,6 +68,34 @@ def _flat_bytes(rows: torch.Tensor) -> torch.Tensor:
     return rows.contiguous().view(-1).view(torch.uint8)
 
 
+def encode_rows(rows: torch.Tensor, send_rows: list[int], recv_rows: list[int], codec: Optional[Codec]) -> tuple[torch.Tensor, list[int], list[int]]:
+    """The bytes of ``rows`` as they cross (``codec``-encoded, each destination's rows one piece; ``None``: their own
+    bytes), and the bytes to and from each rank."""
+    width = rows.shape[1]
+    if codec is None:
+        row_bytes = width * rows.element_size()
+        return _flat_bytes(rows), [n * row_bytes for n in send_rows], [n * row_bytes for n in recv_rows]
+    send_bytes, recv_bytes = [codec.nbytes(n * width) for n in send_rows], [codec.nbytes(n * width) for n in recv_rows]
+    return torch.cat([codec.encode(piece.reshape(-1).float()) for piece in rows.split(send_rows)]), send_bytes, recv_bytes
+
+
+def decode_rows(
+    received: torch.Tensor, recv_bytes: list[int], recv_rows: list[int], width: int, dtype: torch.dtype, codec: Optional[Codec],
+) -> torch.Tensor:
+    """The rows ``received`` (bytes, as :func:`encode_rows` sent them) in ``dtype``: ``[sum(recv_rows), width]``."""
+    if codec is None:
+        return received.view(dtype).view(-1, width)
+    pieces = [codec.decode(piece, n * width).view(n, width) for piece, n in zip(received.split(recv_bytes), recv_rows)]
+    return torch.cat(pieces).to(dtype)
+
+
+def gradient_bytes(grad: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
+    """A gradient's own bytes, and the bytes to and from each rank (it crosses back: ``send_rows`` are the forward's
+    received rows)."""
+    row_bytes = grad.shape[1] * grad.element_size()
+    return _flat_bytes(grad), [n * row_bytes for n in send_rows], [n * row_bytes for n in recv_rows]
+
+
 class Exchange(torch.autograd.Function):
     """Rows to their ranks through an all-to-all (see the module docstring)."""
 
@@ -72,29 +103,16 @@ class Exchange(torch.autograd.Function):
     def forward(ctx, rows, send_rows, recv_rows, layout, codec, direction, mesh=None, hop=None):  # type: ignore[override]
         mesh = mesh or layout.ep_mesh
         ctx.send_rows, ctx.recv_rows, ctx.layout, ctx.direction, ctx.mesh = send_rows, recv_rows, layout, direction, mesh
-        width, dtype = rows.shape[1], rows.dtype
-        if codec is None:
-            row_bytes = width * rows.element_size()
-            send_bytes, recv_bytes = [n * row_bytes for n in send_rows], [n * row_bytes for n in recv_rows]
-            payload = _flat_bytes(rows)
-        else:
-            send_bytes, recv_bytes = [codec.nbytes(n * width) for n in send_rows], [codec.nbytes(n * width) for n in recv_rows]
-            payload = torch.cat([codec.encode(piece.reshape(-1).float()) for piece in rows.split(send_rows)])
+        payload, send_bytes, recv_bytes = encode_rows(rows, send_rows, recv_rows, codec)
         received = _all_to_all_bytes(payload, send_bytes, recv_bytes, layout, direction, mesh)
         layout.stats.count(direction, send_bytes, send_rows, mesh.get_local_rank(), layout.hop_of(mesh, hop))
-        if codec is None:
-            return received.view(dtype).view(-1, width)
-        pieces = [
-            codec.decode(piece, n * width).view(n, width) for piece, n in zip(received.split(recv_bytes), recv_rows)
-        ]
-        return torch.cat(pieces).to(dtype)
+        return decode_rows(received, recv_bytes, recv_rows, rows.shape[1], rows.dtype, codec)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        width, row_bytes = grad.shape[1], grad.shape[1] * grad.element_size()
-        send_bytes, recv_bytes = [n * row_bytes for n in ctx.recv_rows], [n * row_bytes for n in ctx.send_rows]
-        back = _all_to_all_bytes(_flat_bytes(grad), send_bytes, recv_bytes, ctx.layout, f"{ctx.direction} gradient", ctx.mesh)
-        return back.view(grad.dtype).view(-1, width), None, None, None, None, None, None, None
+        payload, send_bytes, recv_bytes = gradient_bytes(grad, ctx.recv_rows, ctx.send_rows)
+        back = _all_to_all_bytes(payload, send_bytes, recv_bytes, ctx.layout, f"{ctx.direction} gradient", ctx.mesh)
+        return back.view(grad.dtype).view(-1, grad.shape[1]), None, None, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -108,25 +126,21 @@ class Routing:
     per_local_expert: list[int]
 
 
-def routing(layout: ExpertLayout, flat: torch.Tensor, n_experts: int, mesh: Optional[DeviceMesh] = None) -> Routing:
-    """The routing of the pairs ``flat`` (each one's expert of the ``n_experts`` that ``mesh``, the layout's ep group
-    by default, holds), counted and exchanged (one small all-to-all)."""
-    ep = (mesh or layout.ep_mesh).size()
-    local = n_experts // ep
-    counts = torch.bincount(flat, minlength=n_experts)
-    arriving = torch.empty_like(counts)
-    all_to_all_timed(arriving, counts, [local] * ep, [local] * ep, layout, "counts", mesh)  # [source rank, local expert] tokens coming here
-    arriving = arriving.view(ep, local)
+def routing_of(counts: torch.Tensor, arriving: torch.Tensor, ep: int) -> Routing:
+    """Where this rank's pairs go, from its pairs per expert (``counts``, ``[E]``) and the exchanged ones
+    (``arriving``: from each source rank, its pairs per local expert of this rank, ``[ep * E / ep]``)."""
+    local = counts.numel() // ep
+    arriving = arriving.view(ep, local)  # [source rank, local expert] tokens coming here
     sizes = torch.cat([counts.view(ep, local).sum(1), arriving.sum(1), arriving.sum(0)]).tolist()  # one device sync
     send_rows, recv_rows = sizes[:ep], sizes[ep : 2 * ep]
-    expert_of_row = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(
+    expert_of_row = torch.arange(local, device=counts.device).repeat(ep).repeat_interleave(
         arriving.reshape(-1), output_size=sum(recv_rows)
     )
     return Routing(send_rows, recv_rows, expert_of_row, sizes[2 * ep :])
 
 
 def balanced_routing(layout: ExpertLayout, flat: torch.Tensor, n_experts: int, mesh: Optional[DeviceMesh] = None) -> Routing:
-    """:func:`routing` as if every rank of the ep group routed as many pairs as this one, spread evenly over the experts
+    """The routing as if every rank of the ep group routed as many pairs as this one, spread evenly over the experts
     (expert ``e`` gets ``P // E`` of the ``P`` pairs, one more for ``e < P % E``), whatever their values."""
     mesh = mesh or layout.ep_mesh
     ep, me = mesh.size(), mesh.get_local_rank()

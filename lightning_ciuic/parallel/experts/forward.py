@@ -9,7 +9,12 @@ weights, on the sender (the router's gradient stays local): :func:`~lightning_ci
 over the ep group. With ``layout.mode == "hierarchical"`` the same result by
 :func:`~lightning_ciuic.parallel.experts.hierarchical.hierarchical_dispatch_and_combine` (once per node over the
 inter-node hop, fanned out inside the node). A rank that receives no token still takes part in every collective.
-Backward runs the same exchanges in reverse, in the working precision.
+Backward runs the same exchanges in reverse, in the working precision. With ``layout.overlap`` the tokens are cut in
+two chunks (:func:`~lightning_ciuic.parallel.experts.overlap.chunks`: the first a token longer where they do not
+divide), each dispatched, computed and combined as above, interleaved
+(:func:`~lightning_ciuic.parallel.experts.overlap.run_interleaved`: one chunk's all-to-alls in flight while the other
+computes, forward and backward), their outputs concatenated: the same routing and the same result (the routing and
+any statistics of it are the caller's, over all the tokens).
 
 Over tensor-parallel peers (``layout.tp_mesh``: ``ep`` takes the tp peers too, which hold the same tokens): each peer
 dispatches its share of the tokens, and the shares' outputs are all-gathered; the inputs' gradients are summed over the
@@ -24,9 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ciuic.parallel.experts.hierarchical import hierarchical_dispatch_and_combine
+from lightning_ciuic.parallel.experts.hierarchical import hierarchical_flow
 from lightning_ciuic.parallel.experts.layout import ExpertLayout
-from lightning_ciuic.parallel.experts.pairs import dispatch_pairs
+from lightning_ciuic.parallel.experts.overlap import Flow, chunks, run_alone, run_interleaved
+from lightning_ciuic.parallel.experts.pairs import pairs_flow
 from lightning_ciuic.parallel.tensor import sum_grad_over
 
 LAYOUT_ATTRIBUTE = "_expert_layout"  # where shard_experts keeps a sharded module's ExpertLayout
@@ -74,11 +80,20 @@ class _GatherShares(torch.autograd.Function):
 
 
 def _dispatch_and_combine(self, layout: ExpertLayout, hidden, top_k_index, top_k_weights) -> torch.Tensor:
-    """Route, send, compute, send back, combine (see the module docstring): flat, or hierarchical by the layout."""
-    if layout.mode == "hierarchical":
-        return hierarchical_dispatch_and_combine(self, layout, hidden, top_k_index, top_k_weights)
+    """Route, send, compute, send back, combine (see the module docstring): flat, or hierarchical by the layout; with
+    ``layout.overlap`` in two chunks of the tokens, interleaved."""
+    flow = hierarchical_flow if layout.mode == "hierarchical" else _flat_flow
+    if not layout.overlap:
+        return run_alone(flow(self, layout, hidden, top_k_index, top_k_weights, False))
+    flows = [flow(self, layout, hidden[part], top_k_index[part], top_k_weights[part], True) for part in chunks(hidden.shape[0])]
+    return torch.cat(run_interleaved(flows))
+
+
+def _flat_flow(self, layout: ExpertLayout, hidden, top_k_index, top_k_weights, overlap: bool) -> Flow:
+    """The flat dispatch of these tokens over the ep group, a row per (token, expert) pair, as a flow."""
     k = top_k_index.shape[1]
     pair_row = torch.arange(top_k_index.numel(), device=top_k_index.device) // k
-    return dispatch_pairs(
-        self, layout, hidden, pair_row, top_k_index.reshape(-1), top_k_weights.reshape(-1), layout.ep_mesh, layout.codec, None,
+    return pairs_flow(
+        self, layout, hidden, pair_row, top_k_index.reshape(-1), top_k_weights.reshape(-1), layout.ep_mesh, layout.codec,
+        None, overlap,
     )

@@ -18,6 +18,10 @@ Backward runs the same exchanges in reverse. A rank with no token for a node, or
 collective. The bytes of each hop go to ``layout.stats`` by link (``ep_node``: ``"inter"``, ``ep_local``:
 ``"intra"``; the pairs' weights and int32 codes with the dispatch's).
 
+:func:`hierarchical_flow`: the same as a flow (:mod:`~lightning_ciuic.parallel.experts.overlap`) that yields at each
+of its exchanges (the inter-node counts; the inter-node dispatch's three as one; the node's own counts, dispatch and
+combine; the inter-node combine), asynchronous with ``overlap``: what the overlapped dispatch interleaves.
+
 Under ``layout.assume_balanced`` (the planner's fake tensors) the sizes are those of :func:`balanced_node_index`'s
 routing on every rank (a token's ``k`` pairs over ``m = min(k, N, layout.node_limit)`` consecutive nodes, node
 ``(t + j) mod N`` for slot ``s`` with ``s mod m = j``, spread over each node's experts; ``node_limit``: the most nodes
@@ -34,9 +38,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lightning_ciuic.parallel.experts.dispatch import Exchange, all_to_all_timed
+from lightning_ciuic.parallel.experts.dispatch import all_to_all_timed
 from lightning_ciuic.parallel.experts.layout import ExpertLayout
-from lightning_ciuic.parallel.experts.pairs import dispatch_pairs
+from lightning_ciuic.parallel.experts.overlap import Flow, exchange, run_alone, together, transfer
+from lightning_ciuic.parallel.experts.pairs import pairs_flow
 from lightning_ciuic.tensors import local_tensor
 
 
@@ -70,6 +75,15 @@ def hierarchical_dispatch_and_combine(
     self: nn.Module, layout: ExpertLayout, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """Route, send once per node, fan out, compute, sum in the node, send back, combine (see the module docstring)."""
+    return run_alone(hierarchical_flow(self, layout, hidden, top_k_index, top_k_weights, False))
+
+
+def hierarchical_flow(
+    self: nn.Module, layout: ExpertLayout, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    overlap: bool,
+) -> Flow:
+    """:func:`hierarchical_dispatch_and_combine` as a flow (:mod:`~lightning_ciuic.parallel.experts.overlap`): it
+    yields at each exchange, the inside of the node's included, asynchronous with ``overlap``."""
     inter, intra = layout.hops
     nodes = inter.size()
     n_experts = local_tensor(self.gate_up_proj).shape[0] * layout.ep_mesh.size()
@@ -98,17 +112,19 @@ def hierarchical_dispatch_and_combine(
         row_in_block = pair_row.index_select(0, order) - block_start.index_select(0, sorted_node)
         code = (row_in_block * per_node + flat.index_select(0, order) - sorted_node * per_node).to(torch.int32)
         counts = torch.stack([rows_to, pairs_to], dim=1).reshape(-1)
-        arriving = torch.empty_like(counts)
-        all_to_all_timed(arriving, counts, [2] * nodes, [2] * nodes, layout, "counts", inter)
+        arriving = yield transfer(counts, [2] * nodes, [2] * nodes, layout, "counts", inter, overlap)
         both = torch.cat([counts.view(nodes, 2).t().reshape(-1), arriving.view(nodes, 2).t().reshape(-1)]).tolist()  # one sync
         send_rows, send_pairs = both[:nodes], both[nodes : 2 * nodes]
         recv_rows, recv_pairs = both[2 * nodes : 3 * nodes], both[3 * nodes :]
     # 1. a row per (token, node) and each pair's weight and code, over the inter-node hop
-    received = Exchange.apply(hidden.index_select(0, row_token), send_rows, recv_rows, layout, layout.codec, "dispatch", inter, "inter")
-    weights = Exchange.apply(
-        top_k_weights.reshape(-1, 1).index_select(0, order), send_pairs, recv_pairs, layout, None, "dispatch", inter, "inter"
+    received, weights, codes = yield together(
+        exchange(hidden.index_select(0, row_token), send_rows, recv_rows, layout, layout.codec, "dispatch", inter, "inter", overlap),
+        exchange(
+            top_k_weights.reshape(-1, 1).index_select(0, order), send_pairs, recv_pairs, layout, None, "dispatch", inter,
+            "inter", overlap,
+        ),
+        _exchange_codes(code, send_pairs, recv_pairs, layout, inter, overlap),
     )
-    codes = _exchange_codes(code, send_pairs, recv_pairs, layout, inter)
     # 2. on this node: each pair to its expert's rank, the outputs weighted and summed per row
     if layout.assume_balanced:
         row_of_pair, expert_of_pair = codes.new_zeros(codes.numel(), dtype=torch.long), codes.new_zeros(codes.numel(), dtype=torch.long)
@@ -118,18 +134,16 @@ def hierarchical_dispatch_and_combine(
         codes = codes.long()
         row_of_pair = source_start.index_select(0, source) + codes // per_node
         expert_of_pair = codes % per_node
-    summed = dispatch_pairs(self, layout, received, row_of_pair, expert_of_pair, weights.reshape(-1), intra, None, "intra")
+    summed = yield from pairs_flow(self, layout, received, row_of_pair, expert_of_pair, weights.reshape(-1), intra, None, "intra", overlap)
     # 3. a row per (token, node) back, summed per token
-    returned = Exchange.apply(summed, recv_rows, send_rows, layout, None, "combine", inter, "inter")
+    returned = yield exchange(summed, recv_rows, send_rows, layout, None, "combine", inter, "inter", overlap)
     combined = hidden.new_zeros((tokens, returned.shape[1]), dtype=returned.dtype)
     return combined.index_add(0, row_token, returned).to(hidden.dtype)
 
 
-def _exchange_codes(code: torch.Tensor, send: list[int], recv: list[int], layout: ExpertLayout, inter) -> torch.Tensor:
-    """Each pair's (row, expert) code to the node it goes to; its bytes counted with the dispatch's."""
-    arrived = code.new_empty(sum(recv))
-    all_to_all_timed(arrived, code, recv, send, layout, "dispatch codes", inter)
+def _exchange_codes(code: torch.Tensor, send: list[int], recv: list[int], layout: ExpertLayout, inter, overlap: bool):
+    """Each pair's (row, expert) code to the node it goes to, pending; its bytes counted with the dispatch's."""
+    arrived = transfer(code, send, recv, layout, "dispatch codes", inter, overlap)
     size = code.element_size()
     layout.stats.count("dispatch", [n * size for n in send], [0] * len(send), inter.get_local_rank(), ["inter"] * len(send))
     return arrived
-

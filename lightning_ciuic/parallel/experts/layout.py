@@ -16,9 +16,11 @@ Contract:
   ``mode``: ``"flat"`` (one all-to-all over the ep group, a row per (token, expert)) or ``"hierarchical"`` (a row per
   (token, node) over the inter-node hop, fanned out inside the node: :mod:`~lightning_ciuic.parallel.experts.hierarchical`),
   the nodes from ``devices_per_node`` (:mod:`~lightning_ciuic.parallel.experts.nodes`; ``hops`` the two hops' meshes,
-  hierarchical only, refused where it cannot apply).
+  hierarchical only, refused where it cannot apply). ``overlap``: the tokens of each call in two chunks whose
+  all-to-alls run while the other chunk computes (:mod:`~lightning_ciuic.parallel.experts.overlap`).
 * :class:`DispatchStats`: running totals of the bytes each way (and by the link they crossed, ``link_bytes``), the rows
-  this rank's experts computed and the seconds spent in the all-to-alls.
+  this rank's experts computed, the all-to-alls' wall time (``seconds``: from issue to completion) and the part of it
+  the caller was blocked on them (``exposed_seconds``: the same without overlap).
 
 No Lightning imports.
 """
@@ -78,7 +80,8 @@ class DispatchStats:
     combine_bytes: int = 0  # results this rank sent back to the ranks that routed them
     combine_rows: int = 0
     received_tokens: int = 0  # rows this rank's experts computed
-    seconds: float = 0.0  # in the token all-to-alls, forward and backward (waiting for the other ranks included)
+    seconds: float = 0.0  # the token all-to-alls' wall time, forward and backward (waiting for the other ranks included)
+    exposed_seconds: float = 0.0  # of it, the time the caller was blocked on them (all of it without overlap)
     # the same bytes (forward) by the link they crossed: {"dispatch": {"intra": n, "inter": n}, "combine": {...}}
     link_bytes: dict[str, dict[str, int]] = field(
         default_factory=lambda: {direction: {"intra": 0, "inter": 0} for direction in ("dispatch", "combine")}
@@ -86,6 +89,9 @@ class DispatchStats:
 
     def add_seconds(self, seconds: float) -> None:
         self.seconds += seconds
+
+    def add_exposed(self, seconds: float) -> None:
+        self.exposed_seconds += seconds
 
     def count(self, direction: str, send_bytes: Sequence[int], send_rows: Sequence[int], me: int, links: Sequence[str]) -> None:
         """An exchange's bytes and rows to the other ranks (``links[j]``: the link to rank ``j`` of its group)."""
@@ -107,6 +113,7 @@ class ExpertLayout:
     mode: DispatchMode = "flat"
     devices_per_node: Optional[int] = None  # None: the ep group on one node
     node_limit: Optional[int] = None  # the most nodes a token's router lets it reach (grouped routers; None: any)
+    overlap: bool = False  # two chunks per call, one's all-to-alls in flight while the other computes (overlap.py)
     stats: DispatchStats = field(default_factory=DispatchStats)
     codec: Optional[Codec] = field(init=False)
     grad_scale: float = field(init=False)

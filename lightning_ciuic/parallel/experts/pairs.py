@@ -9,6 +9,9 @@ results sent back in the working precision, and each row's outputs summed with i
 ``[hidden rows, H]``. ``pair_expert`` indexes the experts ``mesh`` holds, rank ``j`` the ``j``-th share. ``hop``: the
 link both exchanges cross (``"inter"``/``"intra"``), ``None``: each rank's own (the flat dispatch over the ep group).
 The flat dispatch is this over the ep group, a row per token; the hierarchical one runs it inside each node.
+:func:`pairs_flow`: the same as a flow (:mod:`~lightning_ciuic.parallel.experts.overlap`) that yields at its dispatch
+and its combine exchange, and at the routing counts' before them, asynchronous with ``overlap``: what the overlapped
+dispatch interleaves.
 
 No Lightning imports.
 """
@@ -21,9 +24,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_ciuic.parallel.experts.dispatch import Exchange, balanced_routing, routing
+from lightning_ciuic.parallel.experts.dispatch import balanced_routing, routing_of
 from lightning_ciuic.parallel.experts.gemm import run_local_experts
 from lightning_ciuic.parallel.experts.layout import ExpertLayout
+from lightning_ciuic.parallel.experts.overlap import Flow, exchange, run_alone, transfer
 from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.wire.codecs import Codec
 
@@ -35,19 +39,32 @@ def dispatch_pairs(
     """The (row, expert) pairs to the experts' ranks of ``mesh`` (which holds ``self``'s experts of the pairs, in
     order) and back: ``hidden[pair_row]`` sent (``codec``-encoded), computed, returned in the working precision, and
     each row's outputs summed with the pairs' weights; ``hop``: the link the exchanges cross (``None``: each rank's)."""
+    return run_alone(pairs_flow(self, layout, hidden, pair_row, pair_expert, pair_weight, mesh, codec, hop, False))
+
+
+def pairs_flow(
+    self: nn.Module, layout: ExpertLayout, hidden: torch.Tensor, pair_row: torch.Tensor, pair_expert: torch.Tensor,
+    pair_weight: torch.Tensor, mesh: DeviceMesh, codec: Optional[Codec], hop: Optional[str], overlap: bool,
+) -> Flow:
+    """:func:`dispatch_pairs` as a flow (:mod:`~lightning_ciuic.parallel.experts.overlap`): it yields at its three
+    exchanges (counts, dispatch, combine), asynchronous with ``overlap``."""
     n_experts = local_tensor(self.gate_up_proj).shape[0] * mesh.size()
     order = pair_expert.argsort(stable=True)  # pairs grouped by expert, so by destination rank
     source_row = pair_row.index_select(0, order)
-    routed = (balanced_routing if layout.assume_balanced else routing)(layout, pair_expert, n_experts, mesh)
-    received = Exchange.apply(
-        hidden.index_select(0, source_row), routed.send_rows, routed.recv_rows, layout, codec, "dispatch", mesh, hop
+    if layout.assume_balanced:
+        routed = balanced_routing(layout, pair_expert, n_experts, mesh)
+    else:  # the counts exchanged (one small all-to-all), then the sizes (one device sync)
+        counts, share = torch.bincount(pair_expert, minlength=n_experts), [n_experts // mesh.size()] * mesh.size()
+        routed = routing_of(counts, (yield transfer(counts, share, share, layout, "counts", mesh, overlap)), mesh.size())
+    received = yield exchange(
+        hidden.index_select(0, source_row), routed.send_rows, routed.recv_rows, layout, codec, "dispatch", mesh, hop, overlap
     )
     # what arrived is grouped by source rank, then expert; the experts want it grouped by expert
     by_expert = routed.expert_of_row.argsort(stable=True)
     computed = run_local_experts(self, received.index_select(0, by_expert), routed.per_local_expert, layout.grad_scale)
     layout.stats.received_tokens += computed.shape[0]
     unsorted = torch.empty_like(computed).index_copy(0, by_expert, computed)
-    returned = Exchange.apply(unsorted, routed.recv_rows, routed.send_rows, layout, None, "combine", mesh, hop)
+    returned = yield exchange(unsorted, routed.recv_rows, routed.send_rows, layout, None, "combine", mesh, hop, overlap)
     weights = pair_weight.index_select(0, order).unsqueeze(-1).to(returned.dtype)
     combined = hidden.new_zeros((hidden.shape[0], returned.shape[1]), dtype=returned.dtype)
     return combined.index_add(0, source_row, returned * weights).to(hidden.dtype)

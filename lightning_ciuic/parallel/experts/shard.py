@@ -1,6 +1,6 @@
 """Experts sharded over ``ep``: the one entry point of expert parallelism.
 
-Contract: :func:`shard_experts(module, meshes, dispatch, mode, devices_per_node)`: every packed-experts module's two parameters become
+Contract: :func:`shard_experts(module, meshes, dispatch, mode, devices_per_node, node_limit, overlap)`: every packed-experts module's two parameters become
 DTensors ``Shard(0)`` over ``ep`` (global shapes: DCP checkpoints and Hugging Face loading keep working), rank ``j``
 holding experts ``[j E/ep, (j+1) E/ep)``, and its forward becomes
 :func:`~lightning_ciuic.parallel.experts.forward.expert_parallel_forward`. First, before any module is changed, each
@@ -13,7 +13,8 @@ global rank ``rank // devices_per_node``; ``None``: one node) are the layout's (
 dispatch refused where the ep group sits on one node or its nodes do not align); where a router of ``module`` limits
 its tokens to some expert groups and the nodes do not hold whole groups, it is said once (a warning on global rank 0:
 what was given, how many nodes a token may reach, what works); ``node_limit`` (opt-in, a model without groups):
-its routers limited to that many nodes (:func:`~lightning_ciuic.parallel.experts.nodes.limit_nodes`). The caller makes the data-parallel replicas equal first: each rank keeps its experts' rows of its
+its routers limited to that many nodes (:func:`~lightning_ciuic.parallel.experts.nodes.limit_nodes`); ``overlap``:
+each call's tokens in two chunks, one's all-to-alls in flight while the other computes (the layout's ``overlap``). The caller makes the data-parallel replicas equal first: each rank keeps its experts' rows of its
 own copy, without communication.
 
 No Lightning imports.
@@ -41,7 +42,7 @@ from lightning_ciuic.parallel.experts.takeover import FORM, check_takeover
 
 def shard_experts(
     module: nn.Module, meshes: Meshes, dispatch: DispatchCompression = "none", mode: DispatchMode = "flat",
-    devices_per_node: Optional[int] = None, node_limit: Optional[int] = None,
+    devices_per_node: Optional[int] = None, node_limit: Optional[int] = None, overlap: bool = False,
 ) -> Optional[ExpertLayout]:
     """Shard every packed-experts module of ``module`` over ``ep`` (see the module docstring). The caller makes the
     data-parallel replicas equal first: each rank keeps its experts' rows of its own copy."""
@@ -61,7 +62,7 @@ def shard_experts(
     for name, experts in found:  # every module checked before any is changed
         _check_divisible(name, experts, dims.ep)
         check_takeover(name, experts, verdicts)
-    layout = ExpertLayout(meshes, dict(found), dispatch, mode, devices_per_node)
+    layout = ExpertLayout(meshes, dict(found), dispatch, mode, devices_per_node, overlap=overlap)
     n_experts = found[0][1].gate_up_proj.shape[0]
     if node_limit is not None:  # opt-in: the routers' maths changes, one group per node
         limit_nodes(module, [name for name, _ in found], layout.nodes, node_limit)
