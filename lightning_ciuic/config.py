@@ -118,6 +118,7 @@ class ParallelismConfig:
     expert_dispatch: DispatchMode = "flat"  # "hierarchical": once per node over the inter-node link, fanned out inside
     expert_devices_per_node: Optional[int] = None  # the ep ranks' nodes (None: the cluster environment's, or one node)
     expert_node_limit: Optional[int] = None  # opt-in: each token's experts on at most this many nodes (routers by groups)
+    expert_dispatch_overlap: bool = False  # two chunks per micro-batch: one chunk's all-to-alls run while the other computes
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
