@@ -207,6 +207,14 @@ def overload_packet(func: Any) -> Any:
     return func._overloadpacket
 
 
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake tensor (or a view of one): metadata, no data (``torch._subclasses.fake_tensor.
+    is_fake``, torch 2.1+)."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return bool(_is_fake(tensor))
+
+
 def fake_tensor_mode(**kwargs: Any) -> Any:
     """torch's ``FakeTensorMode`` (``torch._subclasses.fake_tensor``, torch 2.0+): tensors with metadata, no data."""
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -62,7 +62,7 @@ def plan_layout(
     result = Plan(
         world_size, dims, sum(seen.values()), classes, device_memory,
         largest_units={l.stage: l.largest_unit for l in layouts if l.largest_unit[1]}, hardware=hardware,
-        num_microbatches=parallelism.pipeline.num_microbatches,
+        num_microbatches=parallelism.pipeline.num_microbatches, expert_overlap=parallelism.expert_dispatch_overlap,
     )
     warning = imbalance(layouts)
     if warning:

@@ -17,6 +17,13 @@ the global ranks of each axis's group) and a :class:`Hardware`, and returns a :c
 * the step between two bounds: ``max(compute, communication)`` (every collective hidden behind compute, as FSDP2's
   prefetching and bucketed all-reduces aim for) and ``compute + communication`` (none hidden), each over
   ``1 - bubble`` for a pipeline rank (``bubble``: the fraction of the step the schedule leaves it idle);
+* between them, the modelled step, ``max(compute + exposed, communication) / (1 - bubble)``: the expert all-to-alls
+  (the axes of :data:`EXPERT_AXES`) sit on the compute's path, since a mixture-of-experts layer waits for its tokens,
+  and the other axes' collectives run beside the compute as their engines schedule them (hidden up to the links'
+  own time). ``exposed`` is the expert all-to-alls' seconds, all of them without ``expert_overlap``; with it (two
+  chunks per micro-batch, one chunk's all-to-alls running while the other computes: ``expert_dispatch_overlap``)
+  what is left of them after the mixture-of-experts layers' compute (``moe_flops``: the FLOPs of the layers holding
+  experts, at the same efficiency), which hides them up to its length;
 * MFU for both: model FLOPs over the step's time times ``peak_flops``, model FLOPs being three times the forward's
   (backward costs two forwards; recomputation is not counted, the convention of PaLM's appendix B).
 
@@ -34,6 +41,8 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from lightning_ciuic.planner.efficiency import KERNEL_EFFICIENCY
+
+EXPERT_AXES = ("ep", "ep_node", "ep_local")  # the expert dispatch's all-to-alls: flat, and hierarchical's two hops
 
 _SI = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15, "e": 1e18}
 _BINARY = {"": 1.0, "k": 2.0**10, "m": 2.0**20, "g": 2.0**30, "t": 2.0**40, "p": 2.0**50}
@@ -131,6 +140,8 @@ class StepEstimate:
     peak_flops: float
     bubble: float = 0.0  # the fraction of the step a pipeline schedule leaves the rank idle
     efficiency: float = 1.0  # the fraction of the peak the kernels reach (compute_seconds has it)
+    moe_compute_seconds: float = 0.0  # of compute_seconds, the mixture-of-experts layers'
+    expert_overlap: bool = False  # two chunks per micro-batch: the expert all-to-alls hide behind the other's compute
 
     @property
     def axis_links(self) -> dict[str, str]:
@@ -152,6 +163,25 @@ class StepEstimate:
     def serial_seconds(self) -> float:
         return (self.compute_seconds + self.communication_seconds) / (1 - self.bubble)
 
+    @property
+    def expert_seconds(self) -> float:
+        """The expert all-to-alls' seconds (the axes of :data:`EXPERT_AXES`)."""
+        return sum(seconds for axis, seconds in self.axis_seconds.items() if axis in EXPERT_AXES)
+
+    @property
+    def exposed_expert_seconds(self) -> float:
+        """What of the expert all-to-alls the compute waits for: all without ``expert_overlap``, else what the
+        mixture-of-experts layers' compute of the other chunk does not hide."""
+        if not self.expert_overlap:
+            return self.expert_seconds
+        return max(0.0, self.expert_seconds - self.moe_compute_seconds)
+
+    @property
+    def modelled_seconds(self) -> float:
+        """The modelled step (see the module docstring), between :attr:`overlapped_seconds` and :attr:`serial_seconds`."""
+        busy = max(self.compute_seconds + self.exposed_expert_seconds, self.communication_seconds)
+        return busy / (1 - self.bubble)
+
     def mfu(self, seconds: float) -> float:
         return self.model_flops / (seconds * self.peak_flops) if seconds > 0 else 0.0
 
@@ -161,20 +191,27 @@ class StepEstimate:
             "efficiency": self.efficiency,
             "communication_seconds": dict(self.axis_seconds), "links": self.axis_links,
             "link_bytes": {axis: dict(by) for axis, by in self.axis_link_bytes.items()},
-            "step_seconds": {"overlapped": self.overlapped_seconds, "serial": self.serial_seconds},
-            "mfu": {"overlapped": self.mfu(self.overlapped_seconds), "serial": self.mfu(self.serial_seconds)},
+            "moe_compute_seconds": self.moe_compute_seconds, "expert_overlap": self.expert_overlap,
+            "exposed_expert_seconds": self.exposed_expert_seconds,
+            "step_seconds": {"overlapped": self.overlapped_seconds, "modelled": self.modelled_seconds, "serial": self.serial_seconds},
+            "mfu": {
+                "overlapped": self.mfu(self.overlapped_seconds), "modelled": self.mfu(self.modelled_seconds),
+                "serial": self.mfu(self.serial_seconds),
+            },
         }
 
 
 def estimate_step(
     flops: int, forward_flops: int, traffic: Mapping[str, Mapping[str, int]], axis_ranks: Mapping[str, Sequence[int]],
-    hardware: Hardware, bubble: float = 0.0,
+    hardware: Hardware, bubble: float = 0.0, moe_flops: float = 0.0, expert_overlap: bool = False,
 ) -> StepEstimate:
-    """The estimate of one rank's step (see the module docstring); ``traffic``: bytes per axis and collective."""
+    """The estimate of one rank's step (see the module docstring); ``traffic``: bytes per axis and collective;
+    ``moe_flops``: of ``flops``, the mixture-of-experts layers'; ``expert_overlap``: the dispatch's two chunks."""
     by_link = {axis: link_bytes(collectives, axis_ranks.get(axis, ()), hardware) for axis, collectives in traffic.items()}
     seconds = {axis: max(n / hardware.speed(link) for link, n in by.items()) for axis, by in by_link.items()}
+    rate = hardware.peak_flops * hardware.efficiency
     return StepEstimate(
-        flops=int(flops), model_flops=int(3 * forward_flops), compute_seconds=flops / (hardware.peak_flops * hardware.efficiency),
+        flops=int(flops), model_flops=int(3 * forward_flops), compute_seconds=flops / rate,
         axis_seconds=seconds, axis_link_bytes=by_link, peak_flops=hardware.peak_flops, bubble=bubble,
-        efficiency=hardware.efficiency,
+        efficiency=hardware.efficiency, moe_compute_seconds=min(moe_flops, flops) / rate, expert_overlap=expert_overlap,
     )

@@ -64,6 +64,7 @@ class Plan:
     steps: dict[int, Any] = field(default_factory=dict)  # pp stage -> its first rank's StepFigures (the step phase)
     num_microbatches: int = 1  # per step, under pipeline parallelism
     hardware: Optional[Hardware] = None
+    expert_overlap: bool = False  # the expert dispatch's two chunks per micro-batch (expert_dispatch_overlap)
     not_modelled: tuple[str, ...] = NOT_MODELLED
 
     @property
@@ -91,6 +92,7 @@ class Plan:
         model_forward = sum(f.forward_flops for f in self.steps.values()) / len(self.steps)
         return estimate_step(
             pacing.flops, model_forward, pacing.traffic, pacing.axis_ranks, self.hardware, bubble=bubble,
+            moe_flops=pacing.moe_flops, expert_overlap=self.expert_overlap,
         )
 
     def fits(self, rank_class: RankClass) -> bool:
@@ -142,7 +144,8 @@ class Plan:
             "pacing_stage": self.pacing_stage,
             "stage_steps": [
                 {
-                    "pp_stage": stage, "flops": f.flops, "forward_flops": f.forward_flops, "activations": f.activations,
+                    "pp_stage": stage, "flops": f.flops, "forward_flops": f.forward_flops,
+                    "moe_forward_flops": f.moe_forward_flops, "activations": f.activations,
                     "communication_bytes_per_step": _axis_totals(f.traffic),
                 }
                 for stage, f in sorted(self.steps.items())
@@ -200,6 +203,16 @@ class Plan:
                 " communication"
                 f" {by_axis or 'none'}"
             )
+            if estimate.expert_seconds:
+                how = (
+                    f"overlapped with the other chunk's mixture-of-experts compute, {estimate.moe_compute_seconds * 1e3:.2f} ms"
+                    if estimate.expert_overlap else "not overlapped (expert_dispatch_overlap off)"
+                )
+                lines.append(
+                    f"modelled step: {estimate.modelled_seconds * 1e3:.2f} ms, MFU {estimate.mfu(estimate.modelled_seconds):.1%}:"
+                    f" expert all-to-alls {estimate.expert_seconds * 1e3:.2f} ms, {estimate.exposed_expert_seconds * 1e3:.2f} ms"
+                    f" of them exposed, {how}; the other axes beside the compute"
+                )
         elif self.steps:
             lines.append(
                 f"FLOPs per step of one rank: {self.pacing_step.flops:.4g} (give --flops and --link for a step-time estimate)"

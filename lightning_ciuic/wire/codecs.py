@@ -8,7 +8,8 @@ not a multiple of ``block`` are zero-padded internally. The collectives use the 
 (``nbytes(numel)`` bytes), ``decode_into(data, numel, out, accumulate)`` writes (or adds) the first
 ``out.numel()`` of the ``numel`` values ``data`` encodes into ``out``. ``BlockInt8`` and ``NF4`` (one base,
 ``_BlockScaled``) implement both in slices of :data:`CPU_SLICE` values on the CPU, so each slice's passes
-(absmax, scale, quantize, store) run in cache and no bucket-sized temporary is made; on other devices in one
+(absmax, scale, quantize, store) run in cache and no bucket-sized temporary is made; on other devices, and on fake
+tensors (the planner's step: no data to keep in cache, and each slice's ops would cost a fake dispatch each), in one
 piece. Stated error bounds (tested):
 
 * ``fp16``: relative error <= 2**-11 for normal-range values; ``bf16``: <= 2**-8.
@@ -36,6 +37,7 @@ from typing import Literal
 
 import torch
 
+from lightning_ciuic import compat
 from lightning_ciuic.validation import check_int
 
 DenseCodecName = Literal["none", "fp16", "bf16", "int8", "nf4"]
@@ -155,7 +157,7 @@ class _BlockScaled(Codec):
         """(first value, last value, scales, codes) of each slice of an encoding of ``numel`` values."""
         blocks = math.ceil(numel / self.block)
         scales, codes = data[: 4 * blocks].view(torch.float32), data[4 * blocks :].view(blocks, self.code_bytes)
-        rows = max(1, CPU_SLICE // self.block) if data.device.type == "cpu" else blocks
+        rows = max(1, CPU_SLICE // self.block) if data.device.type == "cpu" and not compat.is_fake(data) else blocks
         for first in range(0, blocks, rows):
             last = min(first + rows, blocks)
             yield first * self.block, last * self.block, scales[first:last], codes[first:last]

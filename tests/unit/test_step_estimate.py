@@ -166,3 +166,72 @@ def test_a_plan_with_fewer_micro_batches_than_1f1b_stages_says_the_fix_before_bu
     expected = r"'1f1b' needs at least as many micro-batches as stages: num_microbatches=2, .*; use num_microbatches >= 4, or pipeline_schedule='gpipe'"
     with pytest.raises(ValueError, match=expected):
         plan_layout(build, config, 8, optimizers=lambda module: [])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["exposed", "overlapped"])
+def test_the_expert_all_to_alls_are_exposed_or_hidden_behind_the_other_chunks_moe_compute_up_to_its_length(overlap):
+    """Compute 0.4 s (0.2 s of it the MoE layers'); expert all-to-alls 0.5 s (ep_node 0.4 s inter-node, ep_local 0.1 s
+    intra-node), dp_shard 0.1 s. Exposed: the step waits for all 0.5 s; overlapped, for the 0.3 s the other chunk's
+    MoE compute does not hide; the other axes run beside the compute. The bounds stay, the model lies between."""
+    hardware = Hardware(peak_flops=100e12, intra_node=400e9, inter_node=25e9, devices_per_node=8, efficiency=1.0)
+
+    def estimate(moe_flops, bubble=0.0):
+        return estimate_step(
+            flops=40e12, forward_flops=10e12, hardware=hardware, bubble=bubble, moe_flops=moe_flops, expert_overlap=overlap,
+            traffic={"ep_node": {"all_to_all": 10e9}, "ep_local": {"all_to_all": 40e9}, "dp_shard": {"all_gather": 2.5e9}},
+            axis_ranks={"ep_node": [0, 8, 16, 24], "ep_local": list(range(8)), "dp_shard": [0, 32, 64, 96]},
+        )
+
+    step = estimate(20e12)
+    assert step.moe_compute_seconds == pytest.approx(0.2) and step.expert_seconds == pytest.approx(0.5)
+    assert (step.overlapped_seconds, step.serial_seconds) == (pytest.approx(0.6), pytest.approx(1.0))
+    assert step.exposed_expert_seconds == pytest.approx(0.3 if overlap else 0.5)
+    assert step.modelled_seconds == pytest.approx(0.7 if overlap else 0.9)
+    assert step.overlapped_seconds <= step.modelled_seconds <= step.serial_seconds
+    assert step.to_json()["step_seconds"]["modelled"] == step.modelled_seconds
+    # MoE compute longer than the all-to-alls hides them all: the step is the longer of compute and the links' time
+    hidden = estimate(35e12)
+    assert hidden.modelled_seconds == pytest.approx(0.6 if overlap else 0.9)
+    # a pipeline rank's busy time stretched by the bubble, as the bounds are
+    assert estimate(20e12, bubble=0.5).modelled_seconds == pytest.approx(2 * step.modelled_seconds)
+
+
+def test_the_moe_layers_forward_flops_are_counted_apart_and_scale_the_steps():
+    """The layer holding packed experts (its attention-like matmul included) is watched; the dense layer is not."""
+    import torch
+    from torch import nn
+
+    from lightning_ciuic.planner.flops import LocalFlops, moe_layers
+    from lightning_ciuic.planner.train_step import StepFigures
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.randn(2, 8, 4))
+            self.down_proj = nn.Parameter(torch.randn(2, 4, 4))
+            self.act_fn = torch.nn.functional.silu
+
+        def forward(self, x):
+            return x @ self.gate_up_proj[0].t()[:, :4] @ self.down_proj[0]
+
+    class Layer(nn.Module):
+        def __init__(self, moe):
+            super().__init__()
+            self.attn = nn.Linear(4, 4, bias=False)
+            self.mlp = nn.Module()
+            self.mlp.experts = Experts() if moe else nn.Linear(4, 4, bias=False)
+
+        def forward(self, x):
+            return self.mlp.experts(self.attn(x))
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([Layer(False), Layer(True)])
+    assert moe_layers(model) == [model.layers[1]]
+    counter = LocalFlops()
+    with counter, counter.watching(moe_layers(model)):
+        x = torch.randn(3, 4, requires_grad=True)
+        model.layers[1](model.layers[0](x)).sum().backward()
+    per_matmul = 2 * 3 * 4 * 4
+    assert (counter.forward, counter.moe_forward) == (5 * per_matmul, 3 * per_matmul)  # 2 dense, 3 in the MoE layer
+    figures = StepFigures(0, {}, {}, counter.total, counter.forward, counter.moe_forward)
+    assert figures.moe_flops == pytest.approx(counter.total * 3 / 5)
