@@ -48,10 +48,12 @@ browser:
 	  echo "note: could not install chromium (apt-get install chromium); the report's browser test will be skipped"
 
 # Two pytest workers (pytest-xdist), each taking the next test when it is free: on 2 cores the suite's multi-process
-# tests leave a core idle about half of the time. `make test PYTEST_WORKERS=0` runs it in one process.
+# tests leave a core idle about half of the time. The elastic scenarios (marker `serial`: real TorchElastic agents
+# with rendezvous deadlines) then run alone. `make test PYTEST_WORKERS=0` runs the first part in one process too.
 PYTEST_WORKERS ?= 2
 test: setup browser
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal tests
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal -m "not serial" tests
+	$(PY) -m pytest -m serial tests
 
 # The GPU smoke suite (tests/gpu; it skips without CUDA, and its multi-rank cases below two GPUs). It installs
 # nothing: run it with a Python whose torch has CUDA and the project installed (`pip install -e ".[test]"`),

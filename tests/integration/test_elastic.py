@@ -14,6 +14,8 @@ from examples.data import ByteCorpusDataModule
 from examples.elastic import CORPUS, fingerprint, write_stream
 from examples.elastic_scenario import run_scenario
 
+pytestmark = pytest.mark.serial  # rendezvous and heartbeat deadlines: `make test` runs these alone
+
 
 @pytest.mark.parametrize("source", ["map", "litdata"])
 def test_losing_a_node_continues_on_one_and_a_rejoining_node_brings_the_run_back_to_two(source, tmp_path):
