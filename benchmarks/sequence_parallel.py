@@ -17,7 +17,8 @@ the shards).
    ``WARMUP`` steps with sequence parallelism over the one without, paired within the round; the median of the rounds'
    ratios and each round's are reported. Target: <= 1.1.
 
-Writes the ``sequence_parallel`` section of docs/benchmarks.md (the parts run).
+Writes the ``sequence_parallel_memory`` and ``sequence_parallel_time`` sections of docs/benchmarks.md (the parts run;
+each part its own section).
 
     .venv/bin/python benchmarks/sequence_parallel.py [--parts memory time] [--steps 30] [--rounds 3] \
         [--micro-batch-size 4] [--sequence-length 256] [--hidden 512] [--layers 4] [--vocab 32000]
@@ -227,15 +228,13 @@ def main() -> None:
         raise SystemExit(f"--steps must exceed the {WARMUP} warm-up steps")
     command = shlex.join([".venv/bin/python", "benchmarks/sequence_parallel.py", *sys.argv[1:]])
     label = describe(llama(args.hidden, args.layers, args.vocab), f"Llama {args.layers} x {args.hidden}, vocabulary {args.vocab}")
-    sections = []
+    parts = {"memory": memory_section, "time": time_section}
     with tempfile.TemporaryDirectory() as tmp:
-        if "memory" in args.parts:
-            sections.append(memory_section(args, command, label, Path(tmp)))
-        if "time" in args.parts:
-            sections.append(time_section(args, command, label, Path(tmp)))
-    markdown = "## Sequence and loss parallelism at tp=2 (issue 47)\n\n" + "\n".join(sections)
-    print(markdown) if args.no_write else write_section("sequence_parallel", markdown)
-
+        for part in args.parts:  # each part its own section, so running one part keeps the other's figures
+            markdown = parts[part](args, command, label, Path(tmp))
+            if part == "memory":
+                markdown = "## Sequence and loss parallelism at tp=2 (issue 47)\n\n" + markdown
+            print(markdown) if args.no_write else write_section(f"sequence_parallel_{part}", markdown)
 
 if __name__ == "__main__":
     main()
