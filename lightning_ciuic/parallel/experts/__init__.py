@@ -10,7 +10,7 @@ One module per job, each with its contract:
 * :mod:`.forward`: the replaced forward (:func:`expert_parallel_forward`): route, dispatch, compute, combine; the
   split over tensor-parallel peers.
 * :mod:`.dispatch`: the routing counted and exchanged, the rows' all-to-alls (compressed dispatch, timed).
-* :mod:`.pairs`: (row, expert) pairs to their experts' ranks and back (:func:`dispatch_pairs`), what both dispatches run.
+* :mod:`.pairs`: (row, expert) pairs to their experts' ranks and back (:func:`pairs_flow`), what both dispatches run.
 * :mod:`.overlap`: exchanges waited later and the schedule that interleaves two chunks' dispatches (one chunk's
   all-to-alls in flight while the other computes, forward and backward), and what they were exposed.
 * :mod:`.hierarchical`: the hierarchical dispatch (once per node over the inter-node hop, fanned out inside the node).

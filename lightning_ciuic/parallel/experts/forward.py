@@ -5,9 +5,9 @@ pairs sorted by expert, their routing exchanged (:mod:`~lightning_ciuic.parallel
 their experts' ranks (``codec``-encoded: the dispatch compression), the local experts run on what arrived
 (:func:`~lightning_ciuic.parallel.experts.gemm.run_local_experts`, their gradients scaled by the layout's
 ``grad_scale``), the results sent back in the working precision, and each token's outputs summed with its routing
-weights, on the sender (the router's gradient stays local): :func:`~lightning_ciuic.parallel.experts.pairs.dispatch_pairs`
+weights, on the sender (the router's gradient stays local): :func:`~lightning_ciuic.parallel.experts.pairs.pairs_flow`
 over the ep group. With ``layout.mode == "hierarchical"`` the same result by
-:func:`~lightning_ciuic.parallel.experts.hierarchical.hierarchical_dispatch_and_combine` (once per node over the
+:func:`~lightning_ciuic.parallel.experts.hierarchical.hierarchical_flow` (once per node over the
 inter-node hop, fanned out inside the node). A rank that receives no token still takes part in every collective.
 Backward runs the same exchanges in reverse, in the working precision. With ``layout.overlap`` the tokens are cut in
 two chunks (:func:`~lightning_ciuic.parallel.experts.overlap.chunks`: the first a token longer where they do not

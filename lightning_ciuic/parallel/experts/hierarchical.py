@@ -1,8 +1,8 @@
 """The hierarchical dispatch: a token crosses the inter-node link once per node it is routed to, and is fanned out to
 its experts' ranks inside the node; their outputs are summed inside the node before they return.
 
-Contract (:func:`hierarchical_dispatch_and_combine(experts, layout, hidden, top_k_index, top_k_weights)`, the same
-result as the flat dispatch's, up to the order of a float sum): with the layout's hops (``layout.hops``: ``ep_node``,
+Contract (:func:`hierarchical_flow(experts, layout, hidden, top_k_index, top_k_weights, overlap)`, a flow of
+:mod:`~lightning_ciuic.parallel.experts.overlap`; the same result as the flat dispatch's, up to the order of a float sum): with the layout's hops (``layout.hops``: ``ep_node``,
 the ranks of this rank's local index on each node, and ``ep_local``, the ranks of its node; node ``n`` holds experts
 ``[n E/N, (n+1) E/N)``):
 
@@ -10,7 +10,7 @@ the ranks of this rank's local index on each node, and ``ep_local``, the ranks o
    dispatch compression), with, per (token, expert) pair, its routing weight (working precision, differentiable) and
    its row and expert on that node (int32); the rows' and pairs' counts first (one small all-to-all, one device sync);
 2. on the receiving rank, each pair is a flat dispatch over ``ep_local`` (:func:`~lightning_ciuic.parallel.experts.
-   pairs.dispatch_pairs`: a row per pair to its expert's rank of the node, computed, returned, uncompressed), and the
+   pairs.pairs_flow`: a row per pair to its expert's rank of the node, computed, returned, uncompressed), and the
    pairs' outputs times their weights are summed per row;
 3. one row per (token, node) returns over ``ep_node`` in the working precision, and each token's rows are summed.
 
@@ -18,8 +18,7 @@ Backward runs the same exchanges in reverse. A rank with no token for a node, or
 collective. The bytes of each hop go to ``layout.stats`` by link (``ep_node``: ``"inter"``, ``ep_local``:
 ``"intra"``; the pairs' weights and int32 codes with the dispatch's).
 
-:func:`hierarchical_flow`: the same as a flow (:mod:`~lightning_ciuic.parallel.experts.overlap`) that yields at each
-of its exchanges (the inter-node counts; the inter-node dispatch's three as one; the node's own counts, dispatch and
+The flow yields at each of its exchanges (the inter-node counts; the inter-node dispatch's three as one; the node's own counts, dispatch and
 combine; the inter-node combine), asynchronous with ``overlap``: what the overlapped dispatch interleaves.
 
 Under ``layout.assume_balanced`` (the planner's fake tensors) the sizes are those of :func:`balanced_node_index`'s
@@ -40,7 +39,7 @@ from torch import nn
 
 from lightning_ciuic.parallel.experts.dispatch import all_to_all_timed
 from lightning_ciuic.parallel.experts.layout import ExpertLayout
-from lightning_ciuic.parallel.experts.overlap import Flow, exchange, run_alone, together, transfer
+from lightning_ciuic.parallel.experts.overlap import Flow, exchange, together, transfer
 from lightning_ciuic.parallel.experts.pairs import pairs_flow
 from lightning_ciuic.tensors import local_tensor
 
@@ -71,19 +70,12 @@ def _balanced_counts(tokens: int, k: int, nodes: int, limit: Optional[int], me: 
     return rows, pairs, [rows[me]] * nodes, [pairs[me]] * nodes
 
 
-def hierarchical_dispatch_and_combine(
-    self: nn.Module, layout: ExpertLayout, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-) -> torch.Tensor:
-    """Route, send once per node, fan out, compute, sum in the node, send back, combine (see the module docstring)."""
-    return run_alone(hierarchical_flow(self, layout, hidden, top_k_index, top_k_weights, False))
-
-
 def hierarchical_flow(
     self: nn.Module, layout: ExpertLayout, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
     overlap: bool,
 ) -> Flow:
-    """:func:`hierarchical_dispatch_and_combine` as a flow (:mod:`~lightning_ciuic.parallel.experts.overlap`): it
-    yields at each exchange, the inside of the node's included, asynchronous with ``overlap``."""
+    """Route, send once per node, fan out, compute, sum in the node, send back, combine (see the module docstring), as
+    a flow: it yields at each exchange, the inside of the node's included, asynchronous with ``overlap``."""
     inter, intra = layout.hops
     nodes = inter.size()
     n_experts = local_tensor(self.gate_up_proj).shape[0] * layout.ep_mesh.size()

@@ -1,6 +1,7 @@
 """(row, expert) pairs to their experts' ranks and back: the one exchange both dispatches run.
 
-Contract: :func:`dispatch_pairs(experts, layout, hidden, pair_row, pair_expert, pair_weight, mesh, codec, hop)`: the
+Contract: :func:`pairs_flow(experts, layout, hidden, pair_row, pair_expert, pair_weight, mesh, codec, hop, overlap)`,
+a flow (:mod:`~lightning_ciuic.parallel.experts.overlap`: ``run_alone`` runs it, ``run_interleaved`` two of them): the
 pairs sorted by expert (stable), their routing exchanged over ``mesh`` (:mod:`~lightning_ciuic.parallel.experts.dispatch`;
 as if balanced under ``layout.assume_balanced``), ``hidden[pair_row]`` sent to the rank of ``mesh`` holding each
 pair's expert (``codec``-encoded), the local experts run on what arrived
@@ -9,9 +10,8 @@ results sent back in the working precision, and each row's outputs summed with i
 ``[hidden rows, H]``. ``pair_expert`` indexes the experts ``mesh`` holds, rank ``j`` the ``j``-th share. ``hop``: the
 link both exchanges cross (``"inter"``/``"intra"``), ``None``: each rank's own (the flat dispatch over the ep group).
 The flat dispatch is this over the ep group, a row per token; the hierarchical one runs it inside each node.
-:func:`pairs_flow`: the same as a flow (:mod:`~lightning_ciuic.parallel.experts.overlap`) that yields at its dispatch
-and its combine exchange, and at the routing counts' before them, asynchronous with ``overlap``: what the overlapped
-dispatch interleaves.
+The flow yields at its dispatch and its combine exchange, and at the routing counts' before them, asynchronous with
+``overlap``: what the overlapped dispatch interleaves.
 
 No Lightning imports.
 """
@@ -27,27 +27,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_ciuic.parallel.experts.dispatch import balanced_routing, routing_of
 from lightning_ciuic.parallel.experts.gemm import run_local_experts
 from lightning_ciuic.parallel.experts.layout import ExpertLayout
-from lightning_ciuic.parallel.experts.overlap import Flow, exchange, run_alone, transfer
+from lightning_ciuic.parallel.experts.overlap import Flow, exchange, transfer
 from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.wire.codecs import Codec
-
-
-def dispatch_pairs(
-    self: nn.Module, layout: ExpertLayout, hidden: torch.Tensor, pair_row: torch.Tensor, pair_expert: torch.Tensor,
-    pair_weight: torch.Tensor, mesh: DeviceMesh, codec: Optional[Codec], hop: Optional[str],
-) -> torch.Tensor:
-    """The (row, expert) pairs to the experts' ranks of ``mesh`` (which holds ``self``'s experts of the pairs, in
-    order) and back: ``hidden[pair_row]`` sent (``codec``-encoded), computed, returned in the working precision, and
-    each row's outputs summed with the pairs' weights; ``hop``: the link the exchanges cross (``None``: each rank's)."""
-    return run_alone(pairs_flow(self, layout, hidden, pair_row, pair_expert, pair_weight, mesh, codec, hop, False))
 
 
 def pairs_flow(
     self: nn.Module, layout: ExpertLayout, hidden: torch.Tensor, pair_row: torch.Tensor, pair_expert: torch.Tensor,
     pair_weight: torch.Tensor, mesh: DeviceMesh, codec: Optional[Codec], hop: Optional[str], overlap: bool,
 ) -> Flow:
-    """:func:`dispatch_pairs` as a flow (:mod:`~lightning_ciuic.parallel.experts.overlap`): it yields at its three
-    exchanges (counts, dispatch, combine), asynchronous with ``overlap``."""
+    """The (row, expert) pairs to the experts' ranks of ``mesh`` (which holds ``self``'s experts of the pairs, in
+    order) and back: ``hidden[pair_row]`` sent (``codec``-encoded), computed, returned in the working precision, and
+    each row's outputs summed with the pairs' weights; ``hop``: the link the exchanges cross (``None``: each rank's).
+    A flow: it yields at its three exchanges (counts, dispatch, combine), asynchronous with ``overlap``."""
     n_experts = local_tensor(self.gate_up_proj).shape[0] * mesh.size()
     order = pair_expert.argsort(stable=True)  # pairs grouped by expert, so by destination rank
     source_row = pair_row.index_select(0, order)
