@@ -48,8 +48,8 @@ browser:
 	  echo "note: could not install chromium (apt-get install chromium); the report's browser test will be skipped"
 
 # Two pytest workers (pytest-xdist), each taking the next test when it is free: on 2 cores the suite's multi-process
-# tests leave a core idle about half of the time. The elastic scenarios (marker `serial`: real TorchElastic agents
-# with rendezvous deadlines) then run alone. `make test PYTEST_WORKERS=0` runs the first part in one process too.
+# tests leave a core idle about half of the time. The tests that act on measured time (marker `serial`: the elastic
+# scenarios' rendezvous deadlines, the data balancer's step times) then run alone. `make test PYTEST_WORKERS=0` runs the first part in one process too.
 PYTEST_WORKERS ?= 2
 test: setup browser
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal -m "not serial" tests

@@ -20,6 +20,8 @@ from lightning_ciuic import DynamicDataBalancer, HybridParallelStrategy
 from lightning_ciuic.testing import SlowRank
 from tests.helpers import PRECISION, TINY_MODEL, assert_state_close, loader, reference_training
 
+pytestmark = pytest.mark.serial  # the balancer acts on measured step times: `make test` runs these alone
+
 STEPS, PER_RANK_BATCH = 8, 4
 
 
