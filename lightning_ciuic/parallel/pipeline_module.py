@@ -24,7 +24,8 @@ copies of the module: a copy is no rank's stages); the module reads nothing of t
 ``pipelined_loss`` reads the Trainer's public ``accumulate_grad_batches``.
 
 :func:`build_pipeline` cuts the module's blocks into ``pipeline_parallel_size * stages_per_rank`` stages
-(balanced by parameter count unless split points are given), keeps this rank's stages in place (parameter
+(balanced by the parameters a token passes, :func:`~lightning_ciuic.parallel.experts.parameters_per_token`,
+unless split points are given), keeps this rank's stages in place (parameter
 names unchanged, so checkpoints load into any layout) and returns the :class:`PipelineRunner`.
 """
 
@@ -53,6 +54,7 @@ from lightning_ciuic.parallel.pipeline import (
     stage_ids_of_rank,
 )
 from lightning_ciuic.parallel.axes import Axis
+from lightning_ciuic.parallel.experts.layout import parameters_per_token
 from lightning_ciuic.parallel.tensor import local_loss
 
 _RUNNER = "_ciuic_pipeline_runner"  # where a PipelineModule keeps the runner attached to it
@@ -182,7 +184,7 @@ def stage_starts(module: nn.Module, names: Sequence[str], num_stages: int, confi
             f"{type(module).__name__} has {len(names)} pipeline blocks, fewer than the {num_stages} stages asked for"
             f" (pipeline_parallel_size x stages_per_rank); use at most {len(names)} stages or split the model finer."
         )
-    sizes = [sum(p.numel() for p in block.parameters()) for block in block_modules(module, names)]
+    sizes = [parameters_per_token(block) for block in block_modules(module, names)]
     return balanced_split(sizes, num_stages)
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_ciuic.parallel.schedule_bubble import schedule_bubble
 from lightning_ciuic.parallel.pipeline import (
     OnAnotherStage,
     balanced_split,
@@ -11,7 +12,6 @@ from lightning_ciuic.parallel.pipeline import (
     partition,
     split_at,
     stage_ids_of_rank,
-    theoretical_bubble,
 )
 
 
@@ -39,8 +39,20 @@ def test_stage_placement_and_bubble():
     assert stage_ids_of_rank(1, 2, 1, "1f1b") == [1]
     assert stage_ids_of_rank(1, 4, 2, "interleaved_1f1b") == [1, 5]
     assert stage_ids_of_rank(0, 2, 2, "zbv_zero_bubble") == [0, 3]
-    assert theoretical_bubble(2, 4) == pytest.approx(1 / 5)
-    assert theoretical_bubble(4, 4) == pytest.approx(3 / 7)
+
+
+@pytest.mark.parametrize("pp, microbatches", [(2, 4), (4, 4), (4, 8), (16, 32)])
+def test_a_schedules_bubble_is_its_order_of_actions_played_with_equal_stages(pp, microbatches):
+    """GPipe and 1F1B give their closed form, interleaved 1F1B its own; the zero-bubble schedules and DualPipeV
+    (DeepSeek-V3's, under its V placement) idle less than 1F1B, and more than nothing."""
+    one_stage = (pp - 1) / (microbatches + pp - 1)
+    assert schedule_bubble("gpipe", pp, microbatches) == pytest.approx(one_stage)
+    assert schedule_bubble("1f1b", pp, microbatches) == pytest.approx(one_stage)
+    assert schedule_bubble("interleaved_1f1b", pp, microbatches, 2) == pytest.approx((pp - 1) / (2 * microbatches + pp - 1))
+    for schedule in ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"):
+        if schedule == "dualpipev" and microbatches < 2 * pp:
+            continue  # torch's DualPipeV needs a micro-batch per stage
+        assert 0 < schedule_bubble(schedule, pp, microbatches, 2) < schedule_bubble("interleaved_1f1b", pp, microbatches, 2)
 
 
 class Net(nn.Module):
@@ -107,3 +119,49 @@ def test_a_pipeline_module_runs_through_the_runner_attached_to_it_and_its_copies
     module.attach_pipeline(Runner())
     assert module.pipelined_forward(x) == "through the runner"
     assert copy.deepcopy(module).pipeline is None  # a copy is no rank's stages
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_mixture_of_experts_stages_are_balanced_by_the_parameters_a_token_passes(family):
+    """Balanced by parameter count, the stage holding the dense layers (and the embedding) of a model whose experts
+    hold most of its parameters gets more layers, FLOPs and activations than the others: the split counts of each
+    experts module only its router's top_k (transformers' DeepSeek-V3 and Qwen3-MoE, 2 dense layers of 8, 4 stages).
+    Checked against the forward FLOPs of each block, the planner's count: the cut is the one balancing them."""
+    import transformers
+
+    from lightning_ciuic.huggingface import HuggingFaceCausalLM
+    from lightning_ciuic.parallel.experts import parameters_per_token
+    from lightning_ciuic.parallel.pipeline_module import PipelineConfig, stage_starts
+    from lightning_ciuic.planner.flops import LocalFlops
+
+    shapes = dict(vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=8,
+                  num_attention_heads=4, num_key_value_heads=4, num_experts_per_tok=2)
+    config = {
+        "deepseek_v3": dict(n_routed_experts=64, first_k_dense_replace=2, q_lora_rank=32, kv_lora_rank=16,
+                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1),
+        "qwen3_moe": dict(num_experts=64, mlp_only_layers=[0, 1], head_dim=16),
+    }[family]
+    module = HuggingFaceCausalLM(model_type=family, config={**shapes, **config})
+    names = module.pipeline_blocks()
+    blocks = [module.get_submodule(n) for n in names]
+    sparse = next(b for b in blocks if any(n.endswith("experts") for n, _ in b.named_modules()))
+    experts = next(m for n, m in sparse.named_modules() if n.endswith("experts"))
+    held = sum(p.numel() for p in experts.parameters())
+    assert parameters_per_token(sparse) == sum(p.numel() for p in sparse.parameters()) - held + held * 2 // 64
+
+    flops, tokens = [], torch.randint(0, 64, (1, 16))  # each block's forward FLOPs (grouped GEMMs too)
+    with torch.no_grad():
+        x, calls = module.pipeline_inputs((tokens, tokens))[0], module.pipeline_block_calls()
+        for name, block in zip(names, blocks):
+            with LocalFlops() as counter:
+                x = calls[name](block, x) if name in calls else block(x)
+            flops.append(counter.total)
+
+    def slowest_stage(starts):
+        bounds = [*starts, len(names)]
+        return max(sum(flops[bounds[s]:bounds[s + 1]]) for s in range(len(starts)))
+
+    best = slowest_stage(balanced_split(flops, 4))  # the cut that balances the FLOPs themselves
+    by_count = balanced_split([sum(p.numel() for p in b.parameters()) for b in blocks], 4)
+    assert slowest_stage(by_count) > 1.3 * best  # the old cut: 1.47x (DeepSeek-V3), 1.40x (Qwen3-MoE)
+    assert slowest_stage(stage_starts(module, names, 4, PipelineConfig())) == best

@@ -38,6 +38,7 @@ from lightning_ciuic.parallel.experts.layout import (
     dispatch_codec,
     is_packed_experts,
     packed_experts,
+    parameters_per_token,
 )
 from lightning_ciuic.parallel.experts.nodes import ExpertNodes, group_alignment, group_limited_top_k
 from lightning_ciuic.parallel.experts.shard import shard_experts
@@ -62,5 +63,6 @@ __all__ = [
     "group_limited_top_k",
     "is_packed_experts",
     "packed_experts",
+    "parameters_per_token",
     "shard_experts",
 ]
