@@ -1,7 +1,7 @@
 """torch.distributed's private parts the pack touches (see :mod:`lightning_ciuic.compat`): DCP's whole-checkpoint load,
 FSDP2's collectives' interfaces and unit state, DeviceMesh's flatten/unflatten and layout, DTensor's shard rule and
-caches, c10d's group registry, the fake process group's store, and a pipeline schedule's warm-up and point-to-point
-batches."""
+caches, c10d's group registry, the fake process group's store, and a pipeline schedule's warm-up, point-to-point
+batches and order of actions."""
 
 from __future__ import annotations
 
@@ -175,6 +175,27 @@ def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...
 def use_static_pipeline_warmup(schedule: Any) -> None:
     """A pipeline schedule warms up by :func:`static_pipeline_warmup` (its ``_warmup_p2p`` replaced, torch 2.13)."""
     schedule._warmup_p2p = static_pipeline_warmup
+
+
+def pipeline_schedule_order(
+    class_name: str, pp_size: int, num_microbatches: int, stages_per_rank: int,
+) -> list[list[tuple[tuple[str, int, int], ...]]]:
+    """The compute actions torch's multi-stage schedule ``class_name`` (of ``torch.distributed.pipelining.schedules``)
+    runs on each of ``pp_size`` ranks, in order (its ``pipeline_order``, which its runtime executes): per action its
+    parts ``(kind, stage, micro-batch)`` (``kind``: ``"F"``, ``"B"`` (full backward), ``"I"`` (input), ``"W"``
+    (weight); DualPipeV's ``OVERLAP_F_B`` is its two parts). Built on mock stages, as torch's
+    ``_schedule_visualizer.get_schedule_ops`` does (torch 2.6+); other actions left out. (A single-stage schedule's
+    ``pipeline_order`` is a drawing: its runtime follows its own loop.)"""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    order = get_schedule_ops(getattr(schedules, class_name), pp_size, num_microbatches, stages_per_rank)
+    compute = ("F", "B", "I", "W")
+    return [
+        [tuple((p.computation_type.value, p.stage_index, p.microbatch_index) for p in (a.sub_actions or (a,)))
+         for a in actions if a is not None and (a.sub_actions or a.computation_type.value in compute)]
+        for actions in order
+    ]
 
 
 def resolve_process_group(name: str) -> Any:

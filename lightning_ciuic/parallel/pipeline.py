@@ -7,7 +7,8 @@ Contract:
   order to one tensor, compute the model's output. A block whose forward needs more than that tensor (a
   Hugging Face decoder layer wants position embeddings) gets a *call*, ``call(block, x) -> y``. Every
   trainable parameter of the root must belong to exactly one block.
-* :func:`balanced_split` cuts the blocks into contiguous stages minimizing the largest stage's parameter count;
+* :func:`balanced_split` cuts the blocks into contiguous stages minimizing the largest stage's sum of their sizes
+  (the parameters a token passes: :func:`~lightning_ciuic.parallel.experts.parameters_per_token`);
   :func:`split_at` cuts them before explicitly named blocks instead.
 * :func:`partition` keeps this rank's stages and replaces every other block *in place* by an
   :class:`OnAnotherStage` placeholder. The root therefore keeps the parameter names (FQNs) of the unsplit
@@ -28,7 +29,8 @@ Contract:
   where nothing a stage sends arrives), the stages take them instead of exchanging shapes and a vote with their
   neighbours on the first step (torch's STATIC inference mode).
 * The runner times each stage's compute and reports ``bubble``: the fraction of the step this rank spent
-  not computing (waiting for its neighbours), to compare with :func:`theoretical_bubble`. The compute chunks and
+  not computing (waiting for its neighbours), to compare with
+  :func:`~lightning_ciuic.parallel.schedule_bubble.schedule_bubble`. The compute chunks and
   the gaps between them (sends, receives, waits) go to :data:`lightning_ciuic.timeline.timeline` (the monitor's
   Chrome trace).
 
@@ -137,11 +139,6 @@ def _record_waits(start: float, end: float) -> None:
         edge = max(edge, chunk.end)
     if end > edge:
         timeline.record("pp send / receive / wait", Axis.PP, edge, end, track="pp collectives")
-
-
-def theoretical_bubble(pp_size: int, num_microbatches: int) -> float:
-    """Idle fraction of GPipe and 1F1B with equal stages: ``(p - 1) / (m + p - 1)``."""
-    return (pp_size - 1) / (num_microbatches + pp_size - 1)
 
 
 def balanced_split(sizes: Sequence[int], num_stages: int) -> list[int]:

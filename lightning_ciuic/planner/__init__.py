@@ -62,7 +62,8 @@ def plan_layout(
     result = Plan(
         world_size, dims, sum(seen.values()), classes, device_memory,
         largest_units={l.stage: l.largest_unit for l in layouts if l.largest_unit[1]}, hardware=hardware,
-        num_microbatches=parallelism.pipeline.num_microbatches, expert_overlap=parallelism.expert_dispatch_overlap,
+        num_microbatches=parallelism.pipeline.num_microbatches, pipeline_schedule=parallelism.pipeline.schedule,
+        stages_per_rank=parallelism.pipeline.local_stages, expert_overlap=parallelism.expert_dispatch_overlap,
     )
     warning = imbalance(layouts)
     if warning:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_ciuic.parallel.dims import ParallelDims
-from lightning_ciuic.parallel.pipeline import theoretical_bubble
+from lightning_ciuic.parallel.schedule_bubble import schedule_bubble
 from lightning_ciuic.planner.estimate import Hardware, StepEstimate, estimate_step
 from lightning_ciuic.planner.layout import RankBytes
 
@@ -63,6 +63,8 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     steps: dict[int, Any] = field(default_factory=dict)  # pp stage -> its first rank's StepFigures (the step phase)
     num_microbatches: int = 1  # per step, under pipeline parallelism
+    pipeline_schedule: str = "1f1b"  # and its schedule, with the stages each rank holds
+    stages_per_rank: int = 1
     hardware: Optional[Hardware] = None
     expert_overlap: bool = False  # the expert dispatch's two chunks per micro-batch (expert_dispatch_overlap)
     not_modelled: tuple[str, ...] = NOT_MODELLED
@@ -82,13 +84,13 @@ class Plan:
     @property
     def estimate(self) -> Optional[StepEstimate]:
         """The step's time and MFU, where the step phase ran and the hardware is given: the pacing stage's rank, its
-        busy time stretched by the schedule's bubble (``theoretical_bubble``, GPipe's and 1F1B's: interleaved and
-        zero-bubble schedules idle less), MFU over the model FLOPs of all stages' ranks."""
+        busy time stretched by the schedule's bubble (:func:`~lightning_ciuic.parallel.schedule_bubble.schedule_bubble`:
+        the schedule's own order of actions played with equal stages), MFU over the model FLOPs of all stages' ranks."""
         pacing = self.pacing_step
         if self.hardware is None or pacing is None:
             return None
         d = self.dims
-        bubble = theoretical_bubble(d.pp, self.num_microbatches) if d.pp > 1 else 0.0
+        bubble = schedule_bubble(self.pipeline_schedule, d.pp, self.num_microbatches, self.stages_per_rank)
         model_forward = sum(f.forward_flops for f in self.steps.values()) / len(self.steps)
         return estimate_step(
             pacing.flops, model_forward, pacing.traffic, pacing.axis_ranks, self.hardware, bubble=bubble,
@@ -193,7 +195,8 @@ class Plan:
             if estimate.bubble:
                 lines.append(
                     f"pipeline: stage {self.pacing_stage} sets the pace (most FLOPs); the schedule's bubble"
-                    f" {estimate.bubble:.1%} of the step (pp={self.dims.pp}, {self.num_microbatches} micro-batches)"
+                    f" {estimate.bubble:.1%} of the step ({self.pipeline_schedule}, pp={self.dims.pp}, {self.num_microbatches}"
+                    " micro-batches)"
                 )
             lines.append(
                 f"step time: {estimate.overlapped_seconds * 1e3:.2f} ms (communication hidden) to"

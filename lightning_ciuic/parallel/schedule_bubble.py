@@ -1,0 +1,78 @@
+"""The share of a step a pipeline schedule leaves its ranks idle, from the schedule's own order of actions.
+
+Contract: :func:`schedule_bubble(schedule, pp_size, num_microbatches, stages_per_rank)` takes the order of compute
+actions the schedule runs on each rank (the multi-stage schedules' ``pipeline_order``, which their runtime executes:
+:func:`~lightning_ciuic.compat.pipeline_schedule_order`; GPipe's and 1F1B's loops written out as torch runs them: all
+forwards then all backwards, and ``min(m, stages - s)`` forwards before stage ``s``'s first backward then one
+backward and one forward in turn) and plays it on a clock: of a rank's
+``k`` stages each takes ``1 / k`` for a micro-batch's forward, twice that for its full backward, ``1 / k`` each for
+an input and a weight backward (zero-bubble split), and a DualPipeV forward-backward pair the sum of its two parts
+(the pair overlaps communication, not compute). An action starts once its rank is free and what it needs has ended:
+a forward the previous stage's forward of its micro-batch, a backward the next stage's (the last stage its own
+forward), a weight backward its input backward. Returns ``1 - busy / step``: each rank computes
+``3 * num_microbatches`` units, the step ends with the last action. Stages of equal speed and no time for the
+point-to-point sends (the step estimate adds communication apart). GPipe and 1F1B give their closed form
+``(p - 1) / (m + p - 1)``, interleaved 1F1B with ``v`` stages per rank ``(p - 1) / (v m + p - 1)``; the zero-bubble
+schedules and DualPipeV less.
+
+No Lightning imports.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from lightning_ciuic import compat
+from lightning_ciuic.parallel.pipeline import SCHEDULES, forwards_in_flight, resolve_stages_per_rank
+
+_COST = {"F": 1, "B": 2, "I": 1, "W": 1}  # in forwards of one stage
+
+
+@functools.lru_cache(maxsize=64)
+def schedule_bubble(schedule: str, pp_size: int, num_microbatches: int, stages_per_rank: int | None = None) -> float:
+    """The idle fraction of a step of ``schedule`` on ``pp_size`` ranks (see the module docstring)."""
+    if pp_size == 1:
+        return 0.0
+    local = resolve_stages_per_rank(schedule, stages_per_rank)
+    if SCHEDULES[schedule].placement == "single":
+        order = [_single_stage_order(schedule, stage, pp_size, num_microbatches) for stage in range(pp_size)]
+    else:
+        order = compat.pipeline_schedule_order(SCHEDULES[schedule].cls_name, pp_size, num_microbatches, local)
+    last_stage = pp_size * local - 1
+    ended: dict[tuple[str, int, int], float] = {}  # ("F" | "B" (either backward: the input's gradient) | "W", ...)
+
+    def needs(kind: str, stage: int, microbatch: int) -> tuple[str, int, int]:
+        if kind == "F":
+            return ("F", stage - 1, microbatch) if stage > 0 else ("", 0, 0)
+        if kind == "W":
+            return ("B", stage, microbatch)
+        return ("B", stage + 1, microbatch) if stage < last_stage else ("F", stage, microbatch)
+
+    clock, next_action = [0.0] * pp_size, [0] * pp_size
+    while any(n < len(actions) for n, actions in zip(next_action, order)):
+        moved = False
+        for rank, actions in enumerate(order):
+            while next_action[rank] < len(actions):
+                parts = actions[next_action[rank]]
+                wanted = [needs(*part) for part in parts]
+                if any(w[0] and w not in ended for w in wanted):
+                    break
+                start = max([clock[rank], *(ended[w] for w in wanted if w[0])])
+                clock[rank] = start + sum(_COST[kind] for kind, _, _ in parts) / local
+                for kind, stage, microbatch in parts:
+                    ended["B" if kind == "I" else kind, stage, microbatch] = clock[rank]
+                next_action[rank] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError(f"pipeline schedule {schedule!r} on {pp_size} ranks stalls: an action waits for one never run")
+    return 1 - 3 * num_microbatches / max(clock)
+
+
+def _single_stage_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[tuple[str, int, int]]]:
+    """GPipe's or 1F1B's actions on ``stage``, as torch's ``_step_microbatches`` loops run them."""
+    warmup = forwards_in_flight(schedule, stage, stages, microbatches)
+    order = [("F", m) for m in range(warmup)]
+    for m in range(microbatches - warmup):
+        order += [("B", m), ("F", warmup + m)]
+    order += [("B", m) for m in range(microbatches - warmup, microbatches)]
+    return [((kind, stage, m),) for kind, m in order]
