@@ -240,11 +240,12 @@ class ParallelismConfig:
             raise ValueError(f"weight_all_gather_compression={weight!r} is not one of {', '.join(map(repr, WEIGHT_CODECS))}.")
 
     def _check_sharded(self) -> None:
-        if self.pipeline_parallel_size > 1 and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
+        if self.pipeline_parallel_size > 1 and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES and self.sharding.zero_stage == 3:
             raise ValueError(
                 f"pipeline_schedule={self.pipeline.schedule!r} splits backward into input- and weight-gradient passes,"
-                " which gave wrong first-stage gradients with sharded stages (FSDP2, torch 2.13) in our tests: with"
-                " data_parallel_shard_size > 1 use 'gpipe', '1f1b', 'interleaved_1f1b' or 'looped_bfs'."
+                " which gave wrong first-stage gradients with stages sharded by ZeRO-3 (FSDP2 gathering weights for"
+                " each backward, torch 2.13) in our tests: with zero_stage=3 use 'gpipe', '1f1b', 'interleaved_1f1b' or"
+                " 'looped_bfs', or keep the schedule with zero_stage=1 or 2 (the pipelines' default)."
             )
         mode = self.compression.mode
         if mode not in ("none", *SHARDED_REDUCE_DTYPES, *SHARDED_CODECS):

@@ -96,8 +96,9 @@ def test_the_strategys_arguments_are_the_configs_by_the_same_names():
             r"allreduce_algorithm='tree' picks our ring/tree all-reduce, which sharded data parallelism does not use .* leave it 'auto'",
         ),
         (
-            {"data_parallel_shard_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "dualpipev"},
-            r"pipeline_schedule='dualpipev' splits backward into input- and weight-gradient passes.* use 'gpipe', '1f1b'",
+            {"data_parallel_shard_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "dualpipev", "zero_stage": 3},
+            r"pipeline_schedule='dualpipev' splits backward into input- and weight-gradient passes.* with zero_stage=3 use"
+            r" 'gpipe', '1f1b', 'interleaved_1f1b' or 'looped_bfs', or keep the schedule with zero_stage=1 or 2",
         ),
     ],
 )

@@ -67,7 +67,7 @@ def test_seed_names_stay_importable():
             r"allreduce_algorithm='ring' picks our ring/tree all-reduce, which sharded data parallelism does not use",
         ),
         (
-            {"data_parallel_shard_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "zbv_zero_bubble"},
+            {"data_parallel_shard_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "zbv_zero_bubble", "zero_stage": 3},
             r"pipeline_schedule='zbv_zero_bubble' splits backward .* use 'gpipe', '1f1b', 'interleaved_1f1b' or 'looped_bfs'",
         ),
         (
