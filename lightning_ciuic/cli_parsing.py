@@ -59,7 +59,7 @@ class ConfigError(ValueError):
 def instantiation_error(message: str) -> str:
     """jsonargparse's ``message`` about a class it could not build, or, where it wraps one refusal in its list of every
     type the value could have been ("Does not validate against any of the Union subtypes ... - Expected a <class
-    'NoneType'>"), that refusal alone."""
+    'NoneType'>", or ``str`` for a strategy given by name), that refusal alone."""
     lines = message.splitlines()
     if "Errors:" not in lines:
         return message
@@ -71,7 +71,7 @@ def instantiation_error(message: str) -> str:
             items[-1].append(line.strip())
         else:
             break
-    refusals = [" ".join(item) for item in items if not item[0].startswith("Expected a <class 'NoneType'>")]
+    refusals = [" ".join(item) for item in items if not item[0].startswith("Expected a <class ")]
     return refusals[0] if len(refusals) == 1 else message
 
 

@@ -115,3 +115,24 @@ def test_instantiation_errors_keep_the_one_refusal_jsonargparse_wraps():
     )
     assert instantiation_error(wrapped) == "model_type='x' is refused"
     assert instantiation_error("plain") == "plain"
+
+
+def test_a_strategys_refusal_in_a_config_is_said_alone(capsys):
+    """A strategy's argument refused by the strategy (a rule between arguments) reached the plan's user inside
+    jsonargparse's union report (``Trainer(strategy=...)`` is ``str | Strategy``: "Expected a <class 'str'>" beside
+    it, then the whole namespace given, one line of 1,200 characters): the refusal alone now."""
+    from lightning_ciuic.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--config", "examples/configs/plan/deepseek_v3.yaml", "--world-size", "128",
+              "--trainer.strategy.init_args.pipeline_schedule", "dualpipev", "--trainer.strategy.init_args.zero_stage", "3"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err
+    said = [line for line in err.splitlines() if line.startswith("the config does not work")]
+    assert said == [
+        "the config does not work: pipeline_schedule='dualpipev' splits backward into input- and weight-gradient"
+        " passes, which gave wrong first-stage gradients with stages sharded by ZeRO-3 (FSDP2 gathering weights for"
+        " each backward, torch 2.13) in our tests: with zero_stage=3 use 'gpipe', '1f1b', 'interleaved_1f1b' or"
+        " 'looped_bfs', or keep the schedule with zero_stage=1 or 2 (the pipelines' default)."
+    ], err
+    assert "Namespace(" not in err and "Expected a" not in err
