@@ -30,13 +30,14 @@ RDZV_CONF = "join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_inte
 
 
 def agent(
-    out: Path, port: int, steps: int, step_seconds: float, nnodes: str = "1:2", nproc: int = 1, job_args: tuple[str, ...] = ()
+    out: Path, port: int, steps: int, step_seconds: float, nnodes: str = "1:2", nproc: int = 1, job_args: tuple[str, ...] = (),
+    run_id: str = "ciuic-elastic",
 ) -> subprocess.Popen:
-    """Start one torchrun agent (a node) running the elastic example (with ``job_args``); its output goes to
-    ``out/agent-*.log``."""
+    """Start one torchrun agent (a node) running the elastic example (with ``job_args``) in the run ``run_id`` (its
+    shared-memory snapshots are named after it); its output goes to ``out/agent-*.log``."""
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=ciuic-elastic",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
         "--max-restarts=3", "--monitor-interval=0.5", f"--rdzv-conf={RDZV_CONF}",
         str(JOB), str(out), "--steps", str(steps), "--step-seconds", str(step_seconds), *job_args,
     ]
@@ -119,19 +120,27 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
 
 def run_scenario(
     workdir: Path, steps: int = 60, step_seconds: float = 0.2, kill_at: int = 15, alone_steps: int = 10,
-    job_args: tuple[str, ...] = (), nproc_per_node: int = 1, reference: bool = True,
+    job_args: tuple[str, ...] = (), nproc_per_node: int = 1, reference: bool = True, reference_alongside: bool = False,
 ) -> dict:
     """Reference run (``reference=False``: none, and no loss compared), then the lose-and-rejoin run (``job_args``
     passed to examples/elastic.py, e.g. ``("--sharded",)``; ``nproc_per_node`` processes per node, the reference on
-    one node of twice as many); returns the measurements (see the module docstring)."""
+    one node of twice as many); returns the measurements (see the module docstring).
+
+    ``reference_alongside``: the lose-and-rejoin run starts once the reference has taken its first step (its
+    processes started and imported, the rest of it mostly the job's sleeps) instead of after it ends: the tests'
+    time, not the benchmark's (its timings would share the cores with the reference's steps)."""
     reference_dir, out = workdir / "reference", workdir / "elastic"
     reference_dir.mkdir(parents=True)
     out.mkdir(parents=True)
     if reference:
-        uninterrupted = agent(
-            reference_dir, free_port(), steps, step_seconds, nnodes="1", nproc=2 * nproc_per_node, job_args=job_args
+        uninterrupted = agent(  # a run of its own: its snapshots are not among those of the run checked for leftovers
+            reference_dir, free_port(), steps, step_seconds, nnodes="1", nproc=2 * nproc_per_node, job_args=job_args,
+            run_id="ciuic-reference",
         )
-        if uninterrupted.wait(timeout=600) != 0:
+        if reference_alongside:
+            wait_for(lambda: uninterrupted.poll() is not None or any(r["step"] >= 1 for r in progress(reference_dir)),
+                     300, "the reference's first step")
+        if (not reference_alongside or uninterrupted.poll() is not None) and uninterrupted.wait(timeout=600) != 0:
             raise RuntimeError(f"reference run failed:\n{logs(reference_dir)}")
 
     both, one = 2 * nproc_per_node, nproc_per_node  # world sizes on two nodes and on one
@@ -156,8 +165,10 @@ def run_scenario(
         back = [r for r in progress(out) if r["world"] == both and r["time"] > rejoined_at]
         if first.wait(timeout=600) != 0 or second.wait(timeout=120) != 0:
             raise RuntimeError(f"elastic run failed:\n{logs(out)}")
+        if reference and uninterrupted.wait(timeout=600) != 0:
+            raise RuntimeError(f"reference run failed:\n{logs(reference_dir)}")
     finally:
-        for process in (first, second):
+        for process in (first, second, *([uninterrupted] if reference else [])):
             if process.poll() is None:
                 lose_node(process)
     leftover: list[Path] = []

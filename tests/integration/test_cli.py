@@ -64,10 +64,10 @@ def test_console_script_trains_the_main_job_shows_the_pack_and_resumes(tmp_path)
     empty folder: it trains, stays quiet, ends with the pack's summary, and the resume command it prints works."""
     command = [
         sys.executable, "-m", "lightning_ciuic.cli", "fit", "--config", str(ROOT / "examples/configs/demo.yaml"),
-        "--trainer.limit_val_batches=0", "--trainer.log_every_n_steps=2", "--trainer.enable_progress_bar=false",
+        "--trainer.limit_val_batches=0", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([*command, "--trainer.max_steps=12"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*command, "--trainer.max_steps=6"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     output = done.stderr + done.stdout
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pp=1 x dp=2 x tp=2 (world size 4)" in output
@@ -76,21 +76,21 @@ def test_console_script_trains_the_main_job_shows_the_pack_and_resumes(tmp_path)
     assert len(losses) >= 5 and losses[-1] < losses[0] - 0.5, losses
 
     assert "deprecated" not in output and "weights_only" not in output, output[-3000:]  # quiet by default
-    summary = done.stdout[done.stdout.index("Summary: 12 optimizer steps."):]
+    summary = done.stdout[done.stdout.index("Summary: 6 optimizer steps."):]
     report = next(line for line in summary.splitlines() if line.startswith("- Communication report: "))
     assert Path(report.split(": ")[1].split(";")[0]).is_file() and "trace.json" in report
-    assert "- Checkpoints in demo_logs/checkpoints" in summary and "-step=12 " in summary
+    assert "- Checkpoints in demo_logs/checkpoints" in summary and "-step=6 " in summary
     assert "- Snapshots: every 50 steps" in summary
     resume = next(line for line in summary.splitlines() if line.startswith("- Resume: "))
     assert resume.split("   ")[0] == f"- Resume: lightning-ciuic fit --config {ROOT / 'examples/configs/demo.yaml'} --ckpt_path last"
 
     # The end-of-training checkpoint counts epoch 0 as finished (Lightning's counters after a max_steps stop): allow
     # a second epoch so the resumed run has steps left to take.
-    again = subprocess.run([*command, "--trainer.max_steps=14", "--trainer.max_epochs=2", "--ckpt_path", "last"], cwd=tmp_path, env=env,
+    again = subprocess.run([*command, "--trainer.max_steps=8", "--trainer.max_epochs=2", "--ckpt_path", "last"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Restored all states from the checkpoint at demo_logs/checkpoints/latest" in again.stdout + again.stderr
-    assert "Summary: 2 optimizer steps (steps 13 to 14)." in again.stdout and "-step=14 " in again.stdout
+    assert "Summary: 2 optimizer steps (steps 7 to 8)." in again.stdout and "-step=8 " in again.stdout
 
 
 def test_shipped_pipeline_configs_parse():

@@ -27,7 +27,8 @@ def test_losing_a_node_continues_on_one_and_a_rejoining_node_brings_the_run_back
         write_stream(tmp_path / "stream", 45 * 8)
         job_args = ("--litdata", str(tmp_path / "stream"))
     result = run_scenario(
-        tmp_path, steps=45, step_seconds=0.2, kill_at=10, alone_steps=6, job_args=job_args, reference=source == "map"
+        tmp_path, steps=45, step_seconds=0.2, kill_at=10, alone_steps=6, job_args=job_args, reference=source == "map",
+        reference_alongside=True,
     )
     assert result["to_one_node_s"] < 60, result
     assert 0 < result["lost_on_kill"] <= 5, result  # at most snapshot_freq
@@ -68,7 +69,9 @@ def test_a_sharded_run_survives_the_same_and_resumes_from_resharded_checkpoints(
     """FSDP over every data-parallel rank (``data_parallel_shard_size="auto"``): 2 shards, then 1 rank, then 2 again.
     A sharded snapshot is one rank's half of the model: each change of membership resumes from the newest
     AsyncCheckpointer checkpoint (every 5 steps), which DCP reshards into the new layout."""
-    result = run_scenario(tmp_path, steps=45, step_seconds=0.2, kill_at=10, alone_steps=5, job_args=("--sharded",))
+    result = run_scenario(
+        tmp_path, steps=45, step_seconds=0.2, kill_at=10, alone_steps=5, job_args=("--sharded",), reference_alongside=True
+    )
     assert result["resumed_from"] and all(r.startswith("checkpoint ") for r in result["resumed_from"]), result
     assert 0 < result["lost_on_kill"] <= 6 and result["lost_on_rejoin"] <= 6, result  # a checkpoint every 5 steps
     assert result["accumulate_alone"] == [2], result
@@ -83,7 +86,7 @@ def test_a_run_with_its_experts_sharded_rederives_the_expert_layout_at_each_worl
     resumes from the newest checkpoint, which DCP reshards; the run ends at the loss of an uninterrupted one."""
     result = run_scenario(
         tmp_path, steps=30, step_seconds=0.1, kill_at=10, alone_steps=5, nproc_per_node=2,
-        job_args=("--sharded", "--experts", "2", "--batch-size", "2"),
+        job_args=("--sharded", "--experts", "2", "--batch-size", "2"), reference_alongside=True,
     )
     assert result["resumed_from"] and all(r.startswith("checkpoint ") for r in result["resumed_from"]), result
     assert all("ep=2" in layout for layout in result["layouts"]), result["layouts"]

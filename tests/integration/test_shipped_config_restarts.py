@@ -23,7 +23,8 @@ from lightning.pytorch import Callback
 from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-KILL_STEP = 5  # killed in optimizer step 5: the checkpoint of step 3 is the last one written
+KILL_STEP = 4  # killed in optimizer step 4: the checkpoint (or snapshot) of step 2 is the last one written
+EVERY = 2  # a checkpoint or a kept snapshot every 2 steps
 
 
 class StepLosses(Callback):
@@ -41,7 +42,7 @@ class StepLosses(Callback):
 
 def _shortened(name: str, out: Path, steps: int) -> Path:
     """``examples/configs/<name>.yaml`` with ``steps`` steps, no validation, its files under ``out``, a checkpoint or a
-    kept snapshot every 3 steps (the step-3 one is the last before the kill: a checkpoint waits until it is
+    kept snapshot every 2 steps (the step-2 one is the last before the kill: a checkpoint waits until it is
     committed), and the kill and the loss log appended to its callbacks."""
     config = yaml.safe_load((REPO / "examples" / "configs" / f"{name}.yaml").read_text())
     trainer = config["trainer"]
@@ -51,12 +52,12 @@ def _shortened(name: str, out: Path, steps: int) -> Path:
     added = []
     for callback in trainer["callbacks"]:
         if callback["class_path"].endswith("AsyncCheckpointer"):
-            callback["init_args"].update(dirpath=str(out / "checkpoints"), every_n_train_steps=3)
+            callback["init_args"].update(dirpath=str(out / "checkpoints"), every_n_train_steps=EVERY)
             added.append({"class_path": "tests.integration.restart_job.SavesCommittedBefore", "init_args": {"step": KILL_STEP}})
         if callback["class_path"].endswith("CommunicationMonitor"):
             callback["init_args"]["dirpath"] = str(out / "monitor")
         if callback["class_path"].endswith("SnapshotRecovery") and callback["init_args"].get("store") != "memory":
-            callback["init_args"]["snapshot_freq"] = 3  # kept across a restart: the step-3 snapshot is the last
+            callback["init_args"]["snapshot_freq"] = EVERY  # kept across a restart: the step-2 snapshot is the last
     trainer["callbacks"] += [
         *added,
         {"class_path": "lightning_ciuic.testing.FailAt", "init_args": {"step": KILL_STEP, "fault": "kill", "ranks": [1]}},
@@ -81,14 +82,14 @@ def _torchrun_fit(config: Path, out: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("name", ["demo", "pipeline", "sharded", "experts", "hf_llama"])
 def test_a_shipped_config_killed_mid_run_restarts_and_resumes_exactly(tmp_path, name):
-    steps = KILL_STEP + 2
+    steps = KILL_STEP  # the restart trains step 3 again (compared with the first attempt's) and step 4
     result = _torchrun_fit(_shortened(name, tmp_path, steps), tmp_path)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
     records = [json.loads(line) for line in (tmp_path / "losses.jsonl").read_text().splitlines()]
     first = {r["step"]: r["loss"] for r in records if r["attempt"] == 0}
     second = {r["step"]: r["loss"] for r in records if r["attempt"] == 1}
-    assert sorted(first) == list(range(1, KILL_STEP)), "the first attempt was killed in step 5"
-    assert sorted(second) == list(range(4, steps + 1)), "the restart resumed from step 3"
+    assert sorted(first) == list(range(1, KILL_STEP)), f"the first attempt was killed in step {KILL_STEP}"
+    assert sorted(second) == list(range(EVERY + 1, steps + 1)), f"the restart resumed from step {EVERY}"
     assert [line for line in log.splitlines() if "SnapshotRecovery: resumed from " in line][:1], log[-4000:]
     assert {step: second[step] for step in first if step in second} == {step: first[step] for step in second if step in first}
