@@ -21,6 +21,7 @@ No Lightning imports.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 from lightning_ciuic import compat
 from lightning_ciuic.parallel.pipeline import SCHEDULES, forwards_in_flight, resolve_stages_per_rank
@@ -41,9 +42,9 @@ def schedule_bubble(schedule: str, pp_size: int, num_microbatches: int, stages_p
     last_stage = pp_size * local - 1
     ended: dict[tuple[str, int, int], float] = {}  # ("F" | "B" (either backward: the input's gradient) | "W", ...)
 
-    def needs(kind: str, stage: int, microbatch: int) -> tuple[str, int, int]:
+    def needs(kind: str, stage: int, microbatch: int) -> Optional[tuple[str, int, int]]:
         if kind == "F":
-            return ("F", stage - 1, microbatch) if stage > 0 else ("", 0, 0)
+            return ("F", stage - 1, microbatch) if stage > 0 else None
         if kind == "W":
             return ("B", stage, microbatch)
         return ("B", stage + 1, microbatch) if stage < last_stage else ("F", stage, microbatch)
@@ -54,10 +55,10 @@ def schedule_bubble(schedule: str, pp_size: int, num_microbatches: int, stages_p
         for rank, actions in enumerate(order):
             while next_action[rank] < len(actions):
                 parts = actions[next_action[rank]]
-                wanted = [needs(*part) for part in parts]
-                if any(w[0] and w not in ended for w in wanted):
+                wanted = [w for w in (needs(*part) for part in parts) if w is not None]
+                if any(w not in ended for w in wanted):
                     break
-                start = max([clock[rank], *(ended[w] for w in wanted if w[0])])
+                start = max([clock[rank], *(ended[w] for w in wanted)])
                 clock[rank] = start + sum(_COST[kind] for kind, _, _ in parts) / local
                 for kind, stage, microbatch in parts:
                     ended["B" if kind == "I" else kind, stage, microbatch] = clock[rank]
