@@ -18,6 +18,7 @@ One module per job, each with its contract:
   limit (:func:`group_alignment`) and DeepSeek-V3's group-limited routing (:func:`group_limited_top_k`).
 * :mod:`.gemm`: the local experts run by grouped GEMM or a loop (:func:`run_local_experts`).
 * :mod:`.grad_scale`: the experts' gradient scale (``1/ep_data_ranks``).
+* :mod:`.rows`: rows summed and permuted by index, autograd keeping only what their backward reads.
 * :mod:`.counts`: :class:`RoutedTokens`, the tokens routed to each expert.
 
 The names below are the public ones, importable from here.

@@ -7,6 +7,10 @@ Contract: :func:`run_local_experts(experts, rows, counts, grad_scale)` takes ``r
 experts (float64, odd widths). The weights' gradients are scaled by ``grad_scale`` on their way back
 (:mod:`~lightning_ciuic.parallel.experts.grad_scale`).
 
+The SwiGLU's output is recomputed in backward from its input (:func:`gated`, as DeepSeek-V3 trains): autograd keeps
+the ``[rows, 2I]`` gate/up product only, not ``act_fn(gate)`` besides (``[rows, I]`` per mixture-of-experts layer and
+micro-batch); the gradients are the same ops on the same values, so the same bits.
+
 No Lightning imports.
 """
 
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -34,12 +38,10 @@ def run_local_experts(experts: Any, rows: torch.Tensor, counts: Sequence[int], g
     if _grouped_mm_fits(rows, gate_up, down):
         offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows.device)
         hidden = compat.grouped_mm(rows, gate_up.transpose(-2, -1), offsets)
-        gate, up = hidden.chunk(2, dim=-1)
-        return compat.grouped_mm((experts.act_fn(gate) * up).contiguous(), down.transpose(-2, -1), offsets)
+        return compat.grouped_mm(gated(hidden, experts.act_fn).contiguous(), down.transpose(-2, -1), offsets)
     outputs = []
     for e, chunk in enumerate(rows.split(list(counts))):
-        gate, up = nn.functional.linear(chunk, gate_up[e]).chunk(2, dim=-1)
-        outputs.append(nn.functional.linear(experts.act_fn(gate) * up, down[e]))
+        outputs.append(nn.functional.linear(gated(nn.functional.linear(chunk, gate_up[e]), experts.act_fn), down[e]))
     return torch.cat(outputs) if outputs else rows.new_empty((0, down.shape[1]))
 
 
@@ -49,3 +51,27 @@ def _grouped_mm_fits(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
         return False
     size = rows.element_size()
     return all((d * size) % 16 == 0 for d in (gate_up.shape[-1], gate_up.shape[-2] // 2, down.shape[-2]))
+
+
+def gated(hidden: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``act_fn(gate) * up`` of ``hidden = [gate | up]`` (last dimension), ``act_fn(gate)`` recomputed in backward."""
+    return _Gated.apply(hidden, act_fn)
+
+
+class _Gated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, act_fn):  # type: ignore[override]
+        gate, up = hidden.detach().chunk(2, dim=-1)  # detached: module hooks (MemTracker's) see no autograd input
+        ctx.act_fn = act_fn.forward if isinstance(act_fn, nn.Module) else act_fn  # again in backward: without hooks
+        ctx.save_for_backward(hidden)
+        return act_fn(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (hidden,) = ctx.saved_tensors
+        gate, up = hidden.chunk(2, dim=-1)
+        with torch.enable_grad():
+            gate = gate.detach().requires_grad_()
+            activated = ctx.act_fn(gate)
+        (grad_gate,) = torch.autograd.grad(activated, gate, grad * up)
+        return torch.cat([grad_gate, grad * activated.detach()], dim=-1), None

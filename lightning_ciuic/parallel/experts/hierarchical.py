@@ -41,6 +41,7 @@ from lightning_ciuic.parallel.experts.dispatch import all_to_all_timed
 from lightning_ciuic.parallel.experts.layout import ExpertLayout
 from lightning_ciuic.parallel.experts.overlap import Flow, exchange, together, transfer
 from lightning_ciuic.parallel.experts.pairs import pairs_flow
+from lightning_ciuic.parallel.experts.rows import sum_rows
 from lightning_ciuic.tensors import local_tensor
 
 
@@ -129,8 +130,7 @@ def hierarchical_flow(
     summed = yield from pairs_flow(self, layout, received, row_of_pair, expert_of_pair, weights.reshape(-1), intra, None, "intra", overlap)
     # 3. a row per (token, node) back, summed per token
     returned = yield exchange(summed, recv_rows, send_rows, layout, None, "combine", inter, "inter", overlap)
-    combined = hidden.new_zeros((tokens, returned.shape[1]), dtype=returned.dtype)
-    return combined.index_add(0, row_token, returned).to(hidden.dtype)
+    return sum_rows(returned, row_token, tokens).to(hidden.dtype)
 
 
 def _exchange_codes(code: torch.Tensor, send: list[int], recv: list[int], layout: ExpertLayout, inter, overlap: bool):

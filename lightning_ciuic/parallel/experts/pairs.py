@@ -28,6 +28,7 @@ from lightning_ciuic.parallel.experts.dispatch import balanced_routing, routing_
 from lightning_ciuic.parallel.experts.gemm import run_local_experts
 from lightning_ciuic.parallel.experts.layout import ExpertLayout
 from lightning_ciuic.parallel.experts.overlap import Flow, exchange, transfer
+from lightning_ciuic.parallel.experts.rows import permuted_rows, sum_rows
 from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.wire.codecs import Codec
 
@@ -55,8 +56,7 @@ def pairs_flow(
     by_expert = routed.expert_of_row.argsort(stable=True)
     computed = run_local_experts(self, received.index_select(0, by_expert), routed.per_local_expert, layout.grad_scale)
     layout.stats.received_tokens += computed.shape[0]
-    unsorted = torch.empty_like(computed).index_copy(0, by_expert, computed)
+    unsorted = permuted_rows(computed, by_expert)
     returned = yield exchange(unsorted, routed.recv_rows, routed.send_rows, layout, None, "combine", mesh, hop, overlap)
-    weights = pair_weight.index_select(0, order).unsqueeze(-1).to(returned.dtype)
-    combined = hidden.new_zeros((hidden.shape[0], returned.shape[1]), dtype=returned.dtype)
-    return combined.index_add(0, source_row, returned * weights).to(hidden.dtype)
+    weights = pair_weight.index_select(0, order).to(returned.dtype)
+    return sum_rows(returned, source_row, hidden.shape[0], weights).to(hidden.dtype)

@@ -41,6 +41,7 @@ from torch import nn
 
 from lightning_ciuic import compat
 from lightning_ciuic.parallel.experts.gemm import run_local_experts
+from lightning_ciuic.parallel.experts.rows import sum_rows
 from lightning_ciuic.tensors import local_tensor
 
 FORM = (
@@ -76,9 +77,8 @@ def dispatched_output(experts: Any, hidden: torch.Tensor, top_k_index: torch.Ten
     source_token = order // k
     counts = torch.bincount(flat, minlength=n_experts).tolist()
     computed = run_local_experts(experts, hidden.index_select(0, source_token), counts, 1.0)
-    weights = top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(computed.dtype)
-    combined = hidden.new_zeros((hidden.shape[0], computed.shape[1]), dtype=computed.dtype)
-    return combined.index_add(0, source_token, computed * weights).to(hidden.dtype)
+    weights = top_k_weights.reshape(-1).index_select(0, order).to(computed.dtype)
+    return sum_rows(computed, source_token, hidden.shape[0], weights).to(hidden.dtype)
 
 
 def check_takeover(name: str, module: nn.Module, verdicts: Optional[dict] = None) -> None:
