@@ -14,7 +14,10 @@ Contract: :meth:`Recompute.parse` takes what a user writes (Python or YAML) and 
   outputs of every other op kept (torch's selective checkpointing: a kept op's output stays, the tensors a
   recomputed op's consumers need come back in backward). A name is a preset, ``"norm"`` (every module whose class
   name ends in ``Norm``: RMSNorm, LayerNorm) or ``"mla_up"`` (multi-head latent attention's up-projections:
-  ``*q_b_proj``, ``*kv_b_proj`` of transformers, ``*wq_b``, ``*wkv_b`` of DeepSeek's code and the example), else an
+  ``*q_b_proj``, ``*kv_b_proj`` of transformers, ``*wq_b``, ``*wkv_b`` of DeepSeek's code and the example, and what
+  the attention makes of their outputs before its kernel: the module holding them runs under torch's selective
+  checkpointing, keeping the attention kernel's outputs and the products outside the up-projections before it, the
+  latents among them, and recomputing the rest, so that the kernel's inputs, q, k and v, are not kept), else an
   ``fnmatch`` pattern of a sub-module's name inside its block (``"attn.wkv_b"``, ``"*.kv_b_proj"``; ``*`` crosses
   dots). DeepSeek-V3's recipe is ``{"recompute": ["norm", "mla_up"]}``. A block with no such sub-module is left
   alone (nothing of it recomputed); one that is such a module itself is recomputed whole. :func:`recompute_blocks`
@@ -124,12 +127,16 @@ def _recompute_modules(blocks: Sequence[nn.Module], block_names: Sequence[str], 
         used.update(hits)
         return bool(hits)
 
-    whole, partly = [], []
+    whole, partly, attentions = [], [], []
     for block in blocks:
         if named("", block):
             whole.append(block)
             continue
-        inside = [m for n, m in block.named_modules() if n and named(n, m)]
+        ups = {n: m for n, m in block.named_modules() if n and "mla_up" in entries and module_matches(n, m, "mla_up")}
+        parents = {n.rpartition(".")[0]: [m for u, m in ups.items() if u.rpartition(".")[0] == n.rpartition(".")[0]] for n in ups}
+        attentions += [(block.get_submodule(p) if p else block, up) for p, up in parents.items()]
+        held = [block.get_submodule(p) for p in parents if p]  # their modules recomputed inside the attention's
+        inside = [m for n, m in block.named_modules() if n and named(n, m) and not any(_contains(a, m) for a in held)]
         if inside and not isinstance(block.__dict__.get("forward"), _OutputsDropped):  # else applied already
             partly.append((block, inside))
     unused = [e for e in entries if e not in used]
@@ -141,6 +148,9 @@ def _recompute_modules(blocks: Sequence[nn.Module], block_names: Sequence[str], 
             f" use presets {sorted(PRESETS)} or fnmatch patterns of those names."
         )
     checkpoint_activations(whole)
+    for attention, ups in attentions:
+        if not isinstance(attention.__dict__.get("forward"), _Recomputed):
+            attention.forward = _Recomputed(attention.forward, _attention_inputs_recomputed(ups))
     for block, inside in partly:
         outputs: dict[int, tuple[torch.Tensor, _Output]] = {}
         block.forward = _OutputsDropped(block.forward, outputs)
@@ -244,6 +254,38 @@ def _selective_context() -> Any:
         return CheckpointPolicy.MUST_SAVE if func in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
+
+
+def _attention_inputs_recomputed(ups: Sequence[nn.Module]) -> Callable[[], Any]:
+    """Selective-checkpointing contexts for an attention whose up-projections are ``ups``: the attention kernels'
+    outputs kept, and the products run outside ``ups`` before the first kernel (the latents' down-projections); the
+    rest recomputed (the up-projections, the rotary embedding, the norms: the kernel's inputs)."""
+    inside = [0]  # calls of an up-projection running now (its forward hooks count them, forward and recompute)
+
+    def enter(*_: Any) -> None:
+        inside[0] += 1
+
+    def leave(*_: Any) -> None:
+        inside[0] -= 1
+
+    for up in ups:
+        up.register_forward_pre_hook(enter)
+        up.register_forward_hook(leave)
+
+    def context() -> Any:
+        past_kernel = {False: False, True: False}  # per forward and recompute
+
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            if func in ATTENTION_OPS:
+                past_kernel[ctx.is_recompute] = True
+                return CheckpointPolicy.MUST_SAVE
+            if func in _MATMULS and not inside[0] and not past_kernel[ctx.is_recompute]:
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context
 
 
 class _Recomputed:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from examples.deepseek import DeepSeekConfig, DeepSeekTransformer
+from examples.deepseek import DeepSeekConfig, DeepSeekTransformer, MultiHeadLatentAttention
 from lightning_ciuic import compat
 from lightning_ciuic.config import ParallelismConfig
 from lightning_ciuic.parallel.recompute import Recompute, checkpoint_activations, recompute_blocks
@@ -77,9 +77,11 @@ def test_each_mode_recomputes_in_backward_and_its_gradients_equal_keeping_everyt
     recomputed = Counter(ran) - Counter(kept)  # what ran in backward beyond backward itself: forwards again
     norms = mode != {"recompute": ["ffn", "attn.w*"]}  # every other mode recomputes RMSNorm (its rsqrt)
     assert ("aten.rsqrt" in recomputed) == norms, (mode, recomputed)
-    # The recipe's up-projections feed the next ones' (kept) inputs, which come from their own checkpoint: no product
-    # needs running again; every other mode recomputes some (selective: every other one).
-    assert ("aten.mm" in recomputed) == (mode != RECIPE), (mode, recomputed)
+    # The recipe runs its up-projections again (q, k and v are not kept), and no other product: two steps of one per
+    # MLA layer (the example's query has no latent); every other mode recomputes some (selective: every other one).
+    assert "aten.mm" in recomputed, (mode, recomputed)
+    if mode == RECIPE:
+        assert recomputed["aten.mm"] == 2 * sum(isinstance(m, MultiHeadLatentAttention) for m in model.modules()), recomputed
 
 
 def test_a_recomputed_modules_output_is_not_kept_by_its_consumers():
@@ -99,6 +101,11 @@ def test_a_recomputed_modules_output_is_not_kept_by_its_consumers():
 
     none, recipe, full = (held_after_forward(mode) for mode in (None, RECIPE, True))
     assert full < recipe < none, (full, recipe, none)
+    # The up-projection named alone keeps what attention makes of its output (k, v); the preset keeps neither.
+    up_alone = held_after_forward({"recompute": ["norm", "attn.wkv_b"]})
+    config = DeepSeekConfig()
+    k_and_v = 2 * 16 * config.n_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim) * 8
+    assert recipe <= up_alone - 2 * k_and_v, (recipe, up_alone, k_and_v)  # 2 MLA layers
 
 
 def test_a_name_that_matches_nothing_is_refused_with_the_names_there_are():
