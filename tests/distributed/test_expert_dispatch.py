@@ -233,8 +233,8 @@ def _interleaving(rank: int, world: int) -> None:
     finally:
         dist.all_to_all_single = real
     first_experts = events.index("experts")
-    # both chunks' counts, then both chunks' dispatch issued before chunk 0's experts run
-    assert sum(e.endswith("async") for e in events[:first_experts]) == 4, events
+    # both chunks' counts, then both chunks' dispatch (the rows and their weights) issued before chunk 0's experts run
+    assert sum(e.endswith("async") for e in events[:first_experts]) == 6, events
     backward = events[forward:]
     hidden = [
         e for i, e in enumerate(backward) if e.endswith("async")

@@ -10,13 +10,15 @@ Contract:
   pairs as this one, spread evenly over the experts, whatever their values (``ExpertLayout.assume_balanced``: the
   planner's step on fake tensors): the counts exchanged, every size and every tensor allocated as a real balanced
   step's.
-* :class:`Exchange` (``Exchange.apply(rows, send_rows, recv_rows, layout, codec, direction, mesh=None, hop=None)``):
+* :class:`Exchange` (``Exchange.apply(rows, send_rows, recv_rows, layout, codec, direction, mesh=None, hop=None,
+  rows_counted=True)``):
   ``send_rows[j]`` rows to rank ``j`` of ``mesh`` (the ``ep`` group by default; the hierarchical dispatch's hops) by
   ``all_to_all_single`` with uneven splits, forward ``codec``-encoded (each
   destination's rows one block-scaled piece; ``None``: the rows' own bytes, exactly: ``fp8`` e4m3 / ``int8`` codes with
   a float32 scale per 128 values, ``bf16`` a cast), backward the gradients' own bytes. ``direction`` ``"dispatch"`` or
   ``"combine"``: what left this rank is added to ``stats.<direction>_bytes`` / ``_rows``, and by link to
-  ``stats.link_bytes[direction]`` (``hop``: the link of every rank of ``mesh``; ``None``: each ep rank's own).
+  ``stats.link_bytes[direction]`` (``hop``: the link of every rank of ``mesh``; ``None``: each ep rank's own);
+  ``rows_counted=False``: its bytes only (what travels beside rows counted already: their routing weights).
 * :func:`all_to_all_timed`: every all-to-all of the dispatch; every rank calls it, with or without anything to send;
   its seconds go to ``layout.stats`` (a :class:`~lightning_ciuic.wire.timing.DeviceClock`: on a GPU, events on the
   stream), and on the CPU each is also a span on the process timeline's ``ep collectives`` track (the monitor's
@@ -100,19 +102,20 @@ class Exchange(torch.autograd.Function):
     """Rows to their ranks through an all-to-all (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, rows, send_rows, recv_rows, layout, codec, direction, mesh=None, hop=None):  # type: ignore[override]
+    def forward(ctx, rows, send_rows, recv_rows, layout, codec, direction, mesh=None, hop=None, rows_counted=True):  # type: ignore[override]
         mesh = mesh or layout.ep_mesh
         ctx.send_rows, ctx.recv_rows, ctx.layout, ctx.direction, ctx.mesh = send_rows, recv_rows, layout, direction, mesh
         payload, send_bytes, recv_bytes = encode_rows(rows, send_rows, recv_rows, codec)
         received = _all_to_all_bytes(payload, send_bytes, recv_bytes, layout, direction, mesh)
-        layout.stats.count(direction, send_bytes, send_rows, mesh.get_local_rank(), layout.hop_of(mesh, hop))
+        counted = send_rows if rows_counted else [0] * len(send_rows)
+        layout.stats.count(direction, send_bytes, counted, mesh.get_local_rank(), layout.hop_of(mesh, hop))
         return decode_rows(received, recv_bytes, recv_rows, rows.shape[1], rows.dtype, codec)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         payload, send_bytes, recv_bytes = gradient_bytes(grad, ctx.recv_rows, ctx.send_rows)
         back = _all_to_all_bytes(payload, send_bytes, recv_bytes, ctx.layout, f"{ctx.direction} gradient", ctx.mesh)
-        return back.view(grad.dtype).view(-1, grad.shape[1]), None, None, None, None, None, None, None
+        return back.view(grad.dtype).view(-1, grad.shape[1]), None, None, None, None, None, None, None, None
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ def hierarchical_flow(
         exchange(hidden.index_select(0, row_token), send_rows, recv_rows, layout, layout.codec, "dispatch", inter, "inter", overlap),
         exchange(
             top_k_weights.reshape(-1, 1).index_select(0, order), send_pairs, recv_pairs, layout, None, "dispatch", inter,
-            "inter", overlap,
+            "inter", overlap, rows_counted=False,
         ),
         _exchange_codes(code, send_pairs, recv_pairs, layout, inter, overlap),
     )

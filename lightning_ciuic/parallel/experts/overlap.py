@@ -10,7 +10,7 @@ Contract:
   chunks, chunk 1's dispatch is in flight while chunk 0's experts compute, and chunk 0's combine while chunk 1's
   experts compute. Both return each flow's result. Every rank runs the same flows, so the collectives of each group
   are issued in the same order on every rank, whatever the tokens (a chunk with no token still exchanges).
-* :func:`exchange(rows, send_rows, recv_rows, layout, codec, direction, mesh, hop, overlap)`: the rows'
+* :func:`exchange(rows, send_rows, recv_rows, layout, codec, direction, mesh, hop, overlap, rows_counted=True)`: the rows'
   all-to-all of :class:`~lightning_ciuic.parallel.experts.dispatch.Exchange` (same bytes, codec, counters). Not
   ``overlap``: ``Exchange`` itself, run at once. ``overlap``: issued asynchronously (``async_op``) and waited by
   ``wait()``, two autograd nodes apart: the backward of the wait issues the gradient's reverse all-to-all
@@ -139,16 +139,17 @@ class _InFlight:
 class _Channel:
     """One exchange of rows in flight, forward and backward: what the two autograd nodes share."""
 
-    def __init__(self, send_rows, recv_rows, layout, codec, direction, mesh, hop) -> None:
+    def __init__(self, send_rows, recv_rows, layout, codec, direction, mesh, hop, rows_counted) -> None:
         self.send_rows, self.recv_rows, self.layout, self.codec = send_rows, recv_rows, layout, codec
-        self.direction, self.mesh, self.hop = direction, mesh, hop
+        self.direction, self.mesh, self.hop, self.rows_counted = direction, mesh, hop, rows_counted
 
     def send_forward(self, rows: torch.Tensor) -> None:
         self.width, self.dtype = rows.shape[1], rows.dtype
         payload, send_bytes, self.recv_bytes = encode_rows(rows, self.send_rows, self.recv_rows, self.codec)
         self.forward = _InFlight(payload, send_bytes, self.recv_bytes, self.layout, self.direction, self.mesh)
         me, links = self.mesh.get_local_rank(), self.layout.hop_of(self.mesh, self.hop)
-        self.layout.stats.count(self.direction, send_bytes, self.send_rows, me, links)
+        counted = self.send_rows if self.rows_counted else [0] * len(self.send_rows)
+        self.layout.stats.count(self.direction, send_bytes, counted, me, links)
 
     def receive_forward(self) -> torch.Tensor:
         received = self.forward.wait()
@@ -204,13 +205,13 @@ class _PendingRows:
 
 def exchange(
     rows: torch.Tensor, send_rows: list[int], recv_rows: list[int], layout: ExpertLayout, codec: Optional[Codec],
-    direction: str, mesh: Optional[DeviceMesh], hop: Optional[str], overlap: bool,
+    direction: str, mesh: Optional[DeviceMesh], hop: Optional[str], overlap: bool, rows_counted: bool = True,
 ) -> Any:
     """The rows' all-to-all, pending (see the module docstring)."""
     mesh = mesh or layout.ep_mesh
     if not overlap:
-        return Ready(Exchange.apply(rows, send_rows, recv_rows, layout, codec, direction, mesh, hop))
-    channel = _Channel(send_rows, recv_rows, layout, codec, direction, mesh, hop)
+        return Ready(Exchange.apply(rows, send_rows, recv_rows, layout, codec, direction, mesh, hop, rows_counted))
+    channel = _Channel(send_rows, recv_rows, layout, codec, direction, mesh, hop, rows_counted)
     return _PendingRows(_Issue.apply(rows, channel), channel)
 
 

@@ -76,9 +76,9 @@ def dispatched_output(experts: Any, hidden: torch.Tensor, top_k_index: torch.Ten
     order = flat.argsort(stable=True)
     source_token = order // k
     counts = torch.bincount(flat, minlength=n_experts).tolist()
-    computed = run_local_experts(experts, hidden.index_select(0, source_token), counts, 1.0)
-    weights = top_k_weights.reshape(-1).index_select(0, order).to(computed.dtype)
-    return sum_rows(computed, source_token, hidden.shape[0], weights).to(hidden.dtype)
+    weights = top_k_weights.reshape(-1).index_select(0, order).to(hidden.dtype)
+    computed = run_local_experts(experts, hidden.index_select(0, source_token), counts, 1.0, weights)
+    return sum_rows(computed, source_token, hidden.shape[0]).to(hidden.dtype)
 
 
 def check_takeover(name: str, module: nn.Module, verdicts: Optional[dict] = None) -> None:
