@@ -10,7 +10,8 @@ compression; ``expert_parallel_size`` a positive integer dividing the innermost 
 against the world by ``resolve``), ``expert_dispatch_compression`` one of ``"none"``, ``"bf16"``, ``"fp8"``,
 ``"int8"`` and only with expert parallelism, ``expert_dispatch`` ``"flat"`` or ``"hierarchical"`` (only with expert
 parallelism; the nodes from ``expert_devices_per_node``, a positive integer, ``None`` for the cluster environment's
-devices per node, which the strategy fills in), ``expert_dispatch_overlap`` only with expert parallelism; per-step compression only on a process-group backend that has the
+devices per node, which the strategy fills in), ``expert_dispatch_overlap`` and ``expert_input_storage`` (one of
+``expert_dispatch_compression``'s codecs) only with expert parallelism; per-step compression only on a process-group backend that has the
 collectives it needs (``process_group_backend`` ``None``, ``"gloo"`` or ``"nccl"``); ``weight_all_gather_compression``
 ``"none"`` or ``"int8"``; ``gradient_checkpointing`` one of the recomputation modes of
 :class:`~lightning_ciuic.parallel.recompute.Recompute` (kept as the parsed ``Recompute``). ``resolve(world_size)`` gives the :class:`~lightning_ciuic.parallel.dims.ParallelDims` (degrees against
@@ -63,7 +64,7 @@ STRATEGY_ARGS: dict[str, tuple[str, str]] = {
     **{name: ("", name) for name in (
         "pipeline_parallel_size", "data_parallel_size", "tensor_parallel_size", "data_parallel_shard_size",
         "expert_parallel_size", "expert_dispatch_compression", "expert_dispatch", "expert_devices_per_node",
-        "expert_node_limit", "expert_dispatch_overlap", "diloco", "gradient_checkpointing",
+        "expert_node_limit", "expert_dispatch_overlap", "expert_input_storage", "diloco", "gradient_checkpointing",
         "process_group_backend", "bucket_size_mb", "sync_timeout", "sequence_parallel",
     )},
     "pipeline_schedule": ("pipeline", "schedule"),
@@ -119,6 +120,7 @@ class ParallelismConfig:
     expert_devices_per_node: Optional[int] = None  # the ep ranks' nodes (None: the cluster environment's, or one node)
     expert_node_limit: Optional[int] = None  # opt-in: each token's experts on at most this many nodes (routers by groups)
     expert_dispatch_overlap: bool = False  # two chunks per micro-batch: one chunk's all-to-alls run while the other computes
+    expert_input_storage: DispatchCompression = "none"  # the experts' input rows kept for backward in this encoding
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
@@ -336,6 +338,24 @@ class ParallelismConfig:
             raise ValueError(
                 f"expert_dispatch={mode!r} sends tokens to other ranks' experts, and expert_parallel_size=1 sends none:"
                 " set expert_parallel_size > 1, or leave it 'flat'."
+            )
+        storage = self.expert_input_storage
+        if storage not in DISPATCH_COMPRESSIONS:
+            raise ValueError(
+                f"expert_input_storage={storage!r}: use one of {list(DISPATCH_COMPRESSIONS)} (how the experts keep their"
+                " input rows for backward: 'fp8', DeepSeek-V3's, e4m3 with a scale per 128 values)."
+            )
+        if storage != "none" and self.expert_parallel_size == 1:
+            raise ValueError(
+                f"expert_input_storage={storage!r} is how the expert-parallel experts keep their input rows, and"
+                " expert_parallel_size=1 leaves the model's own experts in place: set expert_parallel_size > 1, or leave it 'none'."
+            )
+        recompute = self.gradient_checkpointing
+        if storage != "none" and (recompute.mode == "selective" or (recompute.mode == "full" and recompute.every == 1)):
+            raise ValueError(
+                f"expert_input_storage={storage!r} with gradient_checkpointing={str(recompute)!r}: the blocks are"
+                " recomputed, so the experts keep no input rows to encode; drop one, or recompute named modules"
+                " ({'recompute': ['norm', 'mla_up']}) or every k-th block ('full:<k>')."
             )
         if dispatch != "none" and self.expert_parallel_size == 1:
             raise ValueError(

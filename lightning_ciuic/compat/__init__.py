@@ -115,6 +115,8 @@ from lightning_ciuic.compat.modules import (
     FUNCTIONAL_REDUCE_SCATTER,
     profiler_ops_pass_selective_checkpointing,
     view_base,
+    saved_tensors_hooks_outside,
+    is_torch_checkpoint_hook,
 )
 from lightning_ciuic.compat.tracing import (
     TorchDispatchMode,
@@ -162,6 +164,8 @@ __all__ = [
     "FUNCTIONAL_REDUCE_SCATTER",
     "profiler_ops_pass_selective_checkpointing",
     "view_base",
+    "saved_tensors_hooks_outside",
+    "is_torch_checkpoint_hook",
     "layer_sync",
     "set_launcher",
     "precision_plugin_given",

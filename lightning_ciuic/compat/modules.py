@@ -10,7 +10,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -54,6 +54,19 @@ def view_base(tensor: torch.Tensor) -> Any:
     """The tensor ``tensor`` is a view of (autograd's ``_base``, a private attribute: the root, for a view of a view),
     else ``None``."""
     return tensor._base
+
+
+def saved_tensors_hooks_outside() -> Optional[tuple]:
+    """The innermost saved-tensor hooks in force, ``(pack, unpack)``, or ``None`` (autograd's private
+    ``_top_saved_tensors_default_hooks``): what a context of hooks inside passes the tensors it leaves alone to."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def is_torch_checkpoint_hook(hooks: Optional[tuple]) -> bool:
+    """Whether ``hooks`` (:func:`saved_tensors_hooks_outside`) are torch's activation checkpointing's (plain or
+    selective), whose saved tensors are dropped and recomputed: their pack functions are defined in
+    ``torch.utils.checkpoint``."""
+    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
 
 def has_grouped_mm() -> bool:

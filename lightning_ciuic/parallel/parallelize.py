@@ -105,6 +105,9 @@ class ParallelizeOptions(Protocol):
     def expert_dispatch_overlap(self) -> bool: ...  # two chunks per micro-batch, one's all-to-alls while the other computes
 
     @property
+    def expert_input_storage(self) -> DispatchCompression: ...  # the experts' input rows kept for backward so encoded
+
+    @property
     def diloco(self) -> Optional[Any]: ...  # whole replicas that train apart: no user FSDP2 units
 
 
@@ -153,7 +156,7 @@ def parallelize(
             )
         result.experts = shard_experts(
             module, meshes, options.expert_dispatch_compression, options.expert_dispatch, options.expert_devices_per_node,
-            options.expert_node_limit, options.expert_dispatch_overlap,
+            options.expert_node_limit, options.expert_dispatch_overlap, options.expert_input_storage,
         )
     if options.gradient_checkpointing:
         checkpoint_blocks(module, options.gradient_checkpointing)

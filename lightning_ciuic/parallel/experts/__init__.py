@@ -19,6 +19,7 @@ One module per job, each with its contract:
 * :mod:`.gemm`: the local experts run by grouped GEMM or a loop (:func:`run_local_experts`).
 * :mod:`.grad_scale`: the experts' gradient scale (``1/ep_data_ranks``).
 * :mod:`.rows`: rows summed and permuted by index, autograd keeping only what their backward reads.
+* :mod:`.storage`: the experts' input rows kept for backward in a codec's encoding (:class:`kept_encoded`).
 * :mod:`.counts`: :class:`RoutedTokens`, the tokens routed to each expert.
 
 The names below are the public ones, importable from here.

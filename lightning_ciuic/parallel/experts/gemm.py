@@ -29,27 +29,34 @@ from torch import nn
 
 from lightning_ciuic import compat
 from lightning_ciuic.parallel.experts.grad_scale import ScaleGradient
+from lightning_ciuic.parallel.experts.storage import kept_encoded
 from lightning_ciuic.tensors import local_tensor
+from lightning_ciuic.wire.codecs import Codec
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def run_local_experts(
     experts: Any, rows: torch.Tensor, counts: Sequence[int], grad_scale: float, row_weights: Optional[torch.Tensor] = None,
+    input_codec: Optional[Codec] = None,
 ) -> torch.Tensor:
     """This rank's experts on ``rows`` sorted by local expert (``counts[e]`` rows each): SwiGLU per expert, each row's
     intermediate times its ``row_weights`` entry. ``experts``: anything with ``gate_up_proj``, ``down_proj`` (tensors
-    or DTensors: their local part) and ``act_fn``."""
+    or DTensors: their local part) and ``act_fn``. ``input_codec``: ``rows`` kept for backward in that encoding
+    (:mod:`~lightning_ciuic.parallel.experts.storage`)."""
     gate_up = ScaleGradient.apply(local_tensor(experts.gate_up_proj), grad_scale)
     down = ScaleGradient.apply(local_tensor(experts.down_proj), grad_scale)
     if _grouped_mm_fits(rows, gate_up, down):
         offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows.device)
-        hidden = compat.grouped_mm(rows, gate_up.transpose(-2, -1), offsets)
+        with kept_encoded(rows, input_codec):
+            hidden = compat.grouped_mm(rows, gate_up.transpose(-2, -1), offsets)
         return compat.grouped_mm(gated(hidden, experts.act_fn, row_weights).contiguous(), down.transpose(-2, -1), offsets)
+    with kept_encoded(rows, input_codec):
+        hidden = [nn.functional.linear(chunk, gate_up[e]) for e, chunk in enumerate(rows.split(list(counts)))]
     outputs = []
     weights = row_weights.split(list(counts)) if row_weights is not None else [None] * len(counts)
-    for e, (chunk, weight) in enumerate(zip(rows.split(list(counts)), weights)):
-        outputs.append(nn.functional.linear(gated(nn.functional.linear(chunk, gate_up[e]), experts.act_fn, weight), down[e]))
+    for e, (projected, weight) in enumerate(zip(hidden, weights)):
+        outputs.append(nn.functional.linear(gated(projected, experts.act_fn, weight), down[e]))
     return torch.cat(outputs) if outputs else rows.new_empty((0, down.shape[1]))
 
 

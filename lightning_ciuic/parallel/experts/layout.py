@@ -51,11 +51,12 @@ DISPATCH_MODES = ("flat", "hierarchical")
 DISPATCH_BLOCK = 128  # values per scale of the fp8/int8 dispatch (DeepSeek-V3's 1x128 activation tiles)
 
 
-def dispatch_codec(name: str) -> Optional[Codec]:
-    """The codec the dispatched rows cross the all-to-all with (``None``: their own dtype, exactly)."""
+def dispatch_codec(name: str, option: str = "expert_dispatch_compression") -> Optional[Codec]:
+    """The codec the dispatched rows cross the all-to-all with (``None``: their own dtype, exactly); ``option``: the
+    argument that named it, for the error."""
     codecs = {"none": None, "bf16": HalfPrecision(torch.bfloat16), "fp8": BlockFP8(DISPATCH_BLOCK), "int8": BlockInt8(DISPATCH_BLOCK)}
     if name not in codecs:
-        raise ValueError(f"expert_dispatch_compression={name!r}: use one of {list(DISPATCH_COMPRESSIONS)}.")
+        raise ValueError(f"{option}={name!r}: use one of {list(DISPATCH_COMPRESSIONS)}.")
     return codecs[name]
 
 
@@ -132,8 +133,10 @@ class ExpertLayout:
     devices_per_node: Optional[int] = None  # None: the ep group on one node
     node_limit: Optional[int] = None  # the most nodes a token's router lets it reach (grouped routers; None: any)
     overlap: bool = False  # two chunks per call, one's all-to-alls in flight while the other computes (overlap.py)
+    input_storage: DispatchCompression = "none"  # the experts' input rows kept for backward so encoded (storage.py)
     stats: DispatchStats = field(default_factory=DispatchStats)
     codec: Optional[Codec] = field(init=False)
+    input_codec: Optional[Codec] = field(init=False)
     grad_scale: float = field(init=False)
     tp_mesh: Optional[DeviceMesh] = field(init=False)
     clock: DeviceClock = field(init=False)
@@ -144,6 +147,7 @@ class ExpertLayout:
     def __post_init__(self) -> None:
         self.clock = DeviceClock(torch.device(self.meshes.world.device_type))
         self.codec = dispatch_codec(self.dispatch)
+        self.input_codec = dispatch_codec(self.input_storage, "expert_input_storage")
         self.grad_scale = expert_grad_scale(self.dims)
         self.tp_mesh = self.meshes.mesh(Axis.TP) if self.dims.ep_over_tp else None  # peers that split their tokens
         if self.mode not in DISPATCH_MODES:

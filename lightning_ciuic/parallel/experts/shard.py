@@ -1,6 +1,6 @@
 """Experts sharded over ``ep``: the one entry point of expert parallelism.
 
-Contract: :func:`shard_experts(module, meshes, dispatch, mode, devices_per_node, node_limit, overlap)`: every packed-experts module's two parameters become
+Contract: :func:`shard_experts(module, meshes, dispatch, mode, devices_per_node, node_limit, overlap, input_storage)`: every packed-experts module's two parameters become
 DTensors ``Shard(0)`` over ``ep`` (global shapes: DCP checkpoints and Hugging Face loading keep working), rank ``j``
 holding experts ``[j E/ep, (j+1) E/ep)``, and its forward becomes
 :func:`~lightning_ciuic.parallel.experts.forward.expert_parallel_forward`. First, before any module is changed, each
@@ -14,7 +14,8 @@ dispatch refused where the ep group sits on one node or its nodes do not align);
 its tokens to some expert groups and the nodes do not hold whole groups, it is said once (a warning on global rank 0:
 what was given, how many nodes a token may reach, what works); ``node_limit`` (opt-in, a model without groups):
 its routers limited to that many nodes (:func:`~lightning_ciuic.parallel.experts.nodes.limit_nodes`); ``overlap``:
-each call's tokens in two chunks, one's all-to-alls in flight while the other computes (the layout's ``overlap``). The caller makes the data-parallel replicas equal first: each rank keeps its experts' rows of its
+each call's tokens in two chunks, one's all-to-alls in flight while the other computes (the layout's ``overlap``);
+``input_storage``: the experts' input rows kept for backward in that codec's encoding (the layout's). The caller makes the data-parallel replicas equal first: each rank keeps its experts' rows of its
 own copy, without communication.
 
 No Lightning imports.
@@ -43,6 +44,7 @@ from lightning_ciuic.parallel.experts.takeover import FORM, check_takeover
 def shard_experts(
     module: nn.Module, meshes: Meshes, dispatch: DispatchCompression = "none", mode: DispatchMode = "flat",
     devices_per_node: Optional[int] = None, node_limit: Optional[int] = None, overlap: bool = False,
+    input_storage: DispatchCompression = "none",
 ) -> Optional[ExpertLayout]:
     """Shard every packed-experts module of ``module`` over ``ep`` (see the module docstring). The caller makes the
     data-parallel replicas equal first: each rank keeps its experts' rows of its own copy."""
@@ -62,7 +64,7 @@ def shard_experts(
     for name, experts in found:  # every module checked before any is changed
         _check_divisible(name, experts, dims.ep)
         check_takeover(name, experts, verdicts)
-    layout = ExpertLayout(meshes, dict(found), dispatch, mode, devices_per_node, overlap=overlap)
+    layout = ExpertLayout(meshes, dict(found), dispatch, mode, devices_per_node, overlap=overlap, input_storage=input_storage)
     n_experts = found[0][1].gate_up_proj.shape[0]
     if node_limit is not None:  # opt-in: the routers' maths changes, one group per node
         limit_nodes(module, [name for name, _ in found], layout.nodes, node_limit)
