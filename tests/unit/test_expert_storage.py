@@ -1,7 +1,7 @@
-"""The experts' input rows kept for backward in fp8 (DeepSeek-V3's low-precision storage): the forward and the rows'
-gradient unchanged, the projection's weight gradient within fp8's rounding, about half of bf16's bytes kept, every other
-saved tensor still handed to the hooks outside (a recomputation's), and nothing encoded under torch's checkpointing,
-which keeps nothing to encode."""
+"""The experts' inputs (their rows, their SwiGLU's input) kept for backward in fp8 (DeepSeek-V3's low-precision
+storage): the forward and the down-projection's gradient unchanged, the gradients that read those inputs within fp8's
+rounding, about half of bf16's bytes kept, every other saved tensor still handed to the hooks outside (a
+recomputation's), and nothing encoded under torch's checkpointing, which keeps nothing to encode."""
 
 import pytest
 import torch
@@ -43,18 +43,19 @@ def _step(experts, rows, counts, codec, wrap=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_fp8_storage_changes_only_the_gate_up_weight_gradient_within_its_rounding(dtype):
+def test_fp8_storage_changes_only_the_gradients_that_read_the_inputs_within_their_rounding(dtype):
     experts = _Experts(dtype=dtype)
     rows = torch.randn(40, 256, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
     counts = [15, 0, 25]
     exact, exact_grads, exact_kept = _step(experts, rows, counts, None)
     out, grads, kept = _step(experts, rows, counts, FP8)
-    assert torch.equal(out, exact) and torch.equal(grads[0], exact_grads[0]) and torch.equal(grads[2], exact_grads[2])
-    error = (grads[1] - exact_grads[1]).abs().max() / exact_grads[1].abs().max()
-    assert 0 < error < 2**-4, float(error)  # e4m3: 3 mantissa bits
-    # the rows no longer reach the hooks outside; everything else autograd keeps still does
-    rows_bytes = rows.numel() * rows.element_size()
-    assert sorted(exact_kept) == sorted(kept + [rows_bytes] * (len(exact_kept) - len(kept))), (exact_kept, kept)
+    assert torch.equal(out, exact) and torch.equal(grads[2], exact_grads[2])  # the down-projection's input is kept as is
+    for name, grad, expected in zip(("rows", "gate_up_proj"), grads, exact_grads):
+        error = (grad - expected).abs().max() / expected.abs().max()
+        assert 0 < error < 2**-3, (name, float(error))  # e4m3 has 3 mantissa bits: a few of its steps
+    # the rows and the gate/up product no longer reach the hooks outside; everything else autograd keeps still does
+    assert sum(kept) <= sum(exact_kept) - rows.numel() * rows.element_size() * (1 + 128 / 256), (exact_kept, kept)
+    assert experts.down_proj.untyped_storage().nbytes() in kept and experts.gate_up_proj.untyped_storage().nbytes() in kept
 
 
 def test_fp8_storage_keeps_about_half_of_bf16s_bytes():

@@ -42,21 +42,26 @@ def run_local_experts(
 ) -> torch.Tensor:
     """This rank's experts on ``rows`` sorted by local expert (``counts[e]`` rows each): SwiGLU per expert, each row's
     intermediate times its ``row_weights`` entry. ``experts``: anything with ``gate_up_proj``, ``down_proj`` (tensors
-    or DTensors: their local part) and ``act_fn``. ``input_codec``: ``rows`` kept for backward in that encoding
-    (:mod:`~lightning_ciuic.parallel.experts.storage`)."""
+    or DTensors: their local part) and ``act_fn``. ``input_codec``: ``rows`` and the SwiGLU's input (the gate/up
+    product) kept for backward in that encoding (:mod:`~lightning_ciuic.parallel.experts.storage`), as DeepSeek-V3
+    keeps both in fp8."""
     gate_up = ScaleGradient.apply(local_tensor(experts.gate_up_proj), grad_scale)
     down = ScaleGradient.apply(local_tensor(experts.down_proj), grad_scale)
     if _grouped_mm_fits(rows, gate_up, down):
         offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows.device)
         with kept_encoded(rows, input_codec):
             hidden = compat.grouped_mm(rows, gate_up.transpose(-2, -1), offsets)
-        return compat.grouped_mm(gated(hidden, experts.act_fn, row_weights).contiguous(), down.transpose(-2, -1), offsets)
+        with kept_encoded(hidden, input_codec):
+            intermediate = gated(hidden, experts.act_fn, row_weights)
+        return compat.grouped_mm(intermediate.contiguous(), down.transpose(-2, -1), offsets)
     with kept_encoded(rows, input_codec):
         hidden = [nn.functional.linear(chunk, gate_up[e]) for e, chunk in enumerate(rows.split(list(counts)))]
     outputs = []
     weights = row_weights.split(list(counts)) if row_weights is not None else [None] * len(counts)
     for e, (projected, weight) in enumerate(zip(hidden, weights)):
-        outputs.append(nn.functional.linear(gated(projected, experts.act_fn, weight), down[e]))
+        with kept_encoded(projected, input_codec):
+            intermediate = gated(projected, experts.act_fn, weight)
+        outputs.append(nn.functional.linear(intermediate, down[e]))
     return torch.cat(outputs) if outputs else rows.new_empty((0, down.shape[1]))
 
 

@@ -1,15 +1,15 @@
-"""The experts' input rows kept for backward in a codec's encoding: DeepSeek-V3's low-precision activation storage.
+"""The experts' inputs kept for backward in a codec's encoding: DeepSeek-V3's low-precision activation storage.
 
-Contract: inside ``kept_encoded(rows, codec)``, a tensor autograd saves that is ``rows`` or a view of it (what the
-experts' gate/up projection keeps for its weight gradient) is kept as ``codec``'s encoding of ``rows`` (``fp8``: e4m3
-codes and a float32 scale per 128 values, 0.52x the bytes of bf16; :func:`~lightning_ciuic.parallel.experts.layout.
-dispatch_codec`'s codecs), encoded once, at its first save, and decoded, to the same dtype and strides, when backward
-reads it, both in pieces of at most :data:`PIECE` values (the float32 copy a codec makes is of one piece). The
-projection's weight gradient then reads the decoded rows, within the codec's rounding; the rows' own gradient does not
-read them. Every other saved tensor goes to the saved-tensor hooks outside, as it would without this context (a
-recomputation's, :mod:`~lightning_ciuic.parallel.recompute`). Nothing changes with ``codec=None``, without gradients,
-or where torch's checkpointing hooks are the innermost (a block recomputed whole keeps nothing of its experts to
-encode; selective checkpointing decides what it keeps itself).
+Contract: inside ``kept_encoded(rows, codec)``, a tensor autograd saves that is ``rows`` or a view of it is kept as
+``codec``'s encoding of ``rows`` (``fp8``: e4m3 codes and a float32 scale per 128 values, 0.52x the bytes of bf16;
+:func:`~lightning_ciuic.parallel.experts.layout.dispatch_codec`'s codecs), encoded once, at its first save, and decoded,
+to the same dtype and strides, when backward reads it, both in pieces of at most :data:`PIECE` values (the float32
+copy a codec makes is of one piece). The experts use it for what their gate/up projection keeps of its input and what
+their SwiGLU keeps of its input (:mod:`~lightning_ciuic.parallel.experts.gemm`): the gradients that read those read
+the decoded values, within the codec's rounding. Every other saved tensor goes to the saved-tensor hooks outside, as
+it would without this context (a recomputation's, :mod:`~lightning_ciuic.parallel.recompute`). Nothing changes with
+``codec=None``, without gradients, or where torch's checkpointing hooks are the innermost (a block recomputed whole
+keeps nothing of its experts to encode; selective checkpointing decides what it keeps itself).
 
 No Lightning imports.
 """
