@@ -303,6 +303,11 @@ RECOMPUTE_STEP_LAYOUTS = {
         pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2,
         gradient_checkpointing={"recompute": ["norm", "mla_up"]},
     )),
+    # and the experts' inputs kept in fp8 (DeepSeek-V3's low-precision storage): the encodings the plan holds
+    "deepseek-recipe-fp8-storage-pp2-dp2-ep2": ("deepseek-mini", dict(
+        pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2,
+        gradient_checkpointing={"recompute": ["norm", "mla_up"]}, expert_input_storage="fp8",
+    )),
 }
 # Each ZeRO stage (pp2-fsdp2 above runs the pipelines' default, 2): weights gathered once per step (zero_stage 1, 2).
 ZERO_STEP_LAYOUTS = {
