@@ -324,41 +324,31 @@ class ParallelismConfig:
             check_int("expert_devices_per_node", per_node)
         if self.expert_node_limit is not None:
             check_int("expert_node_limit", self.expert_node_limit)
-            if self.expert_parallel_size == 1:
-                raise ValueError(
-                    f"expert_node_limit={self.expert_node_limit} limits the nodes a token's experts sit on, and"
-                    " expert_parallel_size=1 keeps every expert on every rank: set expert_parallel_size > 1, or leave it unset."
-                )
-        if self.expert_dispatch_overlap and self.expert_parallel_size == 1:
-            raise ValueError(
-                "expert_dispatch_overlap=True runs one chunk's expert all-to-alls while the other chunk computes, and"
-                " expert_parallel_size=1 has no all-to-all to hide: set expert_parallel_size > 1, or leave it False."
-            )
-        if mode != "flat" and self.expert_parallel_size == 1:
-            raise ValueError(
-                f"expert_dispatch={mode!r} sends tokens to other ranks' experts, and expert_parallel_size=1 sends none:"
-                " set expert_parallel_size > 1, or leave it 'flat'."
-            )
         storage = self.expert_input_storage
         if storage not in DISPATCH_COMPRESSIONS:
             raise ValueError(
                 f"expert_input_storage={storage!r}: use one of {list(DISPATCH_COMPRESSIONS)} (how the experts keep their"
                 " input rows for backward: 'fp8', DeepSeek-V3's, e4m3 with a scale per 128 values)."
             )
-        if storage != "none" and self.expert_parallel_size == 1:
-            raise ValueError(
-                f"expert_input_storage={storage!r} is how the expert-parallel experts keep their input rows, and"
-                " expert_parallel_size=1 leaves the model's own experts in place: set expert_parallel_size > 1, or leave it 'none'."
-            )
+        if self.expert_parallel_size == 1:  # options of the expert-parallel dispatch, which then does not run
+            for given, what, unset in (
+                (self.expert_node_limit is not None, f"expert_node_limit={self.expert_node_limit} limits the nodes a"
+                 " token's experts sit on, and expert_parallel_size=1 keeps every expert on every rank", "unset"),
+                (self.expert_dispatch_overlap, "expert_dispatch_overlap=True runs one chunk's expert all-to-alls while"
+                 " the other chunk computes, and expert_parallel_size=1 has no all-to-all to hide", "False"),
+                (mode != "flat", f"expert_dispatch={mode!r} sends tokens to other ranks' experts, and"
+                 " expert_parallel_size=1 sends none", "'flat'"),
+                (storage != "none", f"expert_input_storage={storage!r} is how the expert-parallel experts keep their"
+                 " input rows, and expert_parallel_size=1 leaves the model's own experts in place", "'none'"),
+                (dispatch != "none", f"expert_dispatch_compression={dispatch!r} compresses the tokens sent to other"
+                 " ranks' experts, and expert_parallel_size=1 sends none", "'none'"),
+            ):
+                if given:
+                    raise ValueError(f"{what}: set expert_parallel_size > 1, or leave it {unset}.")
         recompute = self.gradient_checkpointing
         if storage != "none" and (recompute.mode == "selective" or (recompute.mode == "full" and recompute.every == 1)):
             raise ValueError(
                 f"expert_input_storage={storage!r} with gradient_checkpointing={str(recompute)!r}: the blocks are"
                 " recomputed, so the experts keep no input rows to encode; drop one, or recompute named modules"
                 " ({'recompute': ['norm', 'mla_up']}) or every k-th block ('full:<k>')."
-            )
-        if dispatch != "none" and self.expert_parallel_size == 1:
-            raise ValueError(
-                f"expert_dispatch_compression={dispatch!r} compresses the tokens sent to other ranks' experts, and"
-                " expert_parallel_size=1 sends none: set expert_parallel_size > 1, or leave it 'none'."
             )
