@@ -132,9 +132,11 @@ def _recompute_modules(blocks: Sequence[nn.Module], block_names: Sequence[str], 
         if named("", block):
             whole.append(block)
             continue
-        ups = {n: m for n, m in block.named_modules() if n and "mla_up" in entries and module_matches(n, m, "mla_up")}
-        parents = {n.rpartition(".")[0]: [m for u, m in ups.items() if u.rpartition(".")[0] == n.rpartition(".")[0]] for n in ups}
-        attentions += [(block.get_submodule(p) if p else block, up) for p, up in parents.items()]
+        parents: dict[str, list[nn.Module]] = defaultdict(list)  # an attention -> its up-projections
+        for n, m in block.named_modules():
+            if n and "mla_up" in entries and module_matches(n, m, "mla_up"):
+                parents[n.rpartition(".")[0]].append(m)
+        attentions += [(block.get_submodule(p), ups) for p, ups in parents.items()]
         held = [block.get_submodule(p) for p in parents if p]  # their modules recomputed inside the attention's
         inside = [m for n, m in block.named_modules() if n and named(n, m) and not any(_contains(a, m) for a in held)]
         if inside and not isinstance(block.__dict__.get("forward"), _OutputsDropped):  # else applied already
