@@ -28,7 +28,7 @@ PIECE = 1 << 24  # values encoded at once (a multiple of the fp8/int8 block, 128
 
 
 class _Encoded:
-    """``rows`` as ``codec`` encodes them, and the geometry of the view of them that was saved."""
+    """``rows`` as ``codec`` encodes them, in pieces of at most :data:`PIECE` values; :class:`_View` the saved view."""
 
     def __init__(self, pieces: list[torch.Tensor], codec: Codec, rows: torch.Tensor) -> None:
         self.pieces, self.codec, self.shape, self.dtype, self.device = pieces, codec, rows.shape, rows.dtype, rows.device
