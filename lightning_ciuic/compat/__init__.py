@@ -116,6 +116,7 @@ from lightning_ciuic.compat.modules import (
     profiler_ops_pass_selective_checkpointing,
     view_base,
     saved_tensors_hooks_outside,
+    selective_checkpoint_contexts,
     is_torch_checkpoint_hook,
 )
 from lightning_ciuic.compat.tracing import (
@@ -165,6 +166,7 @@ __all__ = [
     "profiler_ops_pass_selective_checkpointing",
     "view_base",
     "saved_tensors_hooks_outside",
+    "selective_checkpoint_contexts",
     "is_torch_checkpoint_hook",
     "layer_sync",
     "set_launcher",

@@ -1,13 +1,14 @@
 """Private parts of autograd, ``nn.Module``, torch's ops and transformers' models the pack touches (see
 :mod:`lightning_ciuic.compat`): the current graph task, forward-hook tables, ``torch._grouped_mm``, transformers'
 experts implementation and its models' tensor- and pipeline-parallel plans; the attention kernels' aten ops
-(``ATTENTION_OPS``), the profiler ops passed through selective checkpointing, a view's base (``view_base``)."""
+(``ATTENTION_OPS``), the profiler ops passed through selective checkpointing, selective checkpointing's storage kept for
+a second backward (``selective_checkpoint_contexts``), a view's base (``view_base``)."""
 
 from __future__ import annotations
 
 import functools
 import sys
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -48,6 +49,28 @@ def profiler_ops_pass_selective_checkpointing() -> None:
         packet = getattr(torch.ops.profiler, name, None)
         if packet is not None:
             SAC_IGNORED_OPS.update(getattr(packet, overload) for overload in packet.overloads())
+
+
+def selective_checkpoint_contexts(policy: Any) -> tuple[Any, Any]:
+    """torch's ``create_selective_checkpoint_contexts(policy)``, whose kept outputs stay for every backward through the
+    region (until autograd frees its graph) instead of one: a zero-bubble schedule (``zbv_zero_bubble``,
+    ``dualpipev``, ...) runs backward through a region twice, the inputs' gradients then the weights', and torch marks
+    an entry consumed in the first ("Trying to backward an extra time"). The contexts' shared ``storage`` (private) is
+    replaced by one whose entries keep their first value."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    caching, cached = create_selective_checkpoint_contexts(policy)
+    caching.storage = cached.storage = defaultdict(_FirstValueKept)
+    return caching, cached
+
+
+class _FirstValueKept(dict):
+    """A selective-checkpointing storage's entries of one op: written once in forward, never overwritten (the
+    recompute's "consumed" mark is dropped)."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key not in self:
+            super().__setitem__(key, value)
 
 
 def view_base(tensor: torch.Tensor) -> Any:

@@ -25,7 +25,8 @@ Contract: :meth:`Recompute.parse` takes what a user writes (Python or YAML) and 
 
 :func:`recompute_blocks` applies a mode to blocks in place (parameter names unchanged, applying twice is a no-op):
 each chosen block's forward runs under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, with torch's
-``create_selective_checkpoint_contexts`` and the mode's policy for the op-level modes. Private aten op names come
+selective-checkpointing contexts and the mode's policy for the op-level modes, their kept outputs held for every
+backward through the block (``compat.selective_checkpoint_contexts``: the zero-bubble schedules run two). Private aten op names come
 from :mod:`lightning_ciuic.compat`. No Lightning imports.
 """
 
@@ -40,7 +41,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from lightning_ciuic import compat
 from lightning_ciuic.compat import ATTENTION_OPS
@@ -255,7 +256,7 @@ def _selective_context() -> Any:
             return CheckpointPolicy.MUST_SAVE if counts[ctx.is_recompute] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    return compat.selective_checkpoint_contexts(policy)
 
 
 def _attention_inputs_recomputed(ups: Sequence[nn.Module]) -> Callable[[], Any]:
@@ -285,7 +286,7 @@ def _attention_inputs_recomputed(ups: Sequence[nn.Module]) -> Callable[[], Any]:
                 return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
 
-        return create_selective_checkpoint_contexts(policy)
+        return compat.selective_checkpoint_contexts(policy)
 
     return context
 

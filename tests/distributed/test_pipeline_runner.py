@@ -15,7 +15,7 @@ from lightning_ciuic.parallel.pipeline import (
     resolve_stages_per_rank,
     stage_ids_of_rank,
 )
-from lightning_ciuic.parallel.recompute import checkpoint_activations
+from lightning_ciuic.parallel.recompute import Recompute, recompute_blocks
 from tests.helpers import run_workers
 
 BLOCKS = [f"layers.{i}" for i in range(8)]
@@ -45,13 +45,13 @@ def _reference(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, dict
 
 
 SCHEDULES = [
-    ("gpipe", False),
-    ("1f1b", True),  # with activation checkpointing
-    ("interleaved_1f1b", False),
-    ("looped_bfs", False),
-    ("interleaved_zero_bubble", False),
-    ("zbv_zero_bubble", False),
-    ("dualpipev", False),
+    ("gpipe", "none"),
+    ("1f1b", "full"),  # with activation checkpointing
+    ("interleaved_1f1b", "none"),
+    ("looped_bfs", "none"),
+    ("interleaved_zero_bubble", "full"),
+    ("zbv_zero_bubble", "selective"),  # split backward: two passes through each recomputed region
+    ("dualpipev", "selective"),
 ]
 
 
@@ -66,8 +66,7 @@ def _check_every_schedule(rank: int, world: int) -> None:
         num_stages = world * per_rank
         my_stages = stage_ids_of_rank(rank, world, per_rank, schedule)
         stages = partition(model, BLOCKS, balanced_split([1] * 8, num_stages), my_stages)
-        if checkpointing:
-            checkpoint_activations([block for stage in stages for block in stage.blocks])
+        recompute_blocks([block for stage in stages for block in stage.blocks], Recompute.parse(checkpointing))
         runner = PipelineRunner(stages, my_stages, num_stages, schedule, 4, _loss, dist.group.WORLD, torch.device("cpu"))
         for accumulation in (1, 2):  # the second run accumulates on top of the first: grads add up like plain backward
             loss = runner.run(inputs, targets, train=True, loss_divisor=2.0 if accumulation == 2 else 1.0)

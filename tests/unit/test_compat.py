@@ -242,6 +242,33 @@ def test_grouped_mm_multiplies_each_row_group_by_its_own_weights():
     torch.testing.assert_close(out, torch.cat([rows[:2] @ weights[0], rows[2:] @ weights[1]]))
 
 
+@pytest.mark.parametrize("contexts", ["torch", "kept"])
+def test_selective_checkpointing_keeps_its_outputs_for_a_second_backward(contexts):
+    """The zero-bubble schedules' split backward: the inputs' gradient (graph retained), then the weights'. torch's
+    contexts refuse the second pass; the kept storage gives the gradients of one plain backward, bit for bit."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    torch.manual_seed(0)
+    weight, x = torch.randn(8, 8, dtype=torch.float64, requires_grad=True), torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+
+    def policy(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if func == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def block(inputs):
+        return torch.tanh(inputs @ weight).sin() @ weight
+
+    make = create_selective_checkpoint_contexts if contexts == "torch" else compat.selective_checkpoint_contexts
+    out = checkpoint(block, x, use_reentrant=False, context_fn=lambda: make(policy)).square().sum()
+    (grad_x,) = torch.autograd.grad(out, x, retain_graph=True)
+    if contexts == "torch":
+        with pytest.raises(RuntimeError, match="backward an extra time"):
+            torch.autograd.grad(out, weight)
+        return
+    (grad_w,) = torch.autograd.grad(out, weight)
+    expected_x, expected_w = torch.autograd.grad(block(x).square().sum(), (x, weight))
+    assert torch.equal(grad_x, expected_x) and torch.equal(grad_w, expected_w)
+
+
 def test_the_touch_points_issue_46_moved_here_still_answer():
     from lightning.pytorch import LightningModule
     from torch.distributed.device_mesh import init_device_mesh
