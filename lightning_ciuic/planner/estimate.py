@@ -18,12 +18,15 @@ the global ranks of each axis's group) and a :class:`Hardware`, and returns a :c
   prefetching and bucketed all-reduces aim for) and ``compute + communication`` (none hidden), each over
   ``1 - bubble`` for a pipeline rank (``bubble``: the fraction of the step the schedule leaves it idle);
 * between them, the modelled step, ``max(compute + exposed, communication) / (1 - bubble)``: the expert all-to-alls
-  (the axes of :data:`EXPERT_AXES`) sit on the compute's path, since a mixture-of-experts layer waits for its tokens,
+  (every axis's all-to-all bytes: the dispatch's, whichever axis its group is, ``ep``, ``ep_node``, ``ep_local``, or
+  ``dp`` where ep spans the data-parallel ranks) sit on the compute's path, since a mixture-of-experts layer waits for its tokens,
   and the other axes' collectives run beside the compute as their engines schedule them (hidden up to the links'
-  own time). ``exposed`` is the expert all-to-alls' seconds, all of them without ``expert_overlap``; with it (two
-  chunks per micro-batch, one chunk's all-to-alls running while the other computes: ``expert_dispatch_overlap``)
-  what is left of them after the mixture-of-experts layers' compute (``moe_flops``: the FLOPs of the layers holding
-  experts, at the same efficiency), which hides them up to its length;
+  own time). ``exposed`` is the expert all-to-alls' seconds ``E``, all of them without ``expert_overlap``; with it
+  (``expert_dispatch_overlap``: :data:`~lightning_ciuic.parallel.experts.overlap.CHUNKS` chunks per micro-batch, one
+  chunk's all-to-alls in flight while another's experts compute) ``E - min(E (1 - 1/CHUNKS), C)``: the first chunk's
+  dispatch and the last chunk's combine of each layer have nothing to hide behind (half of ``E`` with two chunks),
+  the others hide behind the other chunks' experts' compute ``C`` (``experts_flops``: the FLOPs run inside the packed
+  experts' modules, at the same efficiency) up to its length;
 * MFU for both: model FLOPs over the step's time times ``peak_flops``, model FLOPs being three times the forward's
   (backward costs two forwards; recomputation is not counted, the convention of PaLM's appendix B).
 
@@ -40,9 +43,8 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from lightning_ciuic.parallel.experts.overlap import CHUNKS
 from lightning_ciuic.planner.efficiency import KERNEL_EFFICIENCY
-
-EXPERT_AXES = ("ep", "ep_node", "ep_local")  # the expert dispatch's all-to-alls: flat, and hierarchical's two hops
 
 _SI = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15, "e": 1e18}
 _BINARY = {"": 1.0, "k": 2.0**10, "m": 2.0**20, "g": 2.0**30, "t": 2.0**40, "p": 2.0**50}
@@ -138,10 +140,11 @@ class StepEstimate:
     axis_seconds: Mapping[str, float]
     axis_link_bytes: Mapping[str, Mapping[str, int]]  # axis -> {"intra": bytes, "inter": bytes}
     peak_flops: float
+    expert_seconds: float = 0.0  # of the axes' seconds, their all-to-alls' (the expert dispatch's)
     bubble: float = 0.0  # the fraction of the step a pipeline schedule leaves the rank idle
     efficiency: float = 1.0  # the fraction of the peak the kernels reach (compute_seconds has it)
-    moe_compute_seconds: float = 0.0  # of compute_seconds, the mixture-of-experts layers'
-    expert_overlap: bool = False  # two chunks per micro-batch: the expert all-to-alls hide behind the other's compute
+    experts_compute_seconds: float = 0.0  # of compute_seconds, the packed experts'
+    expert_overlap: bool = False  # CHUNKS chunks per micro-batch: an all-to-all hides behind another chunk's experts
 
     @property
     def axis_links(self) -> dict[str, str]:
@@ -164,17 +167,12 @@ class StepEstimate:
         return (self.compute_seconds + self.communication_seconds) / (1 - self.bubble)
 
     @property
-    def expert_seconds(self) -> float:
-        """The expert all-to-alls' seconds (the axes of :data:`EXPERT_AXES`)."""
-        return sum(seconds for axis, seconds in self.axis_seconds.items() if axis in EXPERT_AXES)
-
-    @property
     def exposed_expert_seconds(self) -> float:
-        """What of the expert all-to-alls the compute waits for: all without ``expert_overlap``, else what the
-        mixture-of-experts layers' compute of the other chunk does not hide."""
+        """What of the expert all-to-alls the compute waits for: all without ``expert_overlap``, else the first
+        chunk's dispatch and the last chunk's combine, and what the other chunks' experts' compute does not hide."""
         if not self.expert_overlap:
             return self.expert_seconds
-        return max(0.0, self.expert_seconds - self.moe_compute_seconds)
+        return self.expert_seconds - min(self.expert_seconds * (1 - 1 / CHUNKS), self.experts_compute_seconds)
 
     @property
     def modelled_seconds(self) -> float:
@@ -191,8 +189,8 @@ class StepEstimate:
             "efficiency": self.efficiency,
             "communication_seconds": dict(self.axis_seconds), "links": self.axis_links,
             "link_bytes": {axis: dict(by) for axis, by in self.axis_link_bytes.items()},
-            "moe_compute_seconds": self.moe_compute_seconds, "expert_overlap": self.expert_overlap,
-            "exposed_expert_seconds": self.exposed_expert_seconds,
+            "experts_compute_seconds": self.experts_compute_seconds, "expert_overlap": self.expert_overlap,
+            "expert_seconds": self.expert_seconds, "exposed_expert_seconds": self.exposed_expert_seconds,
             "step_seconds": {"overlapped": self.overlapped_seconds, "modelled": self.modelled_seconds, "serial": self.serial_seconds},
             "mfu": {
                 "overlapped": self.mfu(self.overlapped_seconds), "modelled": self.mfu(self.modelled_seconds),
@@ -203,15 +201,22 @@ class StepEstimate:
 
 def estimate_step(
     flops: int, forward_flops: int, traffic: Mapping[str, Mapping[str, int]], axis_ranks: Mapping[str, Sequence[int]],
-    hardware: Hardware, bubble: float = 0.0, moe_flops: float = 0.0, expert_overlap: bool = False,
+    hardware: Hardware, bubble: float = 0.0, experts_flops: float = 0.0, expert_overlap: bool = False,
 ) -> StepEstimate:
     """The estimate of one rank's step (see the module docstring); ``traffic``: bytes per axis and collective;
-    ``moe_flops``: of ``flops``, the mixture-of-experts layers'; ``expert_overlap``: the dispatch's two chunks."""
+    ``experts_flops``: of ``flops``, the packed experts'; ``expert_overlap``: the dispatch's chunks."""
     by_link = {axis: link_bytes(collectives, axis_ranks.get(axis, ()), hardware) for axis, collectives in traffic.items()}
-    seconds = {axis: max(n / hardware.speed(link) for link, n in by.items()) for axis, by in by_link.items()}
+    seconds = {axis: _seconds(by, hardware) for axis, by in by_link.items()}
+    to_all = {axis: {"all_to_all": c["all_to_all"]} for axis, c in traffic.items() if c.get("all_to_all")}
+    expert = sum(_seconds(link_bytes(c, axis_ranks.get(axis, ()), hardware), hardware) for axis, c in to_all.items())
     rate = hardware.peak_flops * hardware.efficiency
     return StepEstimate(
         flops=int(flops), model_flops=int(3 * forward_flops), compute_seconds=flops / rate,
-        axis_seconds=seconds, axis_link_bytes=by_link, peak_flops=hardware.peak_flops, bubble=bubble,
-        efficiency=hardware.efficiency, moe_compute_seconds=min(moe_flops, flops) / rate, expert_overlap=expert_overlap,
+        axis_seconds=seconds, axis_link_bytes=by_link, peak_flops=hardware.peak_flops, expert_seconds=expert, bubble=bubble,
+        efficiency=hardware.efficiency, experts_compute_seconds=min(experts_flops, flops) / rate, expert_overlap=expert_overlap,
     )
+
+
+def _seconds(by_link: Mapping[str, int], hardware: Hardware) -> float:
+    """The longer of an axis's two links' times (they run side by side)."""
+    return max(n / hardware.speed(link) for link, n in by_link.items())

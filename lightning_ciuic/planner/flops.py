@@ -11,9 +11,10 @@ fake tensors of the global shapes to learn an output's shape (no kernel computes
 :func:`~lightning_ciuic.compat.dtensor_shape_propagation_marked`). Fake tensors count as real ones do (shapes are all
 it reads), so a step on fake tensors counts what the same step on real ones does. ``forward`` is the part counted
 outside autograd's backward (recomputed forwards of activation checkpointing run inside it, and are not there).
-``moe_forward`` is the part of ``forward`` run inside the mixture-of-experts layers (:func:`moe_layers`: the layers
-holding packed experts, attention included) while :meth:`LocalFlops.watching` them: what the step estimate scales the
-step's FLOPs by to find those layers' compute, which the expert dispatch's overlap hides its all-to-alls behind.
+``experts_forward`` is the part of ``forward`` run inside the packed experts' modules (:func:`experts_modules`: their
+forwards, the expert-parallel dispatch's local GEMMs) while :meth:`LocalFlops.watching` them: what the step estimate
+scales the step's FLOPs by to find the experts' compute, which the overlapped dispatch hides the other chunk's
+all-to-alls behind.
 
 No Lightning imports.
 """
@@ -45,18 +46,9 @@ def grouped_mm_flops(mat_a: torch.Tensor, mat_b: torch.Tensor, *args: Any, out_v
 FORMULAS = {**flop_registry, **compat.private_op_flop_formulas(grouped_mm_flops)}
 
 
-def moe_layers(module: nn.Module) -> list[nn.Module]:
-    """The layers of ``module`` that hold packed experts: for each experts module, its nearest ancestor that is an
-    item of a layer list (a name ending in an index: ``model.layers.3`` of ``model.layers.3.mlp.experts``), else its
-    parent."""
-    found: dict[int, nn.Module] = {}
-    for name, _ in packed_experts(module):
-        parts = name.split(".")
-        items = [i for i in range(len(parts) - 1) if parts[i].isdigit()]
-        prefix = ".".join(parts[: items[-1] + 1] if items else parts[:-1])
-        layer = module.get_submodule(prefix) if prefix else module
-        found.setdefault(id(layer), layer)
-    return list(found.values())
+def experts_modules(module: nn.Module) -> list[nn.Module]:
+    """The packed experts' modules of ``module`` (``model.layers.3.mlp.experts``): what runs the routed experts' GEMMs."""
+    return [experts for _, experts in packed_experts(module)]
 
 
 class LocalFlops(compat.WatchesShapePropagation, compat.TorchDispatchMode):
@@ -66,12 +58,12 @@ class LocalFlops(compat.WatchesShapePropagation, compat.TorchDispatchMode):
         super().__init__()
         self.total = 0
         self.forward = 0
-        self.moe_forward = 0
+        self.experts_forward = 0
         self._inside = 0  # the watched layers' forwards running now
 
     @contextlib.contextmanager
     def watching(self, layers: Sequence[nn.Module]) -> Iterator["LocalFlops"]:
-        """Inside, the forward FLOPs run inside ``layers``' forwards also go to ``moe_forward``."""
+        """Inside, the forward FLOPs run inside ``layers``' forwards also go to ``experts_forward``."""
 
         def enter(*_: Any) -> None:
             self._inside += 1
@@ -98,5 +90,5 @@ class LocalFlops(compat.WatchesShapePropagation, compat.TorchDispatchMode):
             if not compat.in_backward():
                 self.forward += flops
                 if self._inside:
-                    self.moe_forward += flops
+                    self.experts_forward += flops
         return out

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_ciuic.parallel.dims import ParallelDims
+from lightning_ciuic.parallel.experts.overlap import CHUNKS
 from lightning_ciuic.parallel.schedule_bubble import schedule_bubble
 from lightning_ciuic.planner.estimate import Hardware, StepEstimate, estimate_step
 from lightning_ciuic.planner.layout import RankBytes
@@ -94,7 +95,7 @@ class Plan:
         model_forward = sum(f.forward_flops for f in self.steps.values()) / len(self.steps)
         return estimate_step(
             pacing.flops, model_forward, pacing.traffic, pacing.axis_ranks, self.hardware, bubble=bubble,
-            moe_flops=pacing.moe_flops, expert_overlap=self.expert_overlap,
+            experts_flops=pacing.experts_flops, expert_overlap=self.expert_overlap,
         )
 
     def fits(self, rank_class: RankClass) -> bool:
@@ -147,7 +148,7 @@ class Plan:
             "stage_steps": [
                 {
                     "pp_stage": stage, "flops": f.flops, "forward_flops": f.forward_flops,
-                    "moe_forward_flops": f.moe_forward_flops, "activations": f.activations,
+                    "experts_forward_flops": f.experts_forward_flops, "activations": f.activations,
                     "communication_bytes_per_step": _axis_totals(f.traffic),
                 }
                 for stage, f in sorted(self.steps.items())
@@ -208,7 +209,8 @@ class Plan:
             )
             if estimate.expert_seconds:
                 how = (
-                    f"overlapped with the other chunk's mixture-of-experts compute, {estimate.moe_compute_seconds * 1e3:.2f} ms"
+                    f"overlapped in {CHUNKS} chunks (each layer's first dispatch and last combine exposed, the rest behind"
+                    f" the other chunk's experts' compute, {estimate.experts_compute_seconds * 1e3:.2f} ms)"
                     if estimate.expert_overlap else "not overlapped (expert_dispatch_overlap off)"
                 )
                 lines.append(

@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_ciuic import compat
 from lightning_ciuic.comm.data_parallel import DataParallel
 from lightning_ciuic.parallel.pipeline import PipelineRunner
-from lightning_ciuic.planner.flops import LocalFlops, moe_layers
+from lightning_ciuic.planner.flops import LocalFlops, experts_modules
 from lightning_ciuic.parallel.tensor import loss_parallel_context
 from lightning_ciuic.planner.traffic import CollectiveTraffic
 from lightning_ciuic.strategies.redirection import through_root
@@ -57,7 +57,7 @@ class StepFigures:
     axis_ranks: dict[str, list[int]]  # mesh axis -> the global ranks of this rank's group on it
     flops: int  # recomputed forwards included
     forward_flops: int
-    moe_forward_flops: int = 0  # of forward_flops, the mixture-of-experts layers' (planner.flops.moe_layers)
+    experts_forward_flops: int = 0  # of forward_flops, the packed experts' (planner.flops.experts_modules)
 
     def extended(self, deeper: "StepFigures", depth: int, layers: int) -> "StepFigures":
         """The figures at ``layers`` layers, on the line through ``self`` (``depth`` layers) and ``deeper`` (2x)."""
@@ -76,14 +76,14 @@ class StepFigures:
         return StepFigures(
             line(self.activations, deeper.activations), traffic, {**self.axis_ranks, **deeper.axis_ranks},
             line(self.flops, deeper.flops), line(self.forward_flops, deeper.forward_flops),
-            line(self.moe_forward_flops, deeper.moe_forward_flops),
+            line(self.experts_forward_flops, deeper.experts_forward_flops),
         )
 
     @property
-    def moe_flops(self) -> float:
-        """The mixture-of-experts layers' share of the step's FLOPs: ``flops`` times their share of the forward's (their
-        backward and recomputation taken as proportional to their forward)."""
-        return self.flops * self.moe_forward_flops / self.forward_flops if self.forward_flops else 0.0
+    def experts_flops(self) -> float:
+        """The packed experts' share of the step's FLOPs: ``flops`` times their share of the forward's (their backward
+        and recomputation taken as proportional to their forward)."""
+        return self.flops * self.experts_forward_flops / self.forward_flops if self.forward_flops else 0.0
 
 
 @dataclass(frozen=True)
@@ -96,14 +96,14 @@ class StepMemory:
     axis_ranks: dict[str, list[int]]  # mesh axis -> the global ranks of this rank's group on it
     flops: int  # counted in the last step (recomputed forwards included)
     forward_flops: int  # counted in its forward
-    moe_forward_flops: int = 0  # of it, inside the mixture-of-experts layers
+    experts_forward_flops: int = 0  # of it, inside the packed experts' modules
 
     @property
     def activations(self) -> int:
         return self.peak - self.model_states
 
     def figures(self) -> StepFigures:
-        return StepFigures(self.activations, self.traffic, self.axis_ranks, self.flops, self.forward_flops, self.moe_forward_flops)
+        return StepFigures(self.activations, self.traffic, self.axis_ranks, self.flops, self.forward_flops, self.experts_forward_flops)
 
 
 def token_batch(module: nn.Module, spec: StepSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +144,7 @@ def train_steps(
             last = step == steps - 1
             if last:
                 tracker.reset_mod_stats()
-            watched = flops.watching(moe_layers(module)) if last else contextlib.nullcontext()
+            watched = flops.watching(experts_modules(module)) if last else contextlib.nullcontext()
             with traffic if last else contextlib.nullcontext(), flops if last else contextlib.nullcontext(), watched:
                 with loss_parallel_context(loss_parallel):  # the last pipeline stage's loss too
                     if pipeline is None:
@@ -159,7 +159,7 @@ def train_steps(
     held = sum(v for k, v in held_bytes(module, engine, optimizers).items() if k != "parameters")
     return StepMemory(
         peak, held, {axis: dict(by) for axis, by in traffic.bytes.items()}, dict(traffic.ranks),
-        flops=flops.total, forward_flops=flops.forward, moe_forward_flops=flops.moe_forward,
+        flops=flops.total, forward_flops=flops.forward, experts_forward_flops=flops.experts_forward,
     )
 
 

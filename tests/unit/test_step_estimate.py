@@ -169,39 +169,56 @@ def test_a_plan_with_fewer_micro_batches_than_1f1b_stages_says_the_fix_before_bu
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["exposed", "overlapped"])
-def test_the_expert_all_to_alls_are_exposed_or_hidden_behind_the_other_chunks_moe_compute_up_to_its_length(overlap):
-    """Compute 0.4 s (0.2 s of it the MoE layers'); expert all-to-alls 0.5 s (ep_node 0.4 s inter-node, ep_local 0.1 s
-    intra-node), dp_shard 0.1 s. Exposed: the step waits for all 0.5 s; overlapped, for the 0.3 s the other chunk's
-    MoE compute does not hide; the other axes run beside the compute. The bounds stay, the model lies between."""
+def test_the_expert_all_to_alls_are_exposed_or_half_hidden_behind_the_other_chunks_experts_up_to_their_length(overlap):
+    """Compute 0.4 s (0.2 s of it the experts'); expert all-to-alls 0.5 s (ep_node 0.4 s inter-node, ep_local 0.1 s
+    intra-node), dp_shard 0.1 s. Exposed: the step waits for all 0.5 s. Overlapped in two chunks: each layer's first
+    dispatch and last combine (half, 0.25 s) have nothing to hide behind; the other half hides behind the other
+    chunk's experts up to their 0.2 s: 0.3 s exposed. The other axes run beside the compute; the model lies between
+    the bounds."""
     hardware = Hardware(peak_flops=100e12, intra_node=400e9, inter_node=25e9, devices_per_node=8, efficiency=1.0)
 
-    def estimate(moe_flops, bubble=0.0):
+    def estimate(experts_flops, bubble=0.0):
         return estimate_step(
-            flops=40e12, forward_flops=10e12, hardware=hardware, bubble=bubble, moe_flops=moe_flops, expert_overlap=overlap,
+            flops=40e12, forward_flops=10e12, hardware=hardware, bubble=bubble, experts_flops=experts_flops, expert_overlap=overlap,
             traffic={"ep_node": {"all_to_all": 10e9}, "ep_local": {"all_to_all": 40e9}, "dp_shard": {"all_gather": 2.5e9}},
             axis_ranks={"ep_node": [0, 8, 16, 24], "ep_local": list(range(8)), "dp_shard": [0, 32, 64, 96]},
         )
 
     step = estimate(20e12)
-    assert step.moe_compute_seconds == pytest.approx(0.2) and step.expert_seconds == pytest.approx(0.5)
+    assert step.experts_compute_seconds == pytest.approx(0.2) and step.expert_seconds == pytest.approx(0.5)
     assert (step.overlapped_seconds, step.serial_seconds) == (pytest.approx(0.6), pytest.approx(1.0))
     assert step.exposed_expert_seconds == pytest.approx(0.3 if overlap else 0.5)
     assert step.modelled_seconds == pytest.approx(0.7 if overlap else 0.9)
     assert step.overlapped_seconds <= step.modelled_seconds <= step.serial_seconds
     assert step.to_json()["step_seconds"]["modelled"] == step.modelled_seconds
-    # MoE compute longer than the all-to-alls hides them all: the step is the longer of compute and the links' time
+    # experts longer than the all-to-alls hide the half they can: the first dispatch and last combine stay
     hidden = estimate(35e12)
-    assert hidden.modelled_seconds == pytest.approx(0.6 if overlap else 0.9)
+    assert hidden.exposed_expert_seconds == pytest.approx(0.25 if overlap else 0.5)
+    assert hidden.modelled_seconds == pytest.approx(0.65 if overlap else 0.9)
     # a pipeline rank's busy time stretched by the bubble, as the bounds are
     assert estimate(20e12, bubble=0.5).modelled_seconds == pytest.approx(2 * step.modelled_seconds)
 
 
-def test_the_moe_layers_forward_flops_are_counted_apart_and_scale_the_steps():
-    """The layer holding packed experts (its attention-like matmul included) is watched; the dense layer is not."""
+def test_an_all_to_all_is_the_expert_dispatchs_whatever_axis_carries_it():
+    """ep spanning the data-parallel ranks (dp 4, ep 4) puts the dispatch on the ``dp`` axis beside the gradients'
+    all-reduce: its all-to-all bytes are still the experts' (on the compute's path), the all-reduce is not."""
+    hardware = Hardware(peak_flops=100e12, intra_node=400e9, inter_node=10e9, devices_per_node=2, efficiency=1.0)
+    step = estimate_step(
+        flops=10e12, forward_flops=2.5e12, hardware=hardware, traffic={"dp": {"all_to_all": 2e9, "all_reduce": 1e9}},
+        axis_ranks={"dp": [0, 1, 2, 3]},
+    )
+    # of the all-to-all's 2e9 bytes a third stays on the node (1 of 3 peers): 1.33e9 cross at 10 GB/s
+    assert step.expert_seconds == pytest.approx(2e9 * 2 / 3 / 10e9)
+    assert step.axis_seconds["dp"] == pytest.approx((2e9 * 2 / 3 + 1e9) / 10e9)
+    assert step.modelled_seconds == pytest.approx(0.1 + step.expert_seconds)
+
+
+def test_the_experts_forward_flops_are_counted_apart_and_scale_the_steps():
+    """The packed experts' module is watched; the attention beside it and the dense layer are not."""
     import torch
     from torch import nn
 
-    from lightning_ciuic.planner.flops import LocalFlops, moe_layers
+    from lightning_ciuic.planner.flops import LocalFlops, experts_modules
     from lightning_ciuic.planner.train_step import StepFigures
 
     class Experts(nn.Module):
@@ -226,12 +243,12 @@ def test_the_moe_layers_forward_flops_are_counted_apart_and_scale_the_steps():
 
     model = nn.Module()
     model.layers = nn.ModuleList([Layer(False), Layer(True)])
-    assert moe_layers(model) == [model.layers[1]]
+    assert experts_modules(model) == [model.layers[1].mlp.experts]
     counter = LocalFlops()
-    with counter, counter.watching(moe_layers(model)):
+    with counter, counter.watching(experts_modules(model)):
         x = torch.randn(3, 4, requires_grad=True)
         model.layers[1](model.layers[0](x)).sum().backward()
     per_matmul = 2 * 3 * 4 * 4
-    assert (counter.forward, counter.moe_forward) == (5 * per_matmul, 3 * per_matmul)  # 2 dense, 3 in the MoE layer
-    figures = StepFigures(0, {}, {}, counter.total, counter.forward, counter.moe_forward)
-    assert figures.moe_flops == pytest.approx(counter.total * 3 / 5)
+    assert (counter.forward, counter.experts_forward) == (5 * per_matmul, 2 * per_matmul)  # 2 dense, the attention, 2 experts'
+    figures = StepFigures(0, {}, {}, counter.total, counter.forward, counter.experts_forward)
+    assert figures.experts_flops == pytest.approx(counter.total * 2 / 5)

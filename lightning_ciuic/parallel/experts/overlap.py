@@ -19,7 +19,7 @@ Contract:
   combine gradient while chunk 1's experts, chunk 1's dispatch gradient while chunk 0's: forward's interleaving,
   reversed). :func:`transfer(tensor, ...)`: a tensor without gradient
   (the hierarchical dispatch's int32 codes), the same way. :func:`together(*pending)`: several waited as one.
-  :func:`chunks(tokens, count=2)`: the slices of the tokens the chunks take (consecutive, the first ones a token
+  :func:`chunks(tokens, count=CHUNKS)`: the slices of the tokens the chunks take (consecutive, the first ones a token
   longer where they do not divide; a chunk may be empty).
 * Time (into ``layout.stats``): an asynchronous all-to-all's wall time is from its issue to its completion (on the
   CPU the moment its completion callback runs, on a GPU the moment the stream passes its wait: an upper bound), added
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from lightning_ciuic.parallel.experts.layout import ExpertLayout
 
 Flow = Generator[Any, Any, torch.Tensor]
+CHUNKS = 2  # the overlapped dispatch's chunks per micro-batch (the step estimate models the same)
 
 
 class Ready:
@@ -222,7 +223,7 @@ def transfer(tensor: torch.Tensor, send: list[int], recv: list[int], layout: Exp
     return _InFlight(tensor.contiguous(), send, recv, layout, name, mesh)
 
 
-def chunks(tokens: int, count: int = 2) -> list[slice]:
+def chunks(tokens: int, count: int = CHUNKS) -> list[slice]:
     """``count`` consecutive slices of ``tokens`` rows, the first ones a row longer where they do not divide."""
     sizes = [tokens // count + (1 if i < tokens % count else 0) for i in range(count)]
     starts = [sum(sizes[:i]) for i in range(count)]
