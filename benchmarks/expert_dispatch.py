@@ -19,6 +19,12 @@ thread was blocked on them (``DispatchStats.seconds`` / ``exposed_seconds``, ran
 ``ep_exposed``), and the step time (median). Ratios per round (median and spread): the dispatches to ``flat`` with the
 same compression; the overlapped ones to the same dispatch without overlap (target: step time <= 0.75x).
 
+Planned beside: each variant planned with ``lightning_ciuic.planner`` for the same model, layout and micro-batch
+(``--link intra=2GB/s,inter=<rate / 2>``: a node's link shared by its two processes, as the plan's per-device link
+speed), its compute rate fitted on ``flat`` (the plan's FLOPs per rank-step over the measured step less the plan's
+exposed all-to-alls) and checked on the five others: the modelled step against the measured one (target: the
+overlapped steps within 15%).
+
 Writes the ``expert_dispatch`` section of docs/benchmarks.md (``--dry-run``: prints it only).
 
     sudo .venv/bin/python benchmarks/expert_dispatch.py [--rate 1gbit] [--steps 14] [--rounds 3] [--batch-size 8] [--moe-inter-dim 64]
@@ -27,6 +33,7 @@ Writes the ``expert_dispatch`` section of docs/benchmarks.md (``--dry-run``: pri
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -41,25 +48,64 @@ from benchmarks.common import StepTimer, machine, median_after_warmup, write_sec
 from benchmarks.sim_cluster import SimulatedCluster, available, run_nodes  # noqa: E402
 
 WARMUP = 4
+SEQUENCE = 64  # tokens per sequence (ByteCorpusDataModule)
 NODES, PER_NODE = 2, 2
 MOE = dict(
     dim=128, n_layers=4, n_routed_experts=32, n_activated_experts=8, n_expert_groups=4, topk_expert_groups=2,
     moe_inter_dim=64, n_dense_layers=1,
 )
+INTRA_NODE = 2e9  # bytes/s, loopback inside a namespace (assumed; the intra-node hop carries little here)
 VARIANTS = ("flat", "hierarchical", "flat fp8", "hierarchical fp8", "flat overlap", "hierarchical overlap")
 DISPATCHES = VARIANTS[:4]  # compared with flat of the same compression
 OVERLAPPED = VARIANTS[4:]  # compared with the same dispatch without overlap
 
 
-def _strategy(variant: str):
-    from lightning_ciuic import HybridParallelStrategy
-
+def _options(variant: str) -> dict:
     mode, *options = variant.split()
     codec = next((o for o in options if o != "overlap"), "none")
-    return HybridParallelStrategy(
+    return dict(
         data_parallel_size=NODES * PER_NODE, expert_parallel_size=NODES * PER_NODE, expert_dispatch=mode,
         expert_dispatch_compression=codec, expert_dispatch_overlap="overlap" in options,
     )
+
+
+def _strategy(variant: str):
+    from lightning_ciuic import HybridParallelStrategy
+
+    return HybridParallelStrategy(**_options(variant))
+
+
+def _plans(args: argparse.Namespace) -> dict:
+    """Each variant planned on the fake process group (:mod:`lightning_ciuic.planner`), links as measured, compute at 1
+    FLOP/s until fitted (``dataclasses.replace(plan, hardware=...)`` re-estimates)."""
+    import torch
+
+    from examples.deepseek import DeepSeekMini
+    from lightning_ciuic.config import ParallelismConfig
+    from lightning_ciuic.planner import plan_layout
+    from lightning_ciuic.planner.config import optimizers_of
+    from lightning_ciuic.planner.estimate import Hardware, parse_rate
+    from lightning_ciuic.planner.train_step import StepSpec
+
+    def build(mesh):
+        with torch.device("meta"):
+            return DeepSeekMini(**_model(args))
+
+    hardware = Hardware(1.0, INTRA_NODE, parse_rate(f"{args.rate}/s") / PER_NODE, devices_per_node=PER_NODE, efficiency=1.0)
+    return {
+        variant: plan_layout(
+            build, ParallelismConfig(**_options(variant), expert_devices_per_node=PER_NODE), NODES * PER_NODE,
+            optimizers=optimizers_of, step=StepSpec(args.batch_size, SEQUENCE), hardware=hardware,
+        )
+        for variant in VARIANTS
+    }
+
+
+def _fitted(plans: dict, measured_flat: float) -> dict:
+    """The plans with the compute rate that makes ``flat``'s modelled step the measured one: ``{variant: estimate}``."""
+    flat = plans["flat"].estimate
+    rate = flat.flops / (measured_flat - flat.exposed_expert_seconds)
+    return {v: dataclasses.replace(p, hardware=dataclasses.replace(p.hardware, peak_flops=rate)).estimate for v, p in plans.items()}
 
 
 def _tx_bytes(interface: str) -> int:
@@ -108,7 +154,7 @@ def worker(args: argparse.Namespace) -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, callbacks=[StepTimer(args.out), Measure()],
     )
-    trainer.fit(DeepSeekMini(**_model(args)), ByteCorpusDataModule(seq_len=64, batch_size=args.batch_size))
+    trainer.fit(DeepSeekMini(**_model(args)), ByteCorpusDataModule(seq_len=SEQUENCE, batch_size=args.batch_size))
     if trainer.is_global_zero:
         Path(args.out + ".report").write_text(json.dumps(report))
 
@@ -161,6 +207,15 @@ def measure(args: argparse.Namespace, workdir: Path) -> str:
             f" {_spread(step) if variant in OVERLAPPED else '1'} | {statistics.median(r['ep_comm'] for r in runs) * 1e3:.0f} |"
             f" {statistics.median(r['ep_exposed'] for r in runs) * 1e3:.0f} | {statistics.median(hidden):.0%} |"
         )
+    steps = {v: statistics.median(r["step"] for r in results[v]) for v in VARIANTS}
+    planned = _fitted(_plans(args), steps["flat"])
+    fitted_rate = planned["flat"].peak_flops
+    against_plan = [
+        f"| {v} | {steps[v]:.3f} | {e.modelled_seconds:.3f} | {e.modelled_seconds / steps[v]:.2f}x |"
+        f" {e.compute_seconds * 1e3:.0f} | {e.expert_seconds * 1e3:.0f} | {e.exposed_expert_seconds * 1e3:.0f} |"
+        f" {' fit' if v == 'flat' else ''} |"
+        for v, e in planned.items()
+    ]
     return "\n".join([
         f"Two simulated nodes at {args.rate}, two processes each (ep=4 over dp=4), {args.steps} steps ({WARMUP} warm-up),"
         f" batch {args.batch_size} x 64 tokens per rank, {args.rounds} alternating rounds. Wire: both nodes' interface"
@@ -184,6 +239,17 @@ def measure(args: argparse.Namespace, workdir: Path) -> str:
         *overlapped,
         "",
         "Target: step time with overlap <= 0.75x of without.",
+        "",
+        f"Planned against measured: each variant planned for the same model, layout and micro-batch (the fake process"
+        f" group), links {INTRA_NODE / 1e9:g} GB/s intra-node and {args.rate} over {PER_NODE} processes inter-node, the"
+        f" compute rate fitted on flat ({fitted_rate / 1e9:.2f} GFLOP/s per process) and checked on the others; planned"
+        " compute, expert all-to-alls (E) and their exposed part, ms per step.",
+        "",
+        "| variant | measured step (s) | planned step (s) | planned / measured | compute | E | exposed | |",
+        "|---|---|---|---|---|---|---|---|",
+        *against_plan,
+        "",
+        "Target: the overlapped steps within 15% of the measured.",
     ])
 
 
