@@ -21,9 +21,10 @@ same compression; the overlapped ones to the same dispatch without overlap (targ
 
 Planned beside: each variant planned with ``lightning_ciuic.planner`` for the same model, layout and micro-batch
 (``--link intra=2GB/s,inter=<rate / 2>``: a node's link shared by its two processes, as the plan's per-device link
-speed), its compute rate fitted on ``flat`` (the plan's FLOPs per rank-step over the measured step less the plan's
-exposed all-to-alls) and checked on the five others: the modelled step against the measured one (target: the
-overlapped steps within 15%).
+speed), its compute rate and the latency of a collective call (an alpha-beta model: ``Hardware.latency``) fitted on
+``flat`` and ``hierarchical`` without overlap (their steps are compute plus every all-to-all's bytes and calls; the
+hierarchical dispatch makes more calls) and checked on the four others: the modelled step against the measured one
+(target: the overlapped steps within 15%).
 
 Writes the ``expert_dispatch`` section of docs/benchmarks.md (``--dry-run``: prints it only).
 
@@ -56,6 +57,7 @@ MOE = dict(
 )
 INTRA_NODE = 2e9  # bytes/s, loopback inside a namespace (assumed; the intra-node hop carries little here)
 VARIANTS = ("flat", "hierarchical", "flat fp8", "hierarchical fp8", "flat overlap", "hierarchical overlap")
+FIT = ("flat", "hierarchical")  # the runs the plan's compute rate and latency are fitted on; the others check it
 DISPATCHES = VARIANTS[:4]  # compared with flat of the same compression
 OVERLAPPED = VARIANTS[4:]  # compared with the same dispatch without overlap
 
@@ -101,11 +103,24 @@ def _plans(args: argparse.Namespace) -> dict:
     }
 
 
-def _fitted(plans: dict, measured_flat: float) -> dict:
-    """The plans with the compute rate that makes ``flat``'s modelled step the measured one: ``{variant: estimate}``."""
-    flat = plans["flat"].estimate
-    rate = flat.flops / (measured_flat - flat.exposed_expert_seconds)
-    return {v: dataclasses.replace(p, hardware=dataclasses.replace(p.hardware, peak_flops=rate)).estimate for v, p in plans.items()}
+def _all_to_alls(plan) -> int:
+    return sum(by.get("all_to_all", 0) for by in plan.pacing_step.calls.values())
+
+
+def _fitted(plans: dict, measured: dict) -> tuple[dict, float, float]:
+    """The plans at the compute rate and per-collective latency that make ``flat``'s and ``hierarchical``'s modelled
+    steps (no overlap: compute plus every all-to-all) the measured ones: ``({variant: estimate}, rate, latency)``.
+    The latency, from the two dispatches' different numbers of all-to-alls, is taken as 0 where the difference says
+    less."""
+    (flat, hier), (calls_flat, calls_hier) = ((plans[v].estimate for v in FIT), (_all_to_alls(plans[v]) for v in FIT))
+    free = [measured[v] - plans[v].estimate.exposed_expert_seconds for v in FIT]  # compute + calls x latency
+    latency = max(0.0, (free[1] - free[0]) / (calls_hier - calls_flat)) if calls_hier != calls_flat else 0.0
+    rate = flat.flops / (free[0] - latency * calls_flat)
+    estimates = {
+        v: dataclasses.replace(p, hardware=dataclasses.replace(p.hardware, peak_flops=rate, latency=latency)).estimate
+        for v, p in plans.items()
+    }
+    return estimates, rate, latency
 
 
 def _tx_bytes(interface: str) -> int:
@@ -208,12 +223,13 @@ def measure(args: argparse.Namespace, workdir: Path) -> str:
             f" {statistics.median(r['ep_exposed'] for r in runs) * 1e3:.0f} | {statistics.median(hidden):.0%} |"
         )
     steps = {v: statistics.median(r["step"] for r in results[v]) for v in VARIANTS}
-    planned = _fitted(_plans(args), steps["flat"])
-    fitted_rate = planned["flat"].peak_flops
+    plans = _plans(args)
+    planned, rate, latency = _fitted(plans, steps)
+    links = plans["flat"].hardware
     against_plan = [
         f"| {v} | {steps[v]:.3f} | {e.modelled_seconds:.3f} | {e.modelled_seconds / steps[v]:.2f}x |"
         f" {e.compute_seconds * 1e3:.0f} | {e.expert_seconds * 1e3:.0f} | {e.exposed_expert_seconds * 1e3:.0f} |"
-        f" {' fit' if v == 'flat' else ''} |"
+        f" {_all_to_alls(plans[v])} | {'fit' if v in FIT else 'check'} |"
         for v, e in planned.items()
     ]
     return "\n".join([
@@ -241,12 +257,14 @@ def measure(args: argparse.Namespace, workdir: Path) -> str:
         "Target: step time with overlap <= 0.75x of without.",
         "",
         f"Planned against measured: each variant planned for the same model, layout and micro-batch (the fake process"
-        f" group), links {INTRA_NODE / 1e9:g} GB/s intra-node and {args.rate} over {PER_NODE} processes inter-node, the"
-        f" compute rate fitted on flat ({fitted_rate / 1e9:.2f} GFLOP/s per process) and checked on the others; planned"
-        " compute, expert all-to-alls (E) and their exposed part, ms per step.",
+        f" group), links {links.intra_node / 1e9:g} GB/s intra-node and {args.rate} over {PER_NODE} processes"
+        f" inter-node ({links.inter_node / 1e6:g} MB/s per process), the compute rate ({rate / 1e9:.2f} GFLOP/s per"
+        f" process) and the latency of a collective call ({latency * 1e3:.2f} ms) fitted on {' and '.join(FIT)} without"
+        " overlap, and checked on the others; planned compute, expert all-to-alls (E, bytes and calls) and their"
+        " exposed part, ms per step; the plan's all-to-all calls per rank and step.",
         "",
-        "| variant | measured step (s) | planned step (s) | planned / measured | compute | E | exposed | |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | measured step (s) | planned step (s) | planned / measured | compute | E | exposed | all-to-alls | |",
+        "|---|---|---|---|---|---|---|---|---|",
         *against_plan,
         "",
         "Target: the overlapped steps within 15% of the measured.",

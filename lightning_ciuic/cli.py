@@ -192,7 +192,7 @@ def _export(checkpoint: dict, name: str, out: str, export_format: str) -> int:
 PLAN_USAGE = (
     "usage: lightning-ciuic plan --config RUN.yaml --world-size N [--device-memory 80GiB] [--json OUT.json]"
     " [--micro-batch-size B --sequence-length S [--flops 989T --link intra=900GB/s,inter=50GB/s [--efficiency 0.35]"
-    " --devices-per-node 8] [--processes P]] [--search] [any fit override, e.g. --trainer.strategy.init_args.tensor_parallel_size 8]"
+    " [--collective-latency 20us] --devices-per-node 8] [--processes P]] [--search] [any fit override, e.g. --trainer.strategy.init_args.tensor_parallel_size 8]"
 )
 
 
@@ -223,7 +223,7 @@ def plan_command(argv: list[str]) -> int:
     2 when the layout does not work, 3 when a pipeline stage's step failed in a worker process (one line)."""
     from lightning_ciuic.planner import plan
     from lightning_ciuic.planner.efficiency import KERNEL_EFFICIENCY
-    from lightning_ciuic.planner.estimate import Hardware, parse_flops, parse_links
+    from lightning_ciuic.planner.estimate import Hardware, parse_flops, parse_links, parse_seconds
     from lightning_ciuic.planner.train_step import StepSpec
     from lightning_ciuic.planner.workers import StageStepFailed
 
@@ -239,6 +239,10 @@ def plan_command(argv: list[str]) -> int:
     parser.add_argument(
         "--efficiency", type=float, default=KERNEL_EFFICIENCY,
         help=f"fraction of the peak FLOP/s a training step's kernels reach (default {KERNEL_EFFICIENCY:.2f}: fitted on published runs, docs/plan.md)",
+    )
+    parser.add_argument(
+        "--collective-latency", type=_argument(parse_seconds), default=0.0,
+        help="seconds each collective call costs besides its bytes (20us; default 0: not modelled)",
     )
     parser.add_argument("--search", action="store_true", help="plan the other layouts of the world size too, ranked")
     parser.add_argument("--json", help="write the plan as JSON to this file")
@@ -260,7 +264,10 @@ def plan_command(argv: list[str]) -> int:
     hardware = None
     if options.flops is not None:
         try:
-            hardware = Hardware(options.flops, *options.link, devices_per_node=options.devices_per_node, efficiency=options.efficiency)
+            hardware = Hardware(
+                options.flops, *options.link, devices_per_node=options.devices_per_node, efficiency=options.efficiency,
+                latency=options.collective_latency,
+            )
         except ValueError as err:
             parser.error(str(err))
     if os.getcwd() not in sys.path:

@@ -12,8 +12,10 @@ the global ranks of each axis's group) and a :class:`Hardware`, and returns a :c
   places them); for a group over several nodes, an all-to-all's bytes split by where they go (the share of the
   group's other ranks on the sender's node crosses the intra-node link, the rest the inter-node one: exact for the
   plan's even routing), and a ring collective's (all-gather, reduce-scatter, all-reduce, broadcast, send) all on
-  the inter-node link, its bottleneck. An axis takes the longer of its two links' times (they run side by side);
-  the axes' seconds add up (one rank's collectives queue on its links one after another);
+  the inter-node link, its bottleneck. An axis takes the longer of its two links' times (they run side by side),
+  plus its collectives' calls times the hardware's per-collective ``latency`` (default 0: not modelled; an
+  alpha-beta model, fitted per cluster); the axes' seconds add up (one rank's collectives queue on its links one
+  after another);
 * the step between two bounds: ``max(compute, communication)`` (every collective hidden behind compute, as FSDP2's
   prefetching and bucketed all-reduces aim for) and ``compute + communication`` (none hidden), each over
   ``1 - bubble`` for a pipeline rank (``bubble``: the fraction of the step the schedule leaves it idle);
@@ -31,7 +33,7 @@ the global ranks of each axis's group) and a :class:`Hardware`, and returns a :c
   (backward costs two forwards; recomputation is not counted, the convention of PaLM's appendix B).
 
 What it leaves out, and says so in the plan: kernel efficiency other than the one given (it differs between
-devices, power limits and compilers: the fit's figures are in docs/plan.md), latency of small collectives, links
+devices, power limits and compilers: the fit's figures are in docs/plan.md), latency other than the one given, links
 shared by the axes of several ranks of a node, and stages of unequal speed beyond the bubble given.
 
 No Lightning imports.
@@ -72,6 +74,15 @@ def parse_rate(text: str) -> float:
     return float(number) * scale / (8 if bits else 1)
 
 
+def parse_seconds(text: str) -> float:
+    """``"20us"``, ``"3.5ms"``, ``"0.002s"`` or ``"0.002"`` as seconds."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e-?[0-9]+)?)\s*(us|ms|s)?\s*", text, re.I)
+    if match is None:
+        raise ValueError(f"{text!r} is not a duration: write it as 20us, 3.5ms or 0.002s.")
+    number, unit = match.groups()
+    return float(number) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, None: 1.0}[unit.lower() if unit else None]
+
+
 def parse_links(text: str) -> tuple[float, float]:
     """``"intra=900GB/s,inter=50GB/s"`` as (intra-node, inter-node) bytes per second."""
     links = {}
@@ -87,16 +98,20 @@ def parse_links(text: str) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Hardware:
-    """One device's peak FLOP/s, its links' speeds (bytes per second, each way), how many devices a node holds and
-    the fraction of the peak its kernels reach in a training step (``efficiency``, in (0, 1])."""
+    """One device's peak FLOP/s, its links' speeds (bytes per second, each way), how many devices a node holds, the
+    fraction of the peak its kernels reach in a training step (``efficiency``, in (0, 1]) and the seconds each
+    collective call costs besides its bytes (``latency``, >= 0; 0: not modelled)."""
 
     peak_flops: float
     intra_node: float
     inter_node: float
     devices_per_node: int = 8
     efficiency: float = KERNEL_EFFICIENCY
+    latency: float = 0.0
 
     def __post_init__(self) -> None:
+        if not self.latency >= 0:
+            raise ValueError(f"latency is the seconds a collective call costs besides its bytes, >= 0; got {self.latency!r}.")
         for name in ("peak_flops", "intra_node", "inter_node", "devices_per_node", "efficiency"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}.")
@@ -202,13 +217,20 @@ class StepEstimate:
 def estimate_step(
     flops: int, forward_flops: int, traffic: Mapping[str, Mapping[str, int]], axis_ranks: Mapping[str, Sequence[int]],
     hardware: Hardware, bubble: float = 0.0, experts_flops: float = 0.0, expert_overlap: bool = False,
+    calls: Mapping[str, Mapping[str, int]] = {},
 ) -> StepEstimate:
     """The estimate of one rank's step (see the module docstring); ``traffic``: bytes per axis and collective;
-    ``experts_flops``: of ``flops``, the packed experts'; ``expert_overlap``: the dispatch's chunks."""
+    ``experts_flops``: of ``flops``, the packed experts'; ``expert_overlap``: the dispatch's chunks; ``calls``: the
+    collectives' calls per axis and collective (each costs ``hardware.latency``)."""
     by_link = {axis: link_bytes(collectives, axis_ranks.get(axis, ()), hardware) for axis, collectives in traffic.items()}
-    seconds = {axis: _seconds(by, hardware) for axis, by in by_link.items()}
+    latency = {axis: hardware.latency * sum(calls.get(axis, {}).values()) for axis in traffic}
+    seconds = {axis: _seconds(by, hardware) + latency[axis] for axis, by in by_link.items()}
     to_all = {axis: {"all_to_all": c["all_to_all"]} for axis, c in traffic.items() if c.get("all_to_all")}
-    expert = sum(_seconds(link_bytes(c, axis_ranks.get(axis, ()), hardware), hardware) for axis, c in to_all.items())
+    expert = sum(
+        _seconds(link_bytes(c, axis_ranks.get(axis, ()), hardware), hardware)
+        + hardware.latency * calls.get(axis, {}).get("all_to_all", 0)
+        for axis, c in to_all.items()
+    )
     rate = hardware.peak_flops * hardware.efficiency
     return StepEstimate(
         flops=int(flops), model_flops=int(3 * forward_flops), compute_seconds=flops / rate,

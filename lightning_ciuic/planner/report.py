@@ -26,7 +26,7 @@ NOT_MODELLED = (
     "NCCL's buffers",
     "the caching allocator's fragmentation",
     "which kernels CUDA picks",
-    "in a step-time estimate: kernel efficiency other than the one given (--efficiency), collectives' latency, links shared within a node",
+    "in a step-time estimate: kernel efficiency other than the one given (--efficiency), collectives' latency other than the one given (--collective-latency), links shared within a node",
 )
 
 
@@ -95,7 +95,7 @@ class Plan:
         model_forward = sum(f.forward_flops for f in self.steps.values()) / len(self.steps)
         return estimate_step(
             pacing.flops, model_forward, pacing.traffic, pacing.axis_ranks, self.hardware, bubble=bubble,
-            experts_flops=pacing.experts_flops, expert_overlap=self.expert_overlap,
+            experts_flops=pacing.experts_flops, expert_overlap=self.expert_overlap, calls=pacing.calls,
         )
 
     def fits(self, rank_class: RankClass) -> bool:

@@ -15,7 +15,8 @@ a ring all-reduce of ``n`` bytes over ``w`` ranks sends ``2 (w-1) n / w``; an al
 reduce-scatter to an ``n``-byte shard ``(w-1) n``; an all-to-all what it sends to the other ranks (its input less
 its own split); a broadcast ``n`` (a chain); a send ``n``; a receive nothing. Collectives it does not know (gather,
 scatter, reduce) are counted under their own name at their input's size, never dropped. Waits and barriers carry no
-payload. ``traffic.ranks[axis]`` keeps the global ranks of the first group seen on each axis (which links it crosses).
+payload. ``traffic.calls[axis][collective]`` counts the calls (for the step estimate's per-collective latency).
+``traffic.ranks[axis]`` keeps the global ranks of the first group seen on each axis (which links it crosses).
 
 No Lightning imports.
 """
@@ -133,6 +134,7 @@ class CollectiveTraffic(compat.TorchDispatchMode):
         super().__init__()
         self.world_axis = world_axis_of(mesh)
         self.bytes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.ranks: dict[str, list[int]] = {}
 
     def per_axis(self) -> dict[str, int]:
@@ -149,6 +151,7 @@ class CollectiveTraffic(compat.TorchDispatchMode):
                     collective, rule = _RULES.get(name, (name, lambda a, g: _nbytes(a[0])))
                     axis = axis_of(group, self.world_axis)
                     self.bytes[axis][collective] += int(rule(args, group))
+                    self.calls[axis][collective] += 1
                     if axis not in self.ranks:
                         self.ranks[axis] = sorted(dist.get_process_group_ranks(group))
         return func(*args, **kwargs)

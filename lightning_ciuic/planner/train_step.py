@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -58,6 +58,7 @@ class StepFigures:
     flops: int  # recomputed forwards included
     forward_flops: int
     experts_forward_flops: int = 0  # of forward_flops, the packed experts' (planner.flops.experts_modules)
+    calls: dict[str, dict[str, int]] = field(default_factory=dict)  # mesh axis -> collective -> calls in the step
 
     def extended(self, deeper: "StepFigures", depth: int, layers: int) -> "StepFigures":
         """The figures at ``layers`` layers, on the line through ``self`` (``depth`` layers) and ``deeper`` (2x)."""
@@ -65,18 +66,20 @@ class StepFigures:
         def line(a: int, b: int) -> int:
             return a + round((b - a) * (layers - depth) / depth)
 
-        axes = set(self.traffic) | set(deeper.traffic)
-        traffic = {
-            axis: {
-                name: line(self.traffic.get(axis, {}).get(name, 0), deeper.traffic.get(axis, {}).get(name, 0))
-                for name in set(self.traffic.get(axis, {})) | set(deeper.traffic.get(axis, {}))
+        def lines(mine: dict[str, dict[str, int]], theirs: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+            return {
+                axis: {
+                    name: line(mine.get(axis, {}).get(name, 0), theirs.get(axis, {}).get(name, 0))
+                    for name in set(mine.get(axis, {})) | set(theirs.get(axis, {}))
+                }
+                for axis in set(mine) | set(theirs)
             }
-            for axis in axes
-        }
+
+        traffic = lines(self.traffic, deeper.traffic)
         return StepFigures(
             line(self.activations, deeper.activations), traffic, {**self.axis_ranks, **deeper.axis_ranks},
             line(self.flops, deeper.flops), line(self.forward_flops, deeper.forward_flops),
-            line(self.experts_forward_flops, deeper.experts_forward_flops),
+            line(self.experts_forward_flops, deeper.experts_forward_flops), lines(self.calls, deeper.calls),
         )
 
     @property
@@ -97,13 +100,17 @@ class StepMemory:
     flops: int  # counted in the last step (recomputed forwards included)
     forward_flops: int  # counted in its forward
     experts_forward_flops: int = 0  # of it, inside the packed experts' modules
+    calls: dict[str, dict[str, int]] = field(default_factory=dict)  # mesh axis -> collective -> calls
 
     @property
     def activations(self) -> int:
         return self.peak - self.model_states
 
     def figures(self) -> StepFigures:
-        return StepFigures(self.activations, self.traffic, self.axis_ranks, self.flops, self.forward_flops, self.experts_forward_flops)
+        return StepFigures(
+            self.activations, self.traffic, self.axis_ranks, self.flops, self.forward_flops, self.experts_forward_flops,
+            self.calls,
+        )
 
 
 def token_batch(module: nn.Module, spec: StepSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,6 +167,7 @@ def train_steps(
     return StepMemory(
         peak, held, {axis: dict(by) for axis, by in traffic.bytes.items()}, dict(traffic.ranks),
         flops=flops.total, forward_flops=flops.forward, experts_forward_flops=flops.experts_forward,
+        calls={axis: dict(by) for axis, by in traffic.calls.items()},
     )
 
 

@@ -262,7 +262,7 @@ def _real_step(rank: int, world: int, layout: dict, out: str, model: str = "llam
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "gathers": engine.stats.gathers - gathers_before if sharded else 0, "units": len(gathered),
         "zero_stage": engine.stage if sharded else None,
-        "peak": memory.peak, "model_states": memory.model_states, "traffic": memory.traffic, "engine_sent": engine_sent,
+        "peak": memory.peak, "model_states": memory.model_states, "traffic": memory.traffic, "calls": memory.calls, "engine_sent": engine_sent,
         "flops": memory.flops, "forward_flops": memory.forward_flops, "axis_ranks": memory.axis_ranks,
         "held": held_bytes(module, engine, optimizers),
     }))
@@ -354,6 +354,7 @@ def test_a_real_step_holds_what_the_plan_says_and_peaks_near_the_fake_steps_peak
             # Every collective of the fake step sends what the real one does, per axis and collective; the
             # data-parallel axes' bytes are what the engine's counters (the monitor's figures) say it sent.
             assert stage.traffic == real["traffic"], (rank, real["traffic"])
+            assert stage.calls == real["calls"], (rank, real["calls"])  # and as many calls (the estimate's latency)
             data_parallel = sum(  # the engine's: data-parallel axes (edp: the expert replicas'), less the dispatch
                 n for axis, by in stage.traffic.items() if axis.startswith("dp") or axis == "edp"
                 for name, n in by.items() if name != "all_to_all"

@@ -3,7 +3,7 @@ bounds and MFU from their definitions."""
 
 import pytest
 
-from lightning_ciuic.planner.estimate import Hardware, estimate_step, parse_flops, parse_links, parse_rate
+from lightning_ciuic.planner.estimate import Hardware, estimate_step, parse_flops, parse_links, parse_rate, parse_seconds
 
 
 def test_datasheet_figures_parse_to_flops_and_bytes_per_second():
@@ -211,6 +211,20 @@ def test_an_all_to_all_is_the_expert_dispatchs_whatever_axis_carries_it():
     assert step.expert_seconds == pytest.approx(2e9 * 2 / 3 / 10e9)
     assert step.axis_seconds["dp"] == pytest.approx((2e9 * 2 / 3 + 1e9) / 10e9)
     assert step.modelled_seconds == pytest.approx(0.1 + step.expert_seconds)
+
+
+def test_each_collective_call_costs_the_latency_given_besides_its_bytes():
+    """An alpha-beta model: 10 calls on dp_shard and 6 all-to-alls on ep at 1 ms each, besides their bytes' time."""
+    hardware = Hardware(peak_flops=100e12, intra_node=400e9, inter_node=10e9, devices_per_node=8, efficiency=1.0, latency=1e-3)
+    traffic = {"dp_shard": {"all_gather": 1e9}, "ep": {"all_to_all": 4e9}}
+    ranks = {"dp_shard": [0, 8], "ep": list(range(8))}
+    step = estimate_step(10e12, 2.5e12, traffic, ranks, hardware, calls={"dp_shard": {"all_gather": 10}, "ep": {"all_to_all": 6}})
+    assert step.axis_seconds == {"dp_shard": pytest.approx(0.1 + 0.01), "ep": pytest.approx(0.01 + 0.006)}
+    assert step.expert_seconds == pytest.approx(0.016)
+    assert estimate_step(10e12, 2.5e12, traffic, ranks, hardware).axis_seconds["ep"] == pytest.approx(0.01)  # no calls given
+    assert parse_seconds("20us") == pytest.approx(2e-5) and parse_seconds("3.5ms") == pytest.approx(3.5e-3)
+    with pytest.raises(ValueError, match="latency is the seconds a collective call costs"):
+        Hardware(1e12, 1e9, 1e9, latency=-1.0)
 
 
 def test_the_experts_forward_flops_are_counted_apart_and_scale_the_steps():
