@@ -149,7 +149,7 @@ class Plan:
                 {
                     "pp_stage": stage, "flops": f.flops, "forward_flops": f.forward_flops,
                     "experts_forward_flops": f.experts_forward_flops, "activations": f.activations,
-                    "communication_bytes_per_step": _axis_totals(f.traffic),
+                    "communication_bytes_per_step": _axis_totals(f.traffic), "calls": f.calls,
                 }
                 for stage, f in sorted(self.steps.items())
             ],
