@@ -25,7 +25,9 @@ Touch points:
   checkpoint whole in one process, as torch's own ``dcp_to_torch_save`` does), ``DeviceMesh._flatten`` (two mesh
   axes named as one, as torchtitan names ``dp_replicate x dp_shard`` "dp"), FSDP2's ``ReduceScatter`` interface
   (``set_custom_reduce_scatter`` is public, the class it takes is not), and the mesh of a user's ``fully_shard``
-  unit (its state's parameter group); autograd's current graph task (``in_backward``: an activation-checkpointing
+  unit (its state's parameter group); selective checkpointing's storage (the ``storage`` of the modes
+  ``create_selective_checkpoint_contexts`` returns: kept for the zero-bubble schedules' second backward);
+  autograd's current graph task (``in_backward``: an activation-checkpointing
   recompute runs a module's forward again inside backward); ``DeviceMesh._unflatten`` (the expert view of a mesh
   axis, as torchtitan splits ``dp_shard`` into ``efsdp x ep``); ``nn.Module``'s own forward-hook tables (suspended while a step is routed
   through an FSDP2 root, so its hooks run once per step); a pipeline schedule's warm-up (``_warmup_p2p``, replaced where
