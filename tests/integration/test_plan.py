@@ -303,6 +303,11 @@ RECOMPUTE_STEP_LAYOUTS = {
         pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2,
         gradient_checkpointing={"recompute": ["norm", "mla_up"]},
     )),
+    # under DualPipeV (two backward passes through each selectively recomputed block; its 2048-rank plan, docs/plan.md)
+    "deepseek-recipe-pp2-dp2-ep2-dualpipev": ("deepseek-mini", dict(
+        pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2, pipeline=PipelineConfig("dualpipev"),
+        gradient_checkpointing={"recompute": ["norm", "mla_up"]},
+    )),
     # and the experts' inputs kept in fp8 (DeepSeek-V3's low-precision storage): the encodings the plan holds
     "deepseek-recipe-fp8-storage-pp2-dp2-ep2": ("deepseek-mini", dict(
         pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2,
