@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 from lightning_ciuic.parallel.experts.overlap import CHUNKS
 from lightning_ciuic.planner.efficiency import KERNEL_EFFICIENCY
@@ -217,11 +217,12 @@ class StepEstimate:
 def estimate_step(
     flops: int, forward_flops: int, traffic: Mapping[str, Mapping[str, int]], axis_ranks: Mapping[str, Sequence[int]],
     hardware: Hardware, bubble: float = 0.0, experts_flops: float = 0.0, expert_overlap: bool = False,
-    calls: Mapping[str, Mapping[str, int]] = {},
+    calls: Optional[Mapping[str, Mapping[str, int]]] = None,
 ) -> StepEstimate:
     """The estimate of one rank's step (see the module docstring); ``traffic``: bytes per axis and collective;
     ``experts_flops``: of ``flops``, the packed experts'; ``expert_overlap``: the dispatch's chunks; ``calls``: the
     collectives' calls per axis and collective (each costs ``hardware.latency``)."""
+    calls = calls or {}
     by_link = {axis: link_bytes(collectives, axis_ranks.get(axis, ()), hardware) for axis, collectives in traffic.items()}
     latency = {axis: hardware.latency * sum(calls.get(axis, {}).values()) for axis in traffic}
     seconds = {axis: _seconds(by, hardware) + latency[axis] for axis, by in by_link.items()}
