@@ -4,10 +4,10 @@ time; and each with its all-to-alls overlapped with compute (``expert_dispatch_o
 The model: the example DeepSeek-style decoder with DeepSeek-V3's group-limited routing (``MOE``: 32 routed experts in
 4 groups, each token's 8 experts in its best 2 groups), ep=4 over dp=4 as 2 nodes of 2 ranks (``num_nodes=2,
 devices=2``: the ep ranks' nodes are the cluster environment's, each node holds 2 whole groups, so a token reaches at
-most 2 nodes). Both dispatches route the same way (same seed, same data, the same maths: equal in float64,
+most 2 nodes); ``--per-node 1``: ep=2 over dp=2, a process per node (each with a core of its own). Both dispatches route the same way (same seed, same data, the same maths: equal in float64,
 tests/distributed/test_expert_dispatch.py).
 
-Needs root (benchmarks/sim_cluster.py): two network namespaces joined by a ``--rate`` link, two processes in each (what
+Needs root (benchmarks/sim_cluster.py): two network namespaces joined by a ``--rate`` link, the processes in each (what
 they send each other stays inside the namespace, off its link). Variants ``flat`` and ``hierarchical``, each with the
 dispatch uncompressed and in ``fp8``, and each uncompressed with ``overlap`` (``expert_dispatch_overlap=True``: two
 chunks per micro-batch, one's all-to-alls in flight while the other computes), alternating (the order reversed every
@@ -20,15 +20,16 @@ thread was blocked on them (``DispatchStats.seconds`` / ``exposed_seconds``, ran
 same compression; the overlapped ones to the same dispatch without overlap (target: step time <= 0.75x).
 
 Planned beside: each variant planned with ``lightning_ciuic.planner`` for the same model, layout and micro-batch
-(``--link intra=2GB/s,inter=<rate / 2>``: a node's link shared by its two processes, as the plan's per-device link
-speed), its compute rate and the latency of a collective call (an alpha-beta model: ``Hardware.latency``) fitted on
+(``--link intra=2GB/s,inter=<rate / processes per node>``: a node's link shared by its processes, as the plan's
+per-device link speed), its compute rate and the latency of a collective call (an alpha-beta model: ``Hardware.latency``) fitted on
 ``flat`` and ``hierarchical`` without overlap (their steps are compute plus every all-to-all's bytes and calls; the
 hierarchical dispatch makes more calls) and checked on the four others: the modelled step against the measured one
 (target: the overlapped steps within 15%).
 
-Writes the ``expert_dispatch`` section of docs/benchmarks.md (``--dry-run``: prints it only).
+Writes the ``expert_dispatch`` section of docs/benchmarks.md (``expert_dispatch_per_node<N>`` for another
+``--per-node``; ``--dry-run``: prints it only).
 
-    sudo .venv/bin/python benchmarks/expert_dispatch.py [--rate 1gbit] [--steps 14] [--rounds 3] [--batch-size 8] [--moe-inter-dim 64]
+    sudo .venv/bin/python benchmarks/expert_dispatch.py [--rate 1gbit] [--steps 14] [--rounds 3] [--batch-size 8] [--moe-inter-dim 64] [--per-node 2]
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from benchmarks.sim_cluster import SimulatedCluster, available, run_nodes  # noq
 
 WARMUP = 4
 SEQUENCE = 64  # tokens per sequence (ByteCorpusDataModule)
-NODES, PER_NODE = 2, 2
+NODES = 2
 MOE = dict(
     dim=128, n_layers=4, n_routed_experts=32, n_activated_experts=8, n_expert_groups=4, topk_expert_groups=2,
     moe_inter_dim=64, n_dense_layers=1,
@@ -62,19 +63,19 @@ DISPATCHES = VARIANTS[:4]  # compared with flat of the same compression
 OVERLAPPED = VARIANTS[4:]  # compared with the same dispatch without overlap
 
 
-def _options(variant: str) -> dict:
+def _options(variant: str, per_node: int) -> dict:
     mode, *options = variant.split()
     codec = next((o for o in options if o != "overlap"), "none")
     return dict(
-        data_parallel_size=NODES * PER_NODE, expert_parallel_size=NODES * PER_NODE, expert_dispatch=mode,
+        data_parallel_size=NODES * per_node, expert_parallel_size=NODES * per_node, expert_dispatch=mode,
         expert_dispatch_compression=codec, expert_dispatch_overlap="overlap" in options,
     )
 
 
-def _strategy(variant: str):
+def _strategy(variant: str, per_node: int):
     from lightning_ciuic import HybridParallelStrategy
 
-    return HybridParallelStrategy(**_options(variant))
+    return HybridParallelStrategy(**_options(variant, per_node))
 
 
 def _plans(args: argparse.Namespace) -> dict:
@@ -93,10 +94,10 @@ def _plans(args: argparse.Namespace) -> dict:
         with torch.device("meta"):
             return DeepSeekMini(**_model(args))
 
-    hardware = Hardware(1.0, INTRA_NODE, parse_rate(f"{args.rate}/s") / PER_NODE, devices_per_node=PER_NODE, efficiency=1.0)
+    hardware = Hardware(1.0, INTRA_NODE, parse_rate(f"{args.rate}/s") / args.per_node, devices_per_node=args.per_node, efficiency=1.0)
     return {
         variant: plan_layout(
-            build, ParallelismConfig(**_options(variant), expert_devices_per_node=PER_NODE), NODES * PER_NODE,
+            build, ParallelismConfig(**_options(variant, args.per_node), expert_devices_per_node=args.per_node), NODES * args.per_node,
             optimizers=optimizers_of, step=StepSpec(args.batch_size, SEQUENCE), hardware=hardware,
         )
         for variant in VARIANTS
@@ -165,7 +166,7 @@ def worker(args: argparse.Namespace) -> None:
     seed_everything(0)
     torch.set_num_threads(1)
     trainer = Trainer(
-        strategy=_strategy(args.variant), accelerator="cpu", devices=PER_NODE, num_nodes=NODES, max_steps=args.steps,
+        strategy=_strategy(args.variant, args.per_node), accelerator="cpu", devices=args.per_node, num_nodes=NODES, max_steps=args.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, callbacks=[StepTimer(args.out), Measure()],
     )
@@ -181,8 +182,8 @@ def _model(args: argparse.Namespace) -> dict:
 def run(variant: str, args: argparse.Namespace, workdir: Path, cluster) -> dict:
     out = workdir / f"{variant.replace(' ', '_')}.json"
     argv = [sys.executable, __file__, "--worker", "--variant", variant, "--steps", str(args.steps), "--batch-size",
-            str(args.batch_size), "--moe-inter-dim", str(args.moe_inter_dim), "--out", str(out)]
-    run_nodes(argv, cluster, NODES, PER_NODE)
+            str(args.batch_size), "--moe-inter-dim", str(args.moe_inter_dim), "--per-node", str(args.per_node), "--out", str(out)]
+    run_nodes(argv, cluster, NODES, args.per_node)
     result = {**json.loads(out.read_text()), **json.loads(Path(str(out) + ".report").read_text())}
     result["step"] = median_after_warmup(result["times"], WARMUP)
     return result
@@ -233,7 +234,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> str:
         for v, e in planned.items()
     ]
     return "\n".join([
-        f"Two simulated nodes at {args.rate}, two processes each (ep=4 over dp=4), {args.steps} steps ({WARMUP} warm-up),"
+        f"Two simulated nodes at {args.rate}, {args.per_node} processes each (ep={NODES * args.per_node} over"
+        f" dp={NODES * args.per_node}), {args.steps} steps ({WARMUP} warm-up),"
         f" batch {args.batch_size} x 64 tokens per rank, {args.rounds} alternating rounds. Wire: both nodes' interface"
         " counters (tx_bytes; everything that crossed the link, the dense gradients' all-reduce included); dispatch:"
         " the expert dispatch's own inter-node bytes, forward (DispatchStats.link_bytes), summed over the ranks; ratios"
@@ -257,7 +259,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> str:
         "Target: step time with overlap <= 0.75x of without.",
         "",
         f"Planned against measured: each variant planned for the same model, layout and micro-batch (the fake process"
-        f" group), links {links.intra_node / 1e9:g} GB/s intra-node and {args.rate} over {PER_NODE} processes"
+        f" group), links {links.intra_node / 1e9:g} GB/s intra-node and {args.rate} over {args.per_node} processes"
         f" inter-node ({links.inter_node / 1e6:g} MB/s per process), the compute rate ({rate / 1e9:.2f} GFLOP/s per"
         f" process) and the latency of a collective call ({latency * 1e3:.2f} ms) fitted on {' and '.join(FIT)} without"
         " overlap, and checked on the others; planned compute, expert all-to-alls (E, bytes and calls) and their"
@@ -281,6 +283,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--moe-inter-dim", type=int, default=MOE["moe_inter_dim"], help="each routed expert's hidden width")
+    parser.add_argument("--per-node", type=int, default=2, help="processes per simulated node (ep = dp = 2 x this)")
     parser.add_argument("--dry-run", action="store_true", help="print the section, do not write docs/benchmarks.md")
     args = parser.parse_args()
     if args.worker:
@@ -296,7 +299,8 @@ def main() -> None:
             "## Expert parallelism: hierarchical dispatch and overlap",
             "",
             f"`sudo .venv/bin/python benchmarks/expert_dispatch.py --rate {args.rate} --steps {args.steps} --rounds"
-            f" {args.rounds} --batch-size {args.batch_size} --moe-inter-dim {args.moe_inter_dim}` on {machine()}. Model:"
+            f" {args.rounds} --batch-size {args.batch_size} --moe-inter-dim {args.moe_inter_dim} --per-node {args.per_node}`"
+            f" on {machine()}. Model:"
             " the example decoder with"
             f" {MOE['n_routed_experts']} routed experts per layer in {MOE['n_expert_groups']} groups, each token's"
             f" {MOE['n_activated_experts']} in its best {MOE['topk_expert_groups']} groups, {total / 1e6:.2f}M parameters"
@@ -306,7 +310,7 @@ def main() -> None:
         ])
     print(section)
     if not args.dry_run:
-        write_section("expert_dispatch", section)
+        write_section("expert_dispatch" if args.per_node == 2 else f"expert_dispatch_per_node{args.per_node}", section)
 
 
 if __name__ == "__main__":
