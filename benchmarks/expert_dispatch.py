@@ -113,10 +113,10 @@ def _fitted(plans: dict, measured: dict) -> tuple[dict, float, float]:
     steps (no overlap: compute plus every all-to-all) the measured ones: ``({variant: estimate}, rate, latency)``.
     The latency, from the two dispatches' different numbers of all-to-alls, is taken as 0 where the difference says
     less."""
-    (flat, hier), (calls_flat, calls_hier) = ((plans[v].estimate for v in FIT), (_all_to_alls(plans[v]) for v in FIT))
+    calls = [_all_to_alls(plans[v]) for v in FIT]
     free = [measured[v] - plans[v].estimate.exposed_expert_seconds for v in FIT]  # compute + calls x latency
-    latency = max(0.0, (free[1] - free[0]) / (calls_hier - calls_flat)) if calls_hier != calls_flat else 0.0
-    rate = flat.flops / (free[0] - latency * calls_flat)
+    latency = max(0.0, (free[1] - free[0]) / (calls[1] - calls[0])) if calls[1] != calls[0] else 0.0
+    rate = plans[FIT[0]].estimate.flops / (free[0] - latency * calls[0])
     estimates = {
         v: dataclasses.replace(p, hardware=dataclasses.replace(p.hardware, peak_flops=rate, latency=latency)).estimate
         for v, p in plans.items()
