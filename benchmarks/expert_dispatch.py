@@ -4,7 +4,8 @@ time; and each with its all-to-alls overlapped with compute (``expert_dispatch_o
 The model: the example DeepSeek-style decoder with DeepSeek-V3's group-limited routing (``MOE``: 32 routed experts in
 4 groups, each token's 8 experts in its best 2 groups), ep=4 over dp=4 as 2 nodes of 2 ranks (``num_nodes=2,
 devices=2``: the ep ranks' nodes are the cluster environment's, each node holds 2 whole groups, so a token reaches at
-most 2 nodes); ``--per-node 1``: ep=2 over dp=2, a process per node (each with a core of its own). Both dispatches route the same way (same seed, same data, the same maths: equal in float64,
+most 2 nodes); ``--per-node 1``: ep=2 over dp=2, a process per node (each with a core of its own). Both
+dispatches route the same way (same seed, same data, the same maths: equal in float64,
 tests/distributed/test_expert_dispatch.py).
 
 Needs root (benchmarks/sim_cluster.py): two network namespaces joined by a ``--rate`` link, the processes in each (what
@@ -21,8 +22,8 @@ same compression; the overlapped ones to the same dispatch without overlap (targ
 
 Planned beside: each variant planned with ``lightning_ciuic.planner`` for the same model, layout and micro-batch
 (``--link intra=2GB/s,inter=<rate / processes per node>``: a node's link shared by its processes, as the plan's
-per-device link speed), its compute rate and the latency of a collective call (an alpha-beta model: ``Hardware.latency``) fitted on
-``flat`` and ``hierarchical`` without overlap (their steps are compute plus every all-to-all's bytes and calls; the
+per-device link speed), its compute rate and the latency of a collective call (an alpha-beta model:
+``Hardware.latency``) fitted on ``flat`` and ``hierarchical`` without overlap (their steps are compute plus every all-to-all's bytes and calls; the
 hierarchical dispatch makes more calls) and checked on the four others: the modelled step against the measured one
 (target: the overlapped steps within 15%).
 

@@ -26,8 +26,8 @@ Contract: :meth:`Recompute.parse` takes what a user writes (Python or YAML) and 
 :func:`recompute_blocks` applies a mode to blocks in place (parameter names unchanged, applying twice is a no-op):
 each chosen block's forward runs under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, with torch's
 selective-checkpointing contexts and the mode's policy for the op-level modes, their kept outputs held for every
-backward through the block (``compat.selective_checkpoint_contexts``: the zero-bubble schedules run two). Private aten op names come
-from :mod:`lightning_ciuic.compat`. No Lightning imports.
+backward through the block (``compat.selective_checkpoint_contexts``: the zero-bubble schedules run two). Private
+aten op names come from :mod:`lightning_ciuic.compat`. No Lightning imports.
 """
 
 from __future__ import annotations

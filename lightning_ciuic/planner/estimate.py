@@ -21,9 +21,9 @@ the global ranks of each axis's group) and a :class:`Hardware`, and returns a :c
   ``1 - bubble`` for a pipeline rank (``bubble``: the fraction of the step the schedule leaves it idle);
 * between them, the modelled step, ``max(compute + exposed, communication) / (1 - bubble)``: the expert all-to-alls
   (every axis's all-to-all bytes: the dispatch's, whichever axis its group is, ``ep``, ``ep_node``, ``ep_local``, or
-  ``dp`` where ep spans the data-parallel ranks) sit on the compute's path, since a mixture-of-experts layer waits for its tokens,
-  and the other axes' collectives run beside the compute as their engines schedule them (hidden up to the links'
-  own time). ``exposed`` is the expert all-to-alls' seconds ``E``, all of them without ``expert_overlap``; with it
+  ``dp`` where ep spans the data-parallel ranks) sit on the compute's path, since a mixture-of-experts layer waits
+  for its tokens, and the other axes' collectives run beside the compute as their engines schedule them (hidden up
+  to the links' own time). ``exposed`` is the expert all-to-alls' seconds ``E``, all of them without ``expert_overlap``; with it
   (``expert_dispatch_overlap``: :data:`~lightning_ciuic.parallel.experts.overlap.CHUNKS` chunks per micro-batch, one
   chunk's all-to-alls in flight while another's experts compute) ``E - min(E (1 - 1/CHUNKS), C)``: the first chunk's
   dispatch and the last chunk's combine of each layer have nothing to hide behind (half of ``E`` with two chunks),

@@ -59,11 +59,11 @@ class LocalFlops(compat.WatchesShapePropagation, compat.TorchDispatchMode):
         self.total = 0
         self.forward = 0
         self.experts_forward = 0
-        self._inside = 0  # the watched layers' forwards running now
+        self._inside = 0  # the watched modules' forwards running now
 
     @contextlib.contextmanager
-    def watching(self, layers: Sequence[nn.Module]) -> Iterator["LocalFlops"]:
-        """Inside, the forward FLOPs run inside ``layers``' forwards also go to ``experts_forward``."""
+    def watching(self, modules: Sequence[nn.Module]) -> Iterator["LocalFlops"]:
+        """Inside, the forward FLOPs run inside ``modules``' forwards also go to ``experts_forward``."""
 
         def enter(*_: Any) -> None:
             self._inside += 1
@@ -71,7 +71,7 @@ class LocalFlops(compat.WatchesShapePropagation, compat.TorchDispatchMode):
         def leave(*_: Any) -> None:
             self._inside -= 1
 
-        handles = [h for layer in layers for h in (layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave))]
+        handles = [h for m in modules for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
         try:
             yield self
         finally:
