@@ -301,6 +301,7 @@ class DeepSeekMini(PipelineModule, LightningModule):
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         v_head_dim: int = 16,
+        qk_rope_head_dim: int = 8,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -310,7 +311,7 @@ class DeepSeekMini(PipelineModule, LightningModule):
             n_activated_experts=n_activated_experts, moe_inter_dim=moe_inter_dim, n_expert_groups=n_expert_groups,
             topk_expert_groups=topk_expert_groups,
             dense_inter_dim=dense_inter_dim, n_dense_layers=n_dense_layers, max_seq_len=max_seq_len,
-            v_head_dim=v_head_dim,
+            v_head_dim=v_head_dim, qk_rope_head_dim=qk_rope_head_dim,
         )
         self.model = DeepSeekTransformer(self.config)
         self._last_step_time: float | None = None

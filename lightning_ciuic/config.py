@@ -13,8 +13,8 @@ parallelism; the nodes from ``expert_devices_per_node``, a positive integer, ``N
 devices per node, which the strategy fills in), ``expert_dispatch_overlap`` and ``expert_input_storage`` (one of
 ``expert_dispatch_compression``'s codecs) only with expert parallelism; per-step compression only on a process-group backend that has the
 collectives it needs (``process_group_backend`` ``None``, ``"gloo"`` or ``"nccl"``); ``weight_all_gather_compression``
-``"none"`` or ``"int8"``; ``gradient_checkpointing`` one of the recomputation modes of
-:class:`~lightning_ciuic.parallel.recompute.Recompute` (kept as the parsed ``Recompute``). ``resolve(world_size)`` gives the :class:`~lightning_ciuic.parallel.dims.ParallelDims` (degrees against
+``"none"`` or ``"int8"``; ``gemm_precision`` ``None`` or ``"fp8"``, not with tensor parallelism;
+``gradient_checkpointing`` one of the recomputation modes of :class:`~lightning_ciuic.parallel.recompute.Recompute` (kept as the parsed ``Recompute``). ``resolve(world_size)`` gives the :class:`~lightning_ciuic.parallel.dims.ParallelDims` (degrees against
 the world: errors name every factor). The pieces are the configs of the parts that use them:
 :class:`~lightning_ciuic.parallel.pipeline_module.PipelineConfig`, :class:`~lightning_ciuic.parallel.fsdp.ShardingConfig`,
 :class:`~lightning_ciuic.comm.compression.CompressionConfig` and :class:`~lightning_ciuic.comm.diloco.DiLoCo`.
@@ -58,6 +58,7 @@ SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualp
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 COMPRESSION_BACKENDS = (None, "gloo", "nccl")  # all_to_all, all_gather_single and point-to-point sends
 WEIGHT_CODECS = ("none", "int8")
+GEMM_PRECISIONS = (None, "fp8")
 
 # The strategy's flat keyword arguments -> (the piece of the config, its field there); "" is the config itself.
 STRATEGY_ARGS: dict[str, tuple[str, str]] = {
@@ -65,7 +66,7 @@ STRATEGY_ARGS: dict[str, tuple[str, str]] = {
         "pipeline_parallel_size", "data_parallel_size", "tensor_parallel_size", "data_parallel_shard_size",
         "expert_parallel_size", "expert_dispatch_compression", "expert_dispatch", "expert_devices_per_node",
         "expert_node_limit", "expert_dispatch_overlap", "expert_input_storage", "diloco", "gradient_checkpointing",
-        "process_group_backend", "bucket_size_mb", "sync_timeout", "sequence_parallel",
+        "process_group_backend", "bucket_size_mb", "sync_timeout", "sequence_parallel", "gemm_precision",
     )},
     "pipeline_schedule": ("pipeline", "schedule"),
     "num_microbatches": ("pipeline", "num_microbatches"),
@@ -121,6 +122,7 @@ class ParallelismConfig:
     expert_node_limit: Optional[int] = None  # opt-in: each token's experts on at most this many nodes (routers by groups)
     expert_dispatch_overlap: bool = False  # two chunks per micro-batch: one chunk's all-to-alls run while the other computes
     expert_input_storage: DispatchCompression = "none"  # the experts' input rows kept for backward in this encoding
+    gemm_precision: Optional[str] = None  # "fp8": the blocks' linear layers and the ep experts by FP8 GEMMs (parallel/fp8.py)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
@@ -236,6 +238,17 @@ class ParallelismConfig:
                 f"communication_compression={mode!r} needs all_to_all, all_gather_single and"
                 f" point-to-point sends, supported here on 'gloo' and 'nccl'; got process_group_backend="
                 f"{backend!r}. Use 'gloo'/'nccl' or communication_compression='none'."
+            )
+        if self.gemm_precision not in GEMM_PRECISIONS:
+            raise ValueError(
+                f"gemm_precision={self.gemm_precision!r}: use None (the parameters' dtype) or 'fp8' (the blocks' linear"
+                " layers and the expert-parallel experts by FP8 GEMMs, a scale per row: docs/fp8.md)."
+            )
+        if self.gemm_precision is not None and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"gemm_precision={self.gemm_precision!r} with tensor_parallel_size={self.tensor_parallel_size}: the FP8"
+                " GEMMs multiply whole local weights, and tensor parallelism makes them DTensors; use"
+                " tensor_parallel_size=1 (DeepSeek-V3 trains without it), or leave gemm_precision None."
             )
         weight = self.sharding.weight_codec
         if weight is not None and weight not in WEIGHT_CODECS:

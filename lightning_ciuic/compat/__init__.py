@@ -109,6 +109,8 @@ from lightning_ciuic.compat.modules import (
     forward_hooks_suspended,
     grouped_mm,
     has_grouped_mm,
+    scaled_mm,
+    SCALED_MM_OP,
     hugging_face_experts_layout,
     hugging_face_pp_plan,
     hugging_face_tp_plan,
@@ -164,6 +166,8 @@ TESTED = {"torch": ((2, 13), (2, 15)), "lightning": ((2, 6), (2, 7))}
 
 __all__ = [
     "ATTENTION_OPS",
+    "SCALED_MM_OP",
+    "scaled_mm",
     "FUNCTIONAL_REDUCE_SCATTER",
     "profiler_ops_pass_selective_checkpointing",
     "view_base",

@@ -92,6 +92,20 @@ def is_torch_checkpoint_hook(hooks: Optional[tuple]) -> bool:
     return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
 
+# FP8's matrix product (private aten op, torch 2.1+): selective recomputation counts it as a matrix product
+# (parallel/recompute.py) and the planner's FLOP count apart (planner/flops.py).
+SCALED_MM_OP = torch.ops.aten._scaled_mm.default
+
+
+def scaled_mm(
+    a_codes: torch.Tensor, b_codes: torch.Tensor, a_scales: torch.Tensor, b_scales: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``torch._scaled_mm`` (private op, torch 2.1+): ``(a_codes * a_scales) @ (b_codes * b_scales)`` of float8 codes
+    (``a`` row-major, ``b`` column-major), the scales float32 (``[M, 1]`` and ``[1, N]``: a scale per row of ``a``
+    and per column of ``b``), accumulated in float32, in ``out_dtype``."""
+    return torch._scaled_mm(a_codes, b_codes, scale_a=a_scales, scale_b=b_scales, out_dtype=out_dtype)
+
+
 def has_grouped_mm() -> bool:
     """Whether this torch has ``torch._grouped_mm`` (private op, torch 2.8+)."""
     return hasattr(torch, "_grouped_mm")

@@ -26,7 +26,9 @@ is one: this module does not import it, the arrow runs from the config to ``para
    (:func:`~lightning_ciuic.parallel.experts.shard_experts`); ``Parallelized.experts`` is its layout, which the
    data-parallel engine reads (expert gradients are averaged over the ranks holding the same experts). Sharded,
    each experts module becomes its own FSDP2 unit over those ranks (step 5).
-3. **Activation recomputation** (``options.gradient_checkpointing``, a
+3. **FP8 GEMMs** (``options.gemm_precision == "fp8"``): every ``nn.Linear`` of the blocks below but the routers
+   multiplies in FP8, and so do the expert-parallel experts (:mod:`~lightning_ciuic.parallel.fp8`).
+   **Activation recomputation** (``options.gradient_checkpointing``, a
    :class:`~lightning_ciuic.parallel.recompute.Recompute`: full, every k-th block, torchtitan's op-level selective
    policy, or named sub-modules such as DeepSeek-V3's norms and MLA up-projections): over each pipeline block of a
    :class:`~lightning_ciuic.parallel.pipeline_module.PipelineModule`, else each block of the module's outermost
@@ -65,6 +67,7 @@ from lightning_ciuic.parallel.dims import Meshes, ParallelDims
 from lightning_ciuic.parallel.experts import DispatchCompression, DispatchMode, ExpertLayout, shard_experts
 from lightning_ciuic.parallel.fsdp import FSDPLayout, ShardingConfig, default_units, found_sharding, has_meta_tensors, shard
 from lightning_ciuic.parallel.fsdp import materialize as materialize_meta
+from lightning_ciuic.parallel.fp8 import use_fp8_gemms
 from lightning_ciuic.parallel.pipeline import PipelineRunner, block_modules
 from lightning_ciuic.parallel.pipeline_module import PipelineConfig, PipelineModule, build_pipeline
 from lightning_ciuic.parallel.recompute import Recompute, recompute_blocks
@@ -106,6 +109,9 @@ class ParallelizeOptions(Protocol):
 
     @property
     def expert_input_storage(self) -> DispatchCompression: ...  # the experts' input rows kept for backward so encoded
+
+    @property
+    def gemm_precision(self) -> Optional[str]: ...  # "fp8": the blocks' linears and the ep experts by FP8 GEMMs
 
     @property
     def diloco(self) -> Optional[Any]: ...  # whole replicas that train apart: no user FSDP2 units
@@ -158,6 +164,11 @@ def parallelize(
             module, meshes, options.expert_dispatch_compression, options.expert_dispatch, options.expert_devices_per_node,
             options.expert_node_limit, options.expert_dispatch_overlap, options.expert_input_storage,
         )
+    if options.gemm_precision == "fp8":
+        experts = list(result.experts.modules.items()) if result.experts is not None else []
+        use_fp8_gemms(*named_blocks(module, "gemm_precision='fp8'"), experts)
+        if result.experts is not None:
+            result.experts.fp8 = True
     if options.gradient_checkpointing:
         checkpoint_blocks(module, options.gradient_checkpointing)
     if dims.pp_enabled:
@@ -218,6 +229,13 @@ def tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: b
 
 def checkpoint_blocks(module: nn.Module, recompute: Recompute) -> None:
     """Step 3: ``recompute`` over the blocks (pipeline blocks, else the outermost layer lists' blocks)."""
+    blocks, names = named_blocks(module, f"gradient_checkpointing={recompute}")
+    recompute_blocks(blocks, recompute, names)
+
+
+def named_blocks(module: nn.Module, option: str) -> tuple[list[nn.Module], list[str]]:
+    """``(blocks, names)``: the pipeline blocks, else the outermost layer lists' blocks; ``TypeError`` naming
+    ``option`` (what acts on each block) when there are none."""
     if isinstance(module, PipelineModule):
         names = list(module.pipeline_blocks())
         blocks = block_modules(module, names)
@@ -227,11 +245,11 @@ def checkpoint_blocks(module: nn.Module, recompute: Recompute) -> None:
         names = [named[id(b)] for b in blocks]
     if not blocks:
         raise TypeError(
-            f"gradient_checkpointing={recompute} recomputes in each block of the model, and {type(module).__name__} has"
-            " neither pipeline blocks (the PipelineModule protocol: pipeline_blocks(), docs/pipeline.md) nor an"
-            " nn.ModuleList of layers: give it one of them, or set gradient_checkpointing=False."
+            f"{option} acts in each block of the model, and {type(module).__name__} has neither pipeline blocks (the"
+            " PipelineModule protocol: pipeline_blocks(), docs/pipeline.md) nor an nn.ModuleList of layers: give it"
+            f" one of them, or drop {option.partition('=')[0]}."
         )
-    recompute_blocks(blocks, recompute, names)
+    return blocks, names
 
 
 def check_user_sharding(module: nn.Module, layout: FSDPLayout, dp_mesh: DeviceMesh, options: ParallelizeOptions) -> None:

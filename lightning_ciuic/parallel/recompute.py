@@ -8,7 +8,8 @@ Contract: :meth:`Recompute.parse` takes what a user writes (Python or YAML) and 
 * ``"full:<k>"`` (``k >= 1``): every k-th block (the k-th, 2k-th, ... counted over the model's blocks) recomputed
   whole, the others keep everything (torchtitan's layer-stride mode).
 * ``"selective"``: torchtitan's op-level policy in every block: the outputs of attention kernels
-  (``aten._scaled_dot_product_*``), of every other matrix product (``aten.mm`` / ``aten.addmm``, counted per block),
+  (``aten._scaled_dot_product_*``), of every other matrix product (``aten.mm`` / ``aten.addmm``, FP8's
+  ``aten._scaled_mm``, counted per block),
   of ``aten.max`` and of reduce-scatters are kept; everything else is recomputed.
 * ``{"recompute": [names...]}``: the ops run inside the named sub-modules of each block are recomputed, the
   outputs of every other op kept (torch's selective checkpointing: a kept op's output stays, the tensors a
@@ -44,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from lightning_ciuic import compat
-from lightning_ciuic.compat import ATTENTION_OPS
+from lightning_ciuic.compat import ATTENTION_OPS, SCALED_MM_OP
 
 RecomputeMode = Literal["none", "full", "selective", "modules"]
 GradientCheckpointing = Union[bool, str, dict[str, list[str]]]  # what users write (the strategy's argument type)
@@ -52,7 +53,7 @@ PRESETS = {"norm": "every module whose class name ends in 'Norm'",
            "mla_up": "multi-head latent attention's up-projections (*q_b_proj, *kv_b_proj, *wq_b, *wkv_b)"}
 _MLA_UP = ("*q_b_proj", "*kv_b_proj", "*wq_b", "*wkv_b")
 compat.profiler_ops_pass_selective_checkpointing()
-_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, SCALED_MM_OP)  # FP8's too
 _SAVED_OPS = frozenset({*ATTENTION_OPS, torch.ops.aten.max.default,
                         compat.FUNCTIONAL_REDUCE_SCATTER})
 _SPELLINGS = (

@@ -157,6 +157,10 @@ class HybridParallelStrategy(ParallelStrategy):
             kept for backward in that encoding (DeepSeek-V3 keeps them in fp8: 0.52x of bf16's bytes); the experts'
             gate/up weight gradients then read the decoded rows (lossy, within the codec's rounding), nothing else
             changes. Not with ``gradient_checkpointing=True``, which keeps none: docs/expert_parallel.md.
+        gemm_precision: ``None`` (the default: the parameters' dtype) or ``"fp8"``: every ``nn.Linear`` of the
+            model's blocks (but mixture-of-experts routers) and, with expert parallelism, the routed experts multiply
+            in FP8 (e4m3, a scale per token and per weight channel; weight gradients unquantized), as DeepSeek-V3
+            trains. Lossy; not with tensor parallelism: docs/fp8.md.
     """
 
     strategy_name = "ciuic"
@@ -200,6 +204,7 @@ class HybridParallelStrategy(ParallelStrategy):
         expert_node_limit: Optional[int] = None,
         expert_dispatch_overlap: bool = False,
         expert_input_storage: DispatchCompression = "none",
+        gemm_precision: Optional[Literal["fp8"]] = None,
         sequence_parallel: bool = True,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from examples.deepseek import PackedExperts
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.experts import shard_experts
+from lightning_ciuic.parallel.fp8 import fp8_linear
 from tests.helpers import run_workers
 
 E, H, I, K = 4, 16, 8, 2
@@ -245,3 +246,54 @@ def _interleaving(rank: int, world: int) -> None:
 
 def test_overlapped_dispatch_runs_one_chunks_all_to_alls_while_the_other_computes():
     run_workers(_interleaving, 2)
+
+
+# FP8 GEMMs (gemm_precision="fp8"): each expert's two products in e4m3 with a scale per row. A row's result does not
+# depend on the rows beside it, so the dispatched experts equal the same products pair by pair on one process.
+FH, FI = 32, 16  # widths FP8's kernels take (multiples of 16)
+
+
+def _pair_by_pair(experts, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each (token, expert) pair through FP8 GEMMs alone, summed per token in float64."""
+    rows = []
+    for t in range(x.shape[0]):
+        row = x.new_zeros(1, x.shape[1])
+        for slot in range(index.shape[1]):
+            e = int(index[t, slot])
+            gate, up = fp8_linear(x[t : t + 1], experts.gate_up_proj[e]).chunk(2, dim=-1)
+            row = row + fp8_linear(experts.act_fn(gate) * up * weights[t, slot], experts.down_proj[e])
+        rows.append(row)
+    return torch.cat(rows)
+
+
+def _fp8(rank: int, world: int) -> None:
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        reference = PackedExperts(E, FH, FI).double()
+        sharded = copy.deepcopy(reference)
+        dims = ParallelDims.resolve(world, data_parallel_size=world, expert_parallel_size=world)
+        layout = shard_experts(sharded, dims.build("cpu"), "none", overlap=overlap)
+        layout.fp8 = True
+        x, index, weights = _routing(12, rank, None, FH)
+        x_ref, w_ref = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        x_ep, w_ep = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        expected, actual = _pair_by_pair(reference, x_ref, index, w_ref), sharded(x_ep, index, w_ep)
+        upstream = torch.randn(expected.shape, generator=torch.Generator().manual_seed(7 + rank), dtype=torch.float64)
+        expected.backward(upstream)
+        actual.backward(upstream)
+        for param in reference.parameters():
+            dist.all_reduce(param.grad)
+            param.grad /= world
+        # float32 accumulation inside each product, the same codes either way: a few float32 roundings of the largest
+        pairs = [(expected, actual), (x_ref.grad, x_ep.grad), (w_ref.grad, w_ep.grad)]
+        pairs += [(p.grad.chunk(world)[rank], q.grad.to_local()) for p, q in zip(reference.parameters(), sharded.parameters())]
+        for want, got in pairs:
+            torch.testing.assert_close(got, want, rtol=0, atol=16 * 2.0**-24 * float(want.abs().max()))
+        with torch.no_grad():
+            unquantized = reference(x, index, weights)
+        assert (actual - unquantized).abs().max() > 1e-6  # FP8 ran: not the float64 product
+
+
+def test_fp8_experts_equal_their_products_pair_by_pair_on_one_process():
+    """Outputs, input, routing-weight and expert gradients; blocking and overlapped."""
+    run_workers(_fp8, 2)

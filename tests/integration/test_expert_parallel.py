@@ -1,6 +1,7 @@
 """Expert parallelism trains to the parameters of single-process training (float64, tolerance from the numerics:
 tests/helpers.rounding_atol), on the example model and on Hugging Face mixture-of-experts models."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -10,6 +11,9 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 
 from examples.deepseek import DeepSeekMini
 from lightning_ciuic import HybridParallelStrategy
+from lightning_ciuic.parallel.experts import dispatched_output, packed_experts
+from lightning_ciuic.parallel.fp8 import use_fp8_gemms
+from lightning_ciuic.parallel.parallelize import named_blocks
 from tests.helpers import PRECISION, SEQ_LEN, TINY_MODEL, assert_state_close, loader, reference_training
 
 STEPS, PER_RANK_BATCH = 4, 2
@@ -104,6 +108,33 @@ def _fit_and_compare(dp, shard, pp, tp, ep, clip, accumulate=1, gradient_checkpo
     assert_state_close(actual, reference_training(reference or factory, STEPS, global_batch, clip=clip), STEPS)
 
 
+# gemm_precision="fp8": widths FP8's kernels take (multiples of 16: kv_lora_rank + the rotary part)
+FP8_MODEL = {**MOE_MODEL, "kv_lora_rank": 16, "qk_rope_head_dim": 16}
+
+
+def _fp8_tiny() -> DeepSeekMini:
+    seed_everything(7)
+    return DeepSeekMini(**FP8_MODEL).double()
+
+
+def _fp8_reference() -> DeepSeekMini:
+    """One process, the blocks' linears and the experts by FP8 GEMMs (the experts as expert parallelism runs them)."""
+    module = _fp8_tiny()
+    use_fp8_gemms(*named_blocks(module, "gemm_precision='fp8'"))
+    for _, experts in packed_experts(module):
+        experts.forward = functools.partial(dispatched_output, experts, fp8=True)
+    return module
+
+
+def test_fp8_gemms_train_as_one_process_with_the_same_fp8_gemms():
+    """ep 2 over FSDP 2 with pp 2: every scale belongs to one token or one weight channel, so the layout computes what
+    one process computes with the same FP8 GEMMs, to float64's rounding; and FP8 did run: one process without it
+    ends elsewhere."""
+    _fit_and_compare(2, 2, 2, 1, 2, 0.05, factory=_fp8_tiny, reference=_fp8_reference, gemm_precision="fp8")
+    fp8, plain = (reference_training(f, 1, 4, clip=0.05) for f in (_fp8_reference, _fp8_tiny))
+    assert max((fp8[k] - plain[k]).abs().max().item() for k in plain) > 1e-5
+
+
 HF_COMMON = dict(
     vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=32,
     num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, experts_implementation="eager",
@@ -161,6 +192,49 @@ def test_hugging_face_moe_families_train_with_experts_sharded(model_type, shard,
     trainer.fit(module, loader(STEPS * PER_RANK_BATCH * 2, PER_RANK_BATCH))
     actual = {k: v.detach() for k, v in module.state_dict().items()}
     assert_state_close(actual, reference_training(factory, STEPS, PER_RANK_BATCH * 2), STEPS, lr=1e-2)
+
+
+HF_FP8 = {  # widths FP8's kernels take: multiples of 16
+    "qwen3_moe": HF_MOE["qwen3_moe"],
+    "deepseek_v3": dict(HF_MOE["deepseek_v3"], kv_lora_rank=16, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16),
+}
+
+
+def _hugging_face_fp8(model_type: str, reference: bool):
+    def build():
+        from lightning_ciuic.huggingface import HuggingFaceCausalLM
+
+        seed_everything(5)
+        module = HuggingFaceCausalLM(model_type, HF_FP8[model_type], lr=1e-2).double()
+        if reference:  # one process, as _fp8_reference
+            use_fp8_gemms(*named_blocks(module, "gemm_precision='fp8'"))
+            for _, experts in packed_experts(module):
+                experts.forward = functools.partial(dispatched_output, experts, fp8=True)
+        return module
+
+    return build
+
+
+@pytest.mark.parametrize("model_type, steps", [("qwen3_moe", STEPS), ("deepseek_v3", 1)])
+def test_hugging_face_moe_families_train_with_fp8_gemms_as_one_process(model_type, steps):
+    """transformers' DeepSeek-V3 and Qwen3-MoE, ep 2 over FSDP 2, gemm_precision="fp8": as one process with the same
+    FP8 GEMMs (their routers, not nn.Linear or beside the experts, stay in float64). DeepSeek-V3 routes in float32:
+    from the second step, its routing weights differ from one process's by float32's rounding of parameters that
+    differ by float64's, and a weight that tips an intermediate's e4m3 rounding moves it a whole code (a router
+    weight 1.6e-6 off after 4 steps), so one step, from equal parameters."""
+    pytest.importorskip("transformers")
+    strategy = HybridParallelStrategy(
+        data_parallel_size=2, data_parallel_shard_size=2, expert_parallel_size=2, gemm_precision="fp8", start_method="forkserver",
+    )
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
+    )
+    module = _hugging_face_fp8(model_type, reference=False)()
+    trainer.fit(module, loader(steps * PER_RANK_BATCH * 2, PER_RANK_BATCH))
+    actual = {k: v.detach() for k, v in module.state_dict().items()}
+    expected = reference_training(_hugging_face_fp8(model_type, reference=True), steps, PER_RANK_BATCH * 2)
+    assert_state_close(actual, expected, steps, lr=1e-2)
 
 
 class _MeanLosses(Callback):

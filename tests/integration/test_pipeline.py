@@ -254,7 +254,7 @@ def _accumulation_pp4_compression_and_setup_errors(rank: int, world: int, tmp: s
          ValueError, "tensor_parallel_size=2 does not divide n_heads=3"),
         (PP2_DP2, NotPipelined, TypeError, "needs a LightningModule that implements the PipelineModule protocol"),
         (dict(data_parallel_size=4, gradient_checkpointing=True), NotPipelined,
-         TypeError, "gradient_checkpointing=full recomputes in each block of the model, and NotPipelined has neither pipeline blocks"),
+         TypeError, "gradient_checkpointing=full acts in each block of the model, and NotPipelined has neither pipeline blocks"),
     ]
     for layout, factory, error, message in failures:
         with pytest.raises(error, match=message):

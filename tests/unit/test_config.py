@@ -100,6 +100,12 @@ def test_the_strategys_arguments_are_the_configs_by_the_same_names():
             r"pipeline_schedule='dualpipev' splits backward into input- and weight-gradient passes.* with zero_stage=3 use"
             r" 'gpipe', '1f1b', 'interleaved_1f1b' or 'looped_bfs', or keep the schedule with zero_stage=1 or 2",
         ),
+        ({"gemm_precision": "fp16"}, r"gemm_precision='fp16': use None \(the parameters' dtype\) or 'fp8' \(the blocks' linear"),
+        (
+            {"gemm_precision": "fp8", "tensor_parallel_size": 2},
+            r"gemm_precision='fp8' with tensor_parallel_size=2: the FP8 GEMMs multiply whole local weights.* use"
+            r" tensor_parallel_size=1 \(DeepSeek-V3 trains without it\), or leave gemm_precision None",
+        ),
     ],
 )
 def test_every_rule_between_arguments_says_what_was_given_and_what_works(kwargs, message):

@@ -3,7 +3,9 @@
 Contract: :func:`run_local_experts(experts, rows, counts, grad_scale, row_weights=None)` takes ``rows`` sorted by
 local expert (``counts[e]`` rows for expert ``e``) and returns, row by row, ``down_proj[e] @ (act_fn(gate) * up * w)``,
 ``gate`` and ``up`` the first and last ``I`` rows of ``gate_up_proj[e] @ row`` and ``w`` the row's routing weight
-(``row_weights``, in the intermediate's dtype; ``None``: 1). A weight taken before the down-projection rather than on
+(``row_weights``, in the intermediate's dtype; ``None``: 1). With ``fp8``, each expert's two products are FP8 GEMMs
+(:func:`~lightning_ciuic.parallel.fp8.fp8_linear`: forward and input gradient in e4m3 with a scale per row, the
+weights' gradients unquantized), one expert after another. A weight taken before the down-projection rather than on
 its output (as Megatron-LM's experts do) is the same sum, and its gradient reads the ``[rows, I]`` intermediate, not
 the ``[rows, H]`` output, which autograd then does not keep. It runs torch's grouped GEMM
 (:func:`lightning_ciuic.compat.grouped_mm`) for float32/bf16/fp16 rows of 16-byte multiples, else a loop over the
@@ -30,6 +32,7 @@ from torch import nn
 from lightning_ciuic import compat
 from lightning_ciuic.parallel.experts.grad_scale import ScaleGradient
 from lightning_ciuic.parallel.experts.storage import kept_encoded
+from lightning_ciuic.parallel.fp8 import fp8_linear
 from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.wire.codecs import Codec
 
@@ -38,30 +41,31 @@ _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def run_local_experts(
     experts: Any, rows: torch.Tensor, counts: Sequence[int], grad_scale: float, row_weights: Optional[torch.Tensor] = None,
-    input_codec: Optional[Codec] = None,
+    input_codec: Optional[Codec] = None, fp8: bool = False,
 ) -> torch.Tensor:
     """This rank's experts on ``rows`` sorted by local expert (``counts[e]`` rows each): SwiGLU per expert, each row's
     intermediate times its ``row_weights`` entry. ``experts``: anything with ``gate_up_proj``, ``down_proj`` (tensors
     or DTensors: their local part) and ``act_fn``. ``input_codec``: ``rows`` and the SwiGLU's input (the gate/up
     product) kept for backward in that encoding (:mod:`~lightning_ciuic.parallel.experts.storage`), as DeepSeek-V3
-    keeps both in fp8."""
+    keeps both in fp8. ``fp8``: the products by FP8 GEMMs (module docstring)."""
     gate_up = ScaleGradient.apply(local_tensor(experts.gate_up_proj), grad_scale)
     down = ScaleGradient.apply(local_tensor(experts.down_proj), grad_scale)
-    if _grouped_mm_fits(rows, gate_up, down):
+    if not fp8 and _grouped_mm_fits(rows, gate_up, down):
         offsets = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows.device)
         with kept_encoded(rows, input_codec):
             hidden = compat.grouped_mm(rows, gate_up.transpose(-2, -1), offsets)
         with kept_encoded(hidden, input_codec):
             intermediate = gated(hidden, experts.act_fn, row_weights)
         return compat.grouped_mm(intermediate.contiguous(), down.transpose(-2, -1), offsets)
+    linear = fp8_linear if fp8 else nn.functional.linear
     with kept_encoded(rows, input_codec):
-        hidden = [nn.functional.linear(chunk, gate_up[e]) for e, chunk in enumerate(rows.split(list(counts)))]
+        hidden = [linear(chunk, gate_up[e]) for e, chunk in enumerate(rows.split(list(counts)))]
     outputs = []
     weights = row_weights.split(list(counts)) if row_weights is not None else [None] * len(counts)
     for e, (projected, weight) in enumerate(zip(hidden, weights)):
         with kept_encoded(projected, input_codec):
             intermediate = gated(projected, experts.act_fn, weight)
-        outputs.append(nn.functional.linear(intermediate, down[e]))
+        outputs.append(linear(intermediate, down[e]))
     return torch.cat(outputs) if outputs else rows.new_empty((0, down.shape[1]))
 
 

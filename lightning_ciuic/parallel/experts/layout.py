@@ -134,6 +134,7 @@ class ExpertLayout:
     node_limit: Optional[int] = None  # the most nodes a token's router lets it reach (grouped routers; None: any)
     overlap: bool = False  # two chunks per call, one's all-to-alls in flight while the other computes (overlap.py)
     input_storage: DispatchCompression = "none"  # the experts' input rows kept for backward so encoded (storage.py)
+    fp8: bool = False  # the experts' products by FP8 GEMMs (gemm_precision="fp8": parallel/fp8.py)
     stats: DispatchStats = field(default_factory=DispatchStats)
     codec: Optional[Codec] = field(init=False)
     input_codec: Optional[Codec] = field(init=False)

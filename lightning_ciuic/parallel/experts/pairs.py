@@ -59,7 +59,7 @@ def pairs_flow(
     by_expert = routed.expert_of_row.argsort(stable=True)
     computed = run_local_experts(
         self, received.index_select(0, by_expert), routed.per_local_expert, layout.grad_scale,
-        received_weights.reshape(-1).index_select(0, by_expert), layout.input_codec,
+        received_weights.reshape(-1).index_select(0, by_expert), layout.input_codec, layout.fp8,
     )
     layout.stats.received_tokens += computed.shape[0]
     unsorted = permuted_rows(computed, by_expert)

@@ -67,9 +67,12 @@ class _Experts:
     act_fn: Callable[[torch.Tensor], torch.Tensor]
 
 
-def dispatched_output(experts: Any, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+def dispatched_output(
+    experts: Any, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, fp8: bool = False
+) -> torch.Tensor:
     """What the expert-parallel forward computes for these tokens, on one rank holding every expert of ``experts``:
-    the pairs sorted by expert, :func:`run_local_experts`, each token's outputs summed with its routing weights."""
+    the pairs sorted by expert, :func:`run_local_experts` (by FP8 GEMMs with ``fp8``), each token's outputs summed
+    with its routing weights."""
     n_experts = local_tensor(experts.gate_up_proj).shape[0]
     k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
@@ -77,7 +80,7 @@ def dispatched_output(experts: Any, hidden: torch.Tensor, top_k_index: torch.Ten
     source_token = order // k
     counts = torch.bincount(flat, minlength=n_experts).tolist()
     weights = top_k_weights.reshape(-1).index_select(0, order).to(hidden.dtype)
-    computed = run_local_experts(experts, hidden.index_select(0, source_token), counts, 1.0, weights)
+    computed = run_local_experts(experts, hidden.index_select(0, source_token), counts, 1.0, weights, fp8=fp8)
     return sum_rows(computed, source_token, hidden.shape[0]).to(hidden.dtype)
 
 
