@@ -192,7 +192,7 @@ def _export(checkpoint: dict, name: str, out: str, export_format: str) -> int:
 PLAN_USAGE = (
     "usage: lightning-ciuic plan --config RUN.yaml --world-size N [--device-memory 80GiB] [--json OUT.json]"
     " [--micro-batch-size B --sequence-length S [--flops 989T --link intra=900GB/s,inter=50GB/s [--efficiency 0.35]"
-    " [--collective-latency 20us] --devices-per-node 8] [--processes P]] [--search] [any fit override, e.g. --trainer.strategy.init_args.tensor_parallel_size 8]"
+    " [--collective-latency 20us] [--fp8-speedup 1.41] --devices-per-node 8] [--processes P]] [--search] [any fit override, e.g. --trainer.strategy.init_args.tensor_parallel_size 8]"
 )
 
 
@@ -222,7 +222,7 @@ def plan_command(argv: list[str]) -> int:
     """``lightning-ciuic plan``: the plan's table, and its JSON with ``--json``; exit 1 when a rank class does not fit,
     2 when the layout does not work, 3 when a pipeline stage's step failed in a worker process (one line)."""
     from lightning_ciuic.planner import plan
-    from lightning_ciuic.planner.efficiency import KERNEL_EFFICIENCY
+    from lightning_ciuic.planner.efficiency import FP8_SPEEDUP, KERNEL_EFFICIENCY
     from lightning_ciuic.planner.estimate import Hardware, parse_flops, parse_links, parse_seconds
     from lightning_ciuic.planner.train_step import StepSpec
     from lightning_ciuic.planner.workers import StageStepFailed
@@ -243,6 +243,10 @@ def plan_command(argv: list[str]) -> int:
     parser.add_argument(
         "--collective-latency", type=_argument(parse_seconds), default=0.0,
         help="seconds each collective call costs besides its bytes (20us; default 0: not modelled)",
+    )
+    parser.add_argument(
+        "--fp8-speedup", type=float, default=FP8_SPEEDUP,
+        help=f"how many times faster FP8 GEMMs run than bf16 ones (gemm_precision fp8; default {FP8_SPEEDUP:.2f}: fitted on published runs, docs/plan.md)",
     )
     parser.add_argument("--search", action="store_true", help="plan the other layouts of the world size too, ranked")
     parser.add_argument("--json", help="write the plan as JSON to this file")
@@ -266,7 +270,7 @@ def plan_command(argv: list[str]) -> int:
         try:
             hardware = Hardware(
                 options.flops, *options.link, devices_per_node=options.devices_per_node, efficiency=options.efficiency,
-                latency=options.collective_latency,
+                latency=options.collective_latency, fp8_speedup=options.fp8_speedup,
             )
         except ValueError as err:
             parser.error(str(err))

@@ -8,7 +8,9 @@ communication hides behind compute, its published step takes ``tokens_per_step /
 :meth:`PublishedRun.achieved` is ``step_flops / (peak_flops * step seconds)``. :data:`KERNEL_EFFICIENCY`, the
 planner's default, is the mean achieved efficiency of :data:`FITTED_ON`; :data:`CHECKED_ON` are runs it was not
 fitted on, whose predicted throughput (:meth:`PublishedRun.predicted_tokens_per_second`) docs/plan.md compares with
-the published one (within 15%: kernels of larger models reach more of the peak, which one constant does not model). :data:`A100_FITTED_ON` and :data:`A100_CHECKED_ON` do the same for A100s, whose kernels reach
+the published one (within 15%: kernels of larger models reach more of the peak, which one constant does not model).
+:data:`FP8_SPEEDUP` is the same for FP8 GEMMs: how many times faster than bf16 GEMMs they ran in published pairs of
+runs with and without them (:class:`Float8Run`), fitted on :data:`FP8_FITTED_ON`, checked on :data:`FP8_CHECKED_ON`. :data:`A100_FITTED_ON` and :data:`A100_CHECKED_ON` do the same for A100s, whose kernels reach
 a larger fraction of their (lower) peak: pass ``--efficiency`` for such devices.
 
 No Lightning imports.
@@ -24,6 +26,7 @@ A100_BF16 = 312e12
 
 TORCHTITAN_BENCHMARK = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, 2024-12-26)"
 TORCHTITAN_PERFORMANCE = "pytorch/torchtitan docs/performance.md at commit 4d88a8a (2024-12-03)"
+TORCHTITAN_PERFORMANCE_405B = TORCHTITAN_PERFORMANCE + ", Llama 3.1 table (None, Float8)"
 
 
 @dataclass(frozen=True)
@@ -81,3 +84,57 @@ A100_CHECKED_ON = (
 )
 
 KERNEL_EFFICIENCY = round(fmean(run.achieved() for run in FITTED_ON), 2)
+
+
+@dataclass(frozen=True)
+class Float8Run:
+    """A published pair of runs, the same but for FP8 GEMMs, and the planner's FLOPs of one rank's step of them.
+
+    The FP8 run multiplies every ``nn.Linear`` but the output layer in FP8, all of its GEMMs (torchtitan's Float8).
+    The planner, with ``gemm_precision="fp8"``, counts ``fp8_flops``: the GEMMs the pack runs in FP8, forward and
+    input gradient (recomputed forwards too: ``fp8_passes`` of them per weight-gradient GEMM, 2, or 3 with full
+    recomputation), so the published run's share of FP8 FLOPs is ``fp8_flops (passes + 1) / passes / step_flops``
+    (:attr:`fp8_share`). With its other kernels as fast in both runs, the FP8 run's step is ``1 - share + share /
+    speedup`` of the other's: :meth:`speedup` solves it for the published pair, :meth:`predicted_tokens_per_second`
+    applies one."""
+
+    name: str
+    source: str
+    tokens_per_second: float  # published, per device, without FP8
+    fp8_tokens_per_second: float  # published, per device, with FP8 GEMMs
+    step_flops: int  # the planner's, one rank's step
+    fp8_flops: int  # of them, the FP8 GEMMs' under gemm_precision="fp8"
+    fp8_passes: int  # FP8 GEMMs per weight-gradient GEMM in the pack's recipe: 2, 3 with full recomputation
+
+    @property
+    def fp8_share(self) -> float:
+        return self.fp8_flops * (self.fp8_passes + 1) / self.fp8_passes / self.step_flops
+
+    def speedup(self) -> float:
+        """How many times faster the FP8 GEMMs ran than the same GEMMs in bf16."""
+        step_ratio = self.tokens_per_second / self.fp8_tokens_per_second
+        return self.fp8_share / (step_ratio - 1 + self.fp8_share)
+
+    def predicted_tokens_per_second(self, speedup: float) -> float:
+        return self.tokens_per_second / (1 - self.fp8_share + self.fp8_share / speedup)
+
+
+_LLAMA31_8B = dict(step_flops=984_028_547_121_152, fp8_flops=491_825_294_999_552, fp8_passes=2)
+FP8_FITTED_ON = (
+    Float8Run(
+        "Llama 3.1 8B, FSDP 8 on 8 H100 (500 W), 2 x 8192, torch.compile, with and without Float8",
+        TORCHTITAN_BENCHMARK + ", Table 1", 6667, 8532, **_LLAMA31_8B,
+    ),
+)
+FP8_CHECKED_ON = (
+    Float8Run(
+        "Llama 3.1 8B, FSDP 128 on 128 H100 (500 W), 2 x 8192, torch.compile, with and without Float8",
+        TORCHTITAN_BENCHMARK + ", Table 3", 6514, 8380, **_LLAMA31_8B,
+    ),
+    Float8Run(  # planned at tp 1 (the pack's FP8 GEMMs refuse tp): the share of FLOPs does not depend on it
+        "Llama 3.1 405B, FSDP 16 x TP 8 on 128 H100, 2 x 8192, full recomputation, with and without Float8",
+        TORCHTITAN_PERFORMANCE_405B, 109, 177, 57_907_429_144_264_704, 39_690_033_300_504_576, 3,
+    ),
+)
+FP8_SPEEDUP = round(fmean(run.speedup() for run in FP8_FITTED_ON), 2)
+"""How many times faster FP8 GEMMs run than bf16 ones, fitted on :data:`FP8_FITTED_ON` (the step estimate's default)."""

@@ -6,7 +6,9 @@ the global ranks of each axis's group) and a :class:`Hardware`, and returns a :c
 
 * compute: the step's FLOPs (recomputed forwards included: the device runs them) over ``peak_flops`` times the
   kernels' achieved ``efficiency`` (the fraction of the peak a training step's kernels reach: a default fitted on
-  published runs, :mod:`~lightning_ciuic.planner.efficiency`, overridable per device);
+  published runs, :mod:`~lightning_ciuic.planner.efficiency`, overridable per device), the FP8 GEMMs' FLOPs
+  (``fp8_flops``, ``gemm_precision="fp8"``) at ``fp8_speedup`` times that rate (what FP8 GEMMs achieve against the
+  same GEMMs in bf16: a default fitted on published runs there too);
 * communication, per axis, its bytes on each link (:func:`link_bytes`): all on the intra-node link when every rank
   of its group sits on one node (``rank // devices_per_node`` equal, nodes holding consecutive ranks as torchrun
   places them); for a group over several nodes, an all-to-all's bytes split by where they go (the share of the
@@ -28,7 +30,7 @@ the global ranks of each axis's group) and a :class:`Hardware`, and returns a :c
   chunk's all-to-alls in flight while another's experts compute) ``E - min(E (1 - 1/CHUNKS), C)``: the first chunk's
   dispatch and the last chunk's combine of each layer have nothing to hide behind (half of ``E`` with two chunks),
   the others hide behind the other chunks' experts' compute ``C`` (``experts_flops``: the FLOPs run inside the packed
-  experts' modules, at the same efficiency) up to its length;
+  experts' modules, at the step's mean rate) up to its length;
 * MFU for both: model FLOPs over the step's time times ``peak_flops``, model FLOPs being three times the forward's
   (backward costs two forwards; recomputation is not counted, the convention of PaLM's appendix B).
 
@@ -46,7 +48,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from lightning_ciuic.parallel.experts.overlap import CHUNKS
-from lightning_ciuic.planner.efficiency import KERNEL_EFFICIENCY
+from lightning_ciuic.planner.efficiency import FP8_SPEEDUP, KERNEL_EFFICIENCY
 
 _SI = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15, "e": 1e18}
 _BINARY = {"": 1.0, "k": 2.0**10, "m": 2.0**20, "g": 2.0**30, "t": 2.0**40, "p": 2.0**50}
@@ -99,8 +101,9 @@ def parse_links(text: str) -> tuple[float, float]:
 @dataclass(frozen=True)
 class Hardware:
     """One device's peak FLOP/s, its links' speeds (bytes per second, each way), how many devices a node holds, the
-    fraction of the peak its kernels reach in a training step (``efficiency``, in (0, 1]) and the seconds each
-    collective call costs besides its bytes (``latency``, >= 0; 0: not modelled)."""
+    fraction of the peak its kernels reach in a training step (``efficiency``, in (0, 1]), the seconds each
+    collective call costs besides its bytes (``latency``, >= 0; 0: not modelled) and how many times faster its FP8
+    GEMMs run than the same in bf16 (``fp8_speedup``, > 0)."""
 
     peak_flops: float
     intra_node: float
@@ -108,11 +111,12 @@ class Hardware:
     devices_per_node: int = 8
     efficiency: float = KERNEL_EFFICIENCY
     latency: float = 0.0
+    fp8_speedup: float = FP8_SPEEDUP
 
     def __post_init__(self) -> None:
         if not self.latency >= 0:
             raise ValueError(f"latency is the seconds a collective call costs besides its bytes, >= 0; got {self.latency!r}.")
-        for name in ("peak_flops", "intra_node", "inter_node", "devices_per_node", "efficiency"):
+        for name in ("peak_flops", "intra_node", "inter_node", "devices_per_node", "efficiency", "fp8_speedup"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}.")
         if self.efficiency > 1:
@@ -160,6 +164,8 @@ class StepEstimate:
     efficiency: float = 1.0  # the fraction of the peak the kernels reach (compute_seconds has it)
     experts_compute_seconds: float = 0.0  # of compute_seconds, the packed experts'
     expert_overlap: bool = False  # CHUNKS chunks per micro-batch: an all-to-all hides behind another chunk's experts
+    fp8_flops: int = 0  # of flops, the FP8 GEMMs' (compute_seconds times them at fp8_speedup)
+    fp8_speedup: float = 1.0
 
     @property
     def axis_links(self) -> dict[str, str]:
@@ -201,7 +207,7 @@ class StepEstimate:
     def to_json(self) -> dict:
         return {
             "flops": self.flops, "model_flops": self.model_flops, "compute_seconds": self.compute_seconds, "bubble": self.bubble,
-            "efficiency": self.efficiency,
+            "efficiency": self.efficiency, "fp8_flops": self.fp8_flops, "fp8_speedup": self.fp8_speedup,
             "communication_seconds": dict(self.axis_seconds), "links": self.axis_links,
             "link_bytes": {axis: dict(by) for axis, by in self.axis_link_bytes.items()},
             "experts_compute_seconds": self.experts_compute_seconds, "expert_overlap": self.expert_overlap,
@@ -217,11 +223,12 @@ class StepEstimate:
 def estimate_step(
     flops: int, forward_flops: int, traffic: Mapping[str, Mapping[str, int]], axis_ranks: Mapping[str, Sequence[int]],
     hardware: Hardware, bubble: float = 0.0, experts_flops: float = 0.0, expert_overlap: bool = False,
-    calls: Optional[Mapping[str, Mapping[str, int]]] = None,
+    calls: Optional[Mapping[str, Mapping[str, int]]] = None, fp8_flops: int = 0,
 ) -> StepEstimate:
     """The estimate of one rank's step (see the module docstring); ``traffic``: bytes per axis and collective;
     ``experts_flops``: of ``flops``, the packed experts'; ``expert_overlap``: the dispatch's chunks; ``calls``: the
-    collectives' calls per axis and collective (each costs ``hardware.latency``)."""
+    collectives' calls per axis and collective (each costs ``hardware.latency``); ``fp8_flops``: of ``flops``, the FP8
+    GEMMs'."""
     calls = calls or {}
     by_link = {axis: link_bytes(collectives, axis_ranks.get(axis, ()), hardware) for axis, collectives in traffic.items()}
     latency = {axis: hardware.latency * sum(calls.get(axis, {}).values()) for axis in traffic}
@@ -233,10 +240,12 @@ def estimate_step(
         for axis, c in to_all.items()
     )
     rate = hardware.peak_flops * hardware.efficiency
+    compute = (flops - fp8_flops) / rate + fp8_flops / (rate * hardware.fp8_speedup)
     return StepEstimate(
-        flops=int(flops), model_flops=int(3 * forward_flops), compute_seconds=flops / rate,
+        flops=int(flops), model_flops=int(3 * forward_flops), compute_seconds=compute,
         axis_seconds=seconds, axis_link_bytes=by_link, peak_flops=hardware.peak_flops, expert_seconds=expert, bubble=bubble,
-        efficiency=hardware.efficiency, experts_compute_seconds=min(experts_flops, flops) / rate, expert_overlap=expert_overlap,
+        efficiency=hardware.efficiency, experts_compute_seconds=compute * min(experts_flops, flops) / flops if flops else 0.0,
+        expert_overlap=expert_overlap, fp8_flops=int(fp8_flops), fp8_speedup=hardware.fp8_speedup,
     )
 
 

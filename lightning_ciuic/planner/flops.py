@@ -14,7 +14,8 @@ outside autograd's backward (recomputed forwards of activation checkpointing run
 ``experts_forward`` is the part of ``forward`` run inside the packed experts' modules (:func:`experts_modules`: their
 forwards, the expert-parallel dispatch's local GEMMs) while :meth:`LocalFlops.watching` them: what the step estimate
 scales the step's FLOPs by to find the experts' compute, which the overlapped dispatch hides the other chunk's
-all-to-alls behind.
+all-to-alls behind. ``fp8`` is the part of ``total`` run by FP8 GEMMs (``torch._scaled_mm``:
+:mod:`~lightning_ciuic.parallel.fp8`), which the step estimate times at the FP8 rate.
 
 No Lightning imports.
 """
@@ -44,6 +45,7 @@ def grouped_mm_flops(mat_a: torch.Tensor, mat_b: torch.Tensor, *args: Any, out_v
 
 
 FORMULAS = {**flop_registry, **compat.private_op_flop_formulas(grouped_mm_flops)}
+FP8_GEMMS = (compat.overload_packet(compat.SCALED_MM_OP),)  # counted in ``fp8`` too (overload packets, as FORMULAS' keys)
 
 
 def experts_modules(module: nn.Module) -> list[nn.Module]:
@@ -59,6 +61,7 @@ class LocalFlops(compat.WatchesShapePropagation, compat.TorchDispatchMode):
         self.total = 0
         self.forward = 0
         self.experts_forward = 0
+        self.fp8 = 0
         self._inside = 0  # the watched modules' forwards running now
 
     @contextlib.contextmanager
@@ -87,6 +90,8 @@ class LocalFlops(compat.WatchesShapePropagation, compat.TorchDispatchMode):
         if formula is not None and not self.propagating:
             flops = int(formula(*args, **kwargs, out_val=out))
             self.total += flops
+            if compat.overload_packet(func) in FP8_GEMMS:
+                self.fp8 += flops
             if not compat.in_backward():
                 self.forward += flops
                 if self._inside:

@@ -96,6 +96,7 @@ class Plan:
         return estimate_step(
             pacing.flops, model_forward, pacing.traffic, pacing.axis_ranks, self.hardware, bubble=bubble,
             experts_flops=pacing.experts_flops, expert_overlap=self.expert_overlap, calls=pacing.calls,
+            fp8_flops=pacing.fp8_flops,
         )
 
     def fits(self, rank_class: RankClass) -> bool:
@@ -148,7 +149,7 @@ class Plan:
             "stage_steps": [
                 {
                     "pp_stage": stage, "flops": f.flops, "forward_flops": f.forward_flops,
-                    "experts_forward_flops": f.experts_forward_flops, "activations": f.activations,
+                    "experts_forward_flops": f.experts_forward_flops, "fp8_flops": f.fp8_flops, "activations": f.activations,
                     "communication_bytes_per_step": _axis_totals(f.traffic), "calls": f.calls,
                 }
                 for stage, f in sorted(self.steps.items())
@@ -203,7 +204,9 @@ class Plan:
                 f"step time: {estimate.overlapped_seconds * 1e3:.2f} ms (communication hidden) to"
                 f" {estimate.serial_seconds * 1e3:.2f} ms (none hidden); MFU {estimate.mfu(estimate.overlapped_seconds):.1%}"
                 f" to {estimate.mfu(estimate.serial_seconds):.1%}; compute {estimate.compute_seconds * 1e3:.2f} ms"
-                f" ({estimate.flops / 1e12:.3g} TFLOP at {estimate.efficiency:.0%} of {estimate.peak_flops / 1e12:.4g} TFLOP/s),"
+                f" ({estimate.flops / 1e12:.3g} TFLOP at {estimate.efficiency:.0%} of {estimate.peak_flops / 1e12:.4g} TFLOP/s"
+                + (f", {estimate.fp8_flops / 1e12:.3g} of them by FP8 GEMMs at {estimate.fp8_speedup:.2f}x" if estimate.fp8_flops else "")
+                + "),"
                 " communication"
                 f" {by_axis or 'none'}"
             )

@@ -59,6 +59,7 @@ class StepFigures:
     forward_flops: int
     experts_forward_flops: int = 0  # of forward_flops, the packed experts' (planner.flops.experts_modules)
     calls: dict[str, dict[str, int]] = field(default_factory=dict)  # mesh axis -> collective -> calls in the step
+    fp8_flops: int = 0  # of flops, the FP8 GEMMs' (gemm_precision="fp8")
 
     def extended(self, deeper: "StepFigures", depth: int, layers: int) -> "StepFigures":
         """The figures at ``layers`` layers, on the line through ``self`` (``depth`` layers) and ``deeper`` (2x)."""
@@ -80,6 +81,7 @@ class StepFigures:
             line(self.activations, deeper.activations), traffic, {**self.axis_ranks, **deeper.axis_ranks},
             line(self.flops, deeper.flops), line(self.forward_flops, deeper.forward_flops),
             line(self.experts_forward_flops, deeper.experts_forward_flops), lines(self.calls, deeper.calls),
+            line(self.fp8_flops, deeper.fp8_flops),
         )
 
     @property
@@ -101,6 +103,7 @@ class StepMemory:
     forward_flops: int  # counted in its forward
     experts_forward_flops: int = 0  # of it, inside the packed experts' modules
     calls: dict[str, dict[str, int]] = field(default_factory=dict)  # mesh axis -> collective -> calls
+    fp8_flops: int = 0  # of flops, the FP8 GEMMs'
 
     @property
     def activations(self) -> int:
@@ -109,7 +112,7 @@ class StepMemory:
     def figures(self) -> StepFigures:
         return StepFigures(
             self.activations, self.traffic, self.axis_ranks, self.flops, self.forward_flops, self.experts_forward_flops,
-            self.calls,
+            self.calls, self.fp8_flops,
         )
 
 
@@ -167,7 +170,7 @@ def train_steps(
     return StepMemory(
         peak, held, {axis: dict(by) for axis, by in traffic.bytes.items()}, dict(traffic.ranks),
         flops=flops.total, forward_flops=flops.forward, experts_forward_flops=flops.experts_forward,
-        calls={axis: dict(by) for axis, by in traffic.calls.items()},
+        calls={axis: dict(by) for axis, by in traffic.calls.items()}, fp8_flops=flops.fp8,
     )
 
 

@@ -233,7 +233,18 @@ def _mixtral():
     return _routed_cyclically(HuggingFaceCausalLM(model_type="mixtral", config=MIXTRAL))
 
 
-MODELS = {"llama": _llama, "deepseek-mini": _deepseek_mini, "mixtral": _mixtral, "deepseek-mini-2-nodes": _deepseek_mini_on_2_nodes}
+def _deepseek_mini_fp8():
+    # gemm_precision="fp8": every width a multiple of 16 (the rotary part, its sums with the latent and the values')
+    return _routed_cyclically(DeepSeekMini(**{
+        **MODEL, "max_seq_len": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 16, "v_head_dim": 32, "dense_inter_dim": 32,
+        "moe_inter_dim": 16,
+    }))
+
+
+MODELS = {
+    "llama": _llama, "deepseek-mini": _deepseek_mini, "mixtral": _mixtral, "deepseek-mini-2-nodes": _deepseek_mini_on_2_nodes,
+    "deepseek-mini-fp8": _deepseek_mini_fp8,
+}
 
 
 def _real_step(rank: int, world: int, layout: dict, out: str, model: str = "llama") -> None:
@@ -263,7 +274,7 @@ def _real_step(rank: int, world: int, layout: dict, out: str, model: str = "llam
         "gathers": engine.stats.gathers - gathers_before if sharded else 0, "units": len(gathered),
         "zero_stage": engine.stage if sharded else None,
         "peak": memory.peak, "model_states": memory.model_states, "traffic": memory.traffic, "calls": memory.calls, "engine_sent": engine_sent,
-        "flops": memory.flops, "forward_flops": memory.forward_flops, "axis_ranks": memory.axis_ranks,
+        "flops": memory.flops, "forward_flops": memory.forward_flops, "fp8_flops": memory.fp8_flops, "axis_ranks": memory.axis_ranks,
         "held": held_bytes(module, engine, optimizers),
     }))
 
@@ -308,10 +319,11 @@ RECOMPUTE_STEP_LAYOUTS = {
         pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2, pipeline=PipelineConfig("dualpipev"),
         gradient_checkpointing={"recompute": ["norm", "mla_up"]},
     )),
-    # and the experts' inputs kept in fp8 (DeepSeek-V3's low-precision storage): the encodings the plan holds
-    "deepseek-recipe-fp8-storage-pp2-dp2-ep2": ("deepseek-mini", dict(
+    # and DeepSeek-V3's FP8: the experts' inputs kept in fp8 (its low-precision storage: the encodings the plan holds),
+    # its GEMMs in FP8 (the products' FLOPs the estimate times at the FP8 rate)
+    "deepseek-recipe-fp8-pp2-dp2-ep2": ("deepseek-mini-fp8", dict(
         pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2,
-        gradient_checkpointing={"recompute": ["norm", "mla_up"]}, expert_input_storage="fp8",
+        gradient_checkpointing={"recompute": ["norm", "mla_up"]}, expert_input_storage="fp8", gemm_precision="fp8",
     )),
 }
 # Each ZeRO stage (pp2-fsdp2 above runs the pipelines' default, 2): weights gathered once per step (zero_stage 1, 2).
@@ -372,6 +384,7 @@ def test_a_real_step_holds_what_the_plan_says_and_peaks_near_the_fake_steps_peak
             # The FLOPs the estimate divides: the fake step counts the real step's, a stage's first rank's groups are its.
             if rank == rank_class.ranks[0] == min(c.ranks[0] for c in planned.classes if c.pp_stage == rank_class.pp_stage):
                 assert (stage.flops, stage.forward_flops) == (real["flops"], real["forward_flops"]) != (0, 0)
+                assert stage.fp8_flops == real["fp8_flops"] and (stage.fp8_flops > 0) == ("fp8" in model)
                 assert stage.axis_ranks == real["axis_ranks"]
             # The peak: MemTracker's on fake tensors against MemTracker's on real ones, within the planner's 2%.
             assert abs(rank_class.peak - real_peaks[rank]) <= 0.02 * real_peaks[rank], (rank, rank_class.peak, real)

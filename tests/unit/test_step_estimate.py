@@ -112,6 +112,33 @@ def test_the_default_efficiency_is_the_fit_and_predicts_the_runs_it_was_not_fitt
             assert run.predicted_tokens_per_second(fitted) == pytest.approx(run.tokens_per_second, rel=0.15), run.name
 
 
+def test_the_fp8_speedup_is_the_fit_and_its_checks_are_as_docs_plan_says():
+    """FP8 GEMMs' speedup over bf16 ones, fitted on torchtitan's 8B pair of runs with and without Float8: the 8B pair
+    at 128 GPUs is predicted within 1%, the 405B pair 16% slow (larger products gain more from FP8, which one constant
+    does not model; docs/plan.md)."""
+    from lightning_ciuic.planner import efficiency
+
+    assert efficiency.FP8_SPEEDUP == round(efficiency.FP8_FITTED_ON[0].speedup(), 2) == 1.41
+    assert Hardware(1e12, 1e9, 1e9).fp8_speedup == efficiency.FP8_SPEEDUP
+    small, large = efficiency.FP8_CHECKED_ON
+    assert small.predicted_tokens_per_second(efficiency.FP8_SPEEDUP) == pytest.approx(small.fp8_tokens_per_second, rel=0.01)
+    assert large.predicted_tokens_per_second(efficiency.FP8_SPEEDUP) == pytest.approx(0.84 * large.fp8_tokens_per_second, rel=0.01)
+    assert large.fp8_share == pytest.approx(0.914, abs=1e-3) and small.fp8_share == pytest.approx(0.750, abs=1e-3)
+
+
+def test_fp8_flops_run_at_the_speedup_and_the_experts_at_the_steps_mean_rate():
+    hardware = Hardware(peak_flops=100e12, intra_node=1e9, inter_node=1e9, efficiency=0.5, fp8_speedup=2.0)
+    estimate = estimate_step(
+        flops=10e12, forward_flops=10e12 / 3, traffic={}, axis_ranks={}, hardware=hardware, fp8_flops=6e12,
+        experts_flops=5e12,
+    )
+    assert estimate.compute_seconds == pytest.approx(4e12 / 50e12 + 6e12 / 100e12)  # 0.08 + 0.06
+    assert estimate.experts_compute_seconds == pytest.approx(0.07)  # half the FLOPs, half the time
+    assert estimate.to_json()["fp8_flops"] == 6e12 and estimate.to_json()["fp8_speedup"] == 2.0
+    with pytest.raises(ValueError, match="fp8_speedup must be > 0, got 0"):
+        Hardware(1e12, 1e9, 1e9, fp8_speedup=0)
+
+
 def test_an_all_to_all_over_nodes_splits_its_bytes_by_where_they_go_and_a_ring_crosses_at_its_bottleneck():
     """ep 16 over two nodes of 8: 7 of a rank's 15 peers share its node. The axis takes its slower link's time."""
     hardware = Hardware(peak_flops=100e12, intra_node=150e9, inter_node=50e9, devices_per_node=8, efficiency=1.0)
