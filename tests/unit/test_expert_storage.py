@@ -83,3 +83,19 @@ def test_the_option_is_refused_where_it_would_keep_nothing_or_name_nothing():
     with pytest.raises(ValueError, match=r"expert_input_storage='e4m3': use one of \['none', 'bf16', 'fp8', 'int8'\]"):
         ParallelismConfig(expert_parallel_size=2, expert_input_storage="e4m3")
     ParallelismConfig(expert_parallel_size=2, expert_input_storage="fp8", gradient_checkpointing="full:2")
+
+
+def test_the_loop_over_experts_decodes_each_experts_rows_once_and_alone():
+    """float64 (and FP8 GEMMs) run the experts one after another: each one's rows are encoded apart, so its backward
+    decodes its own rows, not every expert's."""
+    decoded = []
+
+    class Counted(type(FP8)):
+        def decode(self, data, numel):
+            decoded.append(numel)
+            return super().decode(data, numel)
+
+    codec = Counted(FP8.block)
+    rows = torch.randn(40, 256, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    _step(_Experts(), rows, [15, 0, 25], codec)
+    assert sorted(decoded) == sorted([15 * 256, 25 * 256, 15 * 128, 25 * 128]), decoded  # the rows, the gate/up products

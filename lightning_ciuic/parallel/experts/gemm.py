@@ -58,8 +58,10 @@ def run_local_experts(
             intermediate = gated(hidden, experts.act_fn, row_weights)
         return compat.grouped_mm(intermediate.contiguous(), down.transpose(-2, -1), offsets)
     linear = fp8_linear if fp8 else nn.functional.linear
-    with kept_encoded(rows, input_codec):
-        hidden = [linear(chunk, gate_up[e]) for e, chunk in enumerate(rows.split(list(counts)))]
+    hidden = []
+    for e, chunk in enumerate(rows.split(list(counts))):
+        with kept_encoded(chunk, input_codec):  # each expert's rows apart: its backward decodes them alone
+            hidden.append(linear(chunk, gate_up[e]))
     outputs = []
     weights = row_weights.split(list(counts)) if row_weights is not None else [None] * len(counts)
     for e, (projected, weight) in enumerate(zip(hidden, weights)):
