@@ -13,6 +13,8 @@ Contract:
   and input gradient do not depend on the tokens beside it, and the weight's gradient sums unquantized products, so a
   layout that splits the batch computes what one process computes, up to the order of its sums.
 * :class:`Fp8Linear`: an ``nn.Linear`` whose forward is :func:`fp8_linear`.
+* :func:`weight_gradients_deferred`: the context of a zero-bubble schedule's input pass (the pipeline's stages enter
+  it), inside which the weights' gradients wait for the weight pass.
 * :func:`use_fp8_gemms(blocks)`: every ``nn.Linear`` inside ``blocks`` (not a block that is one: a pipeline's output
   head) becomes an :class:`Fp8Linear` in place (its class
   swapped: the same parameters, state dict and hooks), except a mixture-of-experts router (an ``nn.Linear`` beside
@@ -28,8 +30,10 @@ No Lightning imports.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Optional
 
 import torch
@@ -63,33 +67,89 @@ def fp8_product(a: torch.Tensor, b_rows: torch.Tensor, out_dtype: torch.dtype) -
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` by FP8 GEMMs (see the module docstring)."""
-    return _Fp8Linear.apply(x, weight, bias)
+    """``x @ weight.T + bias`` by FP8 GEMMs (see the module docstring). Two autograd functions: the first keeps ``x``
+    for the weight's gradient and computes it, the second multiplies (its backward the input's gradient) and hands
+    it the output's gradient. ``x`` is saved before the product runs, as ``nn.Linear``'s product saves its inputs: a
+    recomputation that needs ``x`` back (torch's checkpointing stops once what backward reads is back) does not run
+    the product too."""
+    handoff = _OutputGradient()
+    kept_x, kept_weight = _WeightGradient.apply(x, weight, handoff)
+    return _Fp8Product.apply(kept_x, kept_weight, bias, handoff)
 
 
-class _Fp8Linear(torch.autograd.Function):
+_DEFERRED = threading.local()
+
+
+@contextlib.contextmanager
+def weight_gradients_deferred() -> Iterator[None]:
+    """Inside (a zero-bubble schedule's input pass), an FP8 linear's backward passes its input's gradient on and keeps
+    the output gradient; the weight pass, which runs its backward again from there (torch's
+    ``stage_backward_weight``), computes the weight's gradient."""
+    before = getattr(_DEFERRED, "on", False)
+    _DEFERRED.on = True
+    try:
+        yield
+    finally:
+        _DEFERRED.on = before
+
+
+class _OutputGradient:
+    """The product's output gradient, from :class:`_Fp8Product`'s backward to :class:`_WeightGradient`'s (which
+    autograd runs after it: the product reads the other's outputs)."""
+
+    grad: Optional[torch.Tensor] = None
+
+
+class _WeightGradient(torch.autograd.Function):
+    """``(x, weight)`` as they are, ``x`` kept; in backward, ``x``'s gradient passed on and the weight's computed from
+    the output gradient the product handed over, in ``x``'s dtype."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias):  # type: ignore[override]
+    def forward(ctx, x, weight, handoff):  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.handoff, ctx.weight_dtype = handoff, weight.dtype
+        ctx.set_materialize_grads(False)  # no weight-sized zeros for the weight's pass-through gradient
+        return x.view_as(x), weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad_x, _):  # type: ignore[override]
+        if getattr(_DEFERRED, "on", False):
+            return grad_x, None, None  # the output gradient stays for the weight pass, which runs this again
+        grad_weight, rows = None, ctx.handoff.grad
+        ctx.handoff.grad = None
+        if ctx.needs_input_grad[1] and rows is not None:
+            (x,) = ctx.saved_tensors
+            grad_weight = (rows.to(x.dtype).t() @ x.reshape(-1, x.shape[-1])).to(ctx.weight_dtype)
+        return grad_x, grad_weight, None
+
+
+class _Fp8Product(torch.autograd.Function):
+    """``x @ weight.T + bias`` by FP8 GEMMs; in backward, ``x``'s gradient by FP8 GEMMs and the bias's, the output
+    gradient handed to :class:`_WeightGradient`. The weight is held, not saved: autograd packs what a function saves
+    once its forward has run, and a recomputation that needed it back would run the product again (a parameter's
+    storage outlives the step; FSDP2 refills the same storage for backward)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, handoff):  # type: ignore[override]
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        rows = x.reshape(-1, x.shape[-1])
-        out = fp8_product(rows, weight, out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+        ctx.weight = weight.detach()
+        ctx.handoff, ctx.x_shape, ctx.x_dtype, ctx.has_bias = handoff, x.shape, x.dtype, bias is not None
+        out = fp8_product(x.reshape(-1, x.shape[-1]), weight, out_dtype).reshape(*x.shape[:-1], weight.shape[0])
         return out if bias is None else out + bias.to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        x, weight = ctx.saved_tensors
+        weight = ctx.weight
         rows = grad.reshape(-1, grad.shape[-1])
-        grad_x = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = fp8_product(rows, weight.t(), x.dtype).reshape(x.shape)
+        grad_x = grad_bias = None
         if ctx.needs_input_grad[1]:
-            grad_weight = (rows.to(x.dtype).t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
+            ctx.handoff.grad = rows
+        if ctx.needs_input_grad[0]:
+            grad_x = fp8_product(rows, weight.t(), ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = rows.sum(0).to(weight.dtype)
-        return grad_x, grad_weight, grad_bias
+        return grad_x, None, grad_bias, None
 
 
 class Fp8Linear(nn.Linear):

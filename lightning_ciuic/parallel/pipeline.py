@@ -39,6 +39,7 @@ No Lightning imports.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from lightning_ciuic import compat
 from lightning_ciuic.timeline import timeline
 from lightning_ciuic.validation import check_int
 from lightning_ciuic.parallel.axes import Axis
+from lightning_ciuic.parallel.fp8 import weight_gradients_deferred
 from lightning_ciuic.parallel.fsdp import holds_gradients
 from lightning_ciuic.parallel.tensor import gradient_to_parameter_placements, local_loss
 
@@ -301,7 +303,7 @@ def partition(
 
 
 class _Stage(PipelineStage):
-    """torch's ``PipelineStage`` with four changes:
+    """torch's ``PipelineStage`` with five changes:
 
     * Shape inference feeds zeros, not uninitialized memory, to stages after the first. Tensor-parallel
       ranks of a stage must compute the same thing: with garbage inputs a mixture-of-experts router sends
@@ -309,6 +311,8 @@ class _Stage(PipelineStage):
     * Compute time (forward, backward, weight-gradient chunks) is added to ``clock[0]``, for the bubble.
     * ``forward_only``: the hand-off of input gradients between two adjacent stages on one rank is a no-op.
       torch 2.13's V-shaped schedules perform it even in ``eval()``, where no backward ran, and fail.
+    * A zero-bubble schedule's input pass runs inside :func:`~lightning_ciuic.parallel.fp8.weight_gradients_deferred`:
+      FP8 linears leave their weights' gradients to the weight pass.
     * A sharded stage inside :func:`~lightning_ciuic.parallel.fsdp.gradients_held` (an accumulation micro-step)
       ends the schedule's backward without the reduce torch runs after it: the gradients stay unreduced and the
       weights gathered (the module's parameters are then the gathered ones) until the optimizer step's last
@@ -338,7 +342,9 @@ class _Stage(PipelineStage):
         return self._timed(super().forward_one_chunk, *args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(super().backward_one_chunk, *args, **kwargs)
+        full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
+        with contextlib.nullcontext() if full else weight_gradients_deferred():  # an input pass: FP8 weights wait
+            return self._timed(super().backward_one_chunk, *args, **kwargs)
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(super().backward_weight_one_chunk, *args, **kwargs)

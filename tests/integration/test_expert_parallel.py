@@ -194,6 +194,26 @@ def test_hugging_face_moe_families_train_with_experts_sharded(model_type, shard,
     assert_state_close(actual, reference_training(factory, STEPS, PER_RANK_BATCH * 2), STEPS, lr=1e-2)
 
 
+def test_fp8_gemms_under_dualpipev_with_deepseeks_recomputation_train_as_one_process():
+    """DualPipeV over pp 2 x ep 2 with DeepSeek-V3's recomputation recipe: its input passes leave the FP8 linears'
+    weight gradients to its weight passes (parallel/fp8.py, weight_gradients_deferred), as one process computes them.
+    Four micro-batches of one sequence per rank (the schedule needs one per stage)."""
+    steps, per_rank = 3, 4
+    strategy = HybridParallelStrategy(
+        data_parallel_size=2, pipeline_parallel_size=2, expert_parallel_size=2, num_microbatches=4,
+        pipeline_schedule="dualpipev", gemm_precision="fp8", gradient_checkpointing={"recompute": ["norm", "mla_up"]},
+        start_method="forkserver",
+    )
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=4, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
+    )
+    module = _fp8_tiny()
+    trainer.fit(module, loader(steps * per_rank * 2, per_rank))
+    actual = {k: v.detach() for k, v in module.state_dict().items()}
+    assert_state_close(actual, reference_training(_fp8_reference, steps, per_rank * 2), steps)
+
+
 HF_FP8 = {  # widths FP8's kernels take: multiples of 16
     "qwen3_moe": HF_MOE["qwen3_moe"],
     "deepseek_v3": dict(HF_MOE["deepseek_v3"], kv_lora_rank=16, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16),

@@ -125,27 +125,32 @@ def test_a_subclass_with_nn_linears_forward_is_converted_keeping_its_class():
     assert isinstance(block.attn, Named) and isinstance(block.attn, Fp8Linear)
 
 
-def test_deepseeks_recomputation_keeps_and_recomputes_the_same_products_in_fp8():
-    """The selective policies count FP8's products as matrix products: under DeepSeek-V3's recipe a step's FLOPs
-    (recomputed forwards included) are the same with FP8 GEMMs as without. (Under torchtitan's ``"selective"`` a
-    recomputed block may run one product more: a recomputation stops once what backward needs is back, and an FP8
-    linear's input is back only once its whole function, product included, has run.)"""
-    from examples.deepseek import DeepSeekMini
+def test_deepseeks_recomputation_runs_the_same_products_with_fp8_gemms():
+    """transformers' DeepSeek-V3 under its recipe (norms and MLA up-projections recomputed): a step's FLOPs, recomputed
+    forwards included, are the same with FP8 GEMMs as without. The recomputation that brings the attention's inputs
+    back stops at the output projection's input: an FP8 linear saves it before its product runs, as nn.Linear does
+    (saved after it, the product ran again: one output projection per layer)."""
+    pytest.importorskip("transformers")
+    from lightning_ciuic.huggingface import HuggingFaceCausalLM
     from lightning_ciuic.parallel.parallelize import named_blocks
     from lightning_ciuic.parallel.recompute import Recompute, recompute_blocks
     from lightning_ciuic.planner.flops import LocalFlops
 
+    config = dict(  # the query's head dim equal to the values' (CPU's flash attention kernel: kept, as CUDA's)
+        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, first_k_dense_replace=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=32, max_position_embeddings=64,
+    )
+
     def step_flops(fp8: bool) -> tuple[int, int]:
         torch.manual_seed(0)
-        module = DeepSeekMini(dim=32, n_layers=2, n_heads=2, kv_lora_rank=16, qk_rope_head_dim=16, moe_inter_dim=16,
-                              dense_inter_dim=32, max_seq_len=16)
+        module = HuggingFaceCausalLM("deepseek_v3", config)
         blocks, names = named_blocks(module, "test")
         if fp8:
             use_fp8_gemms(blocks, names)
         recompute_blocks(blocks, Recompute.parse({"recompute": ["norm", "mla_up"]}), names)
-        tokens = torch.randint(0, 256, (2, 16))
         with LocalFlops() as flops:
-            module(tokens).sum().backward()
+            module(torch.randint(0, 256, (2, 64))).float().sum().backward()
         return flops.total, flops.fp8
 
     (plain, none), (fp8, in_fp8) = step_flops(False), step_flops(True)
