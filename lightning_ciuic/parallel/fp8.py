@@ -5,23 +5,25 @@ Contract:
 
 * :func:`fp8_linear(x, weight, bias=None)` is ``x @ weight.T + bias`` (``x`` ``[..., K]``, ``weight`` ``[N, K]``)
   with, in forward, each row of ``x`` (a token) and each row of ``weight`` (an output channel) divided by its scale
-  (its largest magnitude over 448, e4m3's largest) and cast to e4m3, multiplied with float32 accumulation (torch's ``_scaled_mm``: :func:`~lightning_ciuic.compat.scaled_mm`), the output
-  in ``x``'s dtype (the autocast dtype under autocast; float64 comes out of a float32 product). In backward, the
-  input's gradient ``grad @ weight`` is the same product of ``grad``'s rows (tokens) and ``weight``'s columns (input
-  channels), each so cast; the weight's gradient ``grad.T @ x`` and the bias's are computed in ``x``'s dtype, not
-  quantized. Every scale belongs to one token or to one channel of the weight, none to the batch: a token's output
-  and input gradient do not depend on the tokens beside it, and the weight's gradient sums unquantized products, so a
-  layout that splits the batch computes what one process computes, up to the order of its sums.
+  (its largest magnitude over 448, e4m3's largest) and cast to e4m3, multiplied with float32 accumulation (torch's
+  ``_scaled_mm``: :func:`~lightning_ciuic.compat.scaled_mm`), the output in ``x``'s dtype (the autocast dtype under
+  autocast; float64 comes out of a float32 product). In backward, the input's gradient ``grad @ weight`` is the same
+  product of ``grad``'s rows (tokens) and ``weight``'s columns (input channels), each so cast; the weight's gradient
+  ``grad.T @ x`` and the bias's are computed in ``x``'s dtype, not quantized. Every scale belongs to one token or to
+  one channel of the weight, none to the batch: a token's output and input gradient do not depend on the tokens
+  beside it, and the weight's gradient sums unquantized products, so a layout that splits the batch computes what
+  one process computes, up to the order of its sums. ``x`` is saved before the product runs, as ``nn.Linear``'s
+  product saves it.
 * :class:`Fp8Linear`: an ``nn.Linear`` whose forward is :func:`fp8_linear`.
 * :func:`weight_gradients_deferred`: the context of a zero-bubble schedule's input pass (the pipeline's stages enter
   it), inside which the weights' gradients wait for the weight pass.
-* :func:`use_fp8_gemms(blocks)`: every ``nn.Linear`` inside ``blocks`` (not a block that is one: a pipeline's output
-  head) becomes an :class:`Fp8Linear` in place (its class
-  swapped: the same parameters, state dict and hooks), except a mixture-of-experts router (an ``nn.Linear`` beside
-  packed experts, :func:`~lightning_ciuic.parallel.experts.layout.packed_experts`), which stays in its dtype as
-  DeepSeek-V3 keeps its gating; returns the converted modules' names. Raises ``ValueError`` naming the linears (and
-  the packed experts given, which multiply in FP8 under expert parallelism) whose widths are not multiples of
-  :data:`FP8_DIMENSION` (CUDA's FP8 kernels need them), or when the blocks hold no linear.
+* :func:`use_fp8_gemms(blocks, names, experts=())`: every ``nn.Linear`` inside ``blocks`` (not a block that is one: a
+  pipeline's output head) becomes an :class:`Fp8Linear` in place (its class swapped: the same parameters, state dict
+  and hooks), except a mixture-of-experts router (an ``nn.Linear`` beside packed experts,
+  :func:`~lightning_ciuic.parallel.experts.layout.packed_experts`), which stays in its dtype as DeepSeek-V3 keeps its
+  gating; returns the converted modules' names. Raises ``ValueError`` naming the linears (and the packed experts
+  given, which multiply in FP8 under expert parallelism) whose widths are not multiples of :data:`FP8_DIMENSION`
+  (CUDA's FP8 kernels need them), or a linear with a ``forward`` of its own, or when the blocks hold no linear.
   Embeddings, norms, attention's own products and the output head are not ``nn.Linear`` inside the blocks, and stay
   in their dtype, as DeepSeek-V3 keeps them.
 
