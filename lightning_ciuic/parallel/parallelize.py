@@ -26,9 +26,9 @@ is one: this module does not import it, the arrow runs from the config to ``para
    (:func:`~lightning_ciuic.parallel.experts.shard_experts`); ``Parallelized.experts`` is its layout, which the
    data-parallel engine reads (expert gradients are averaged over the ranks holding the same experts). Sharded,
    each experts module becomes its own FSDP2 unit over those ranks (step 5).
-3. **FP8 GEMMs** (``options.gemm_precision == "fp8"``): every ``nn.Linear`` of the blocks below but the routers
-   multiplies in FP8, and so do the expert-parallel experts (:mod:`~lightning_ciuic.parallel.fp8`).
-   **Activation recomputation** (``options.gradient_checkpointing``, a
+3. **FP8 GEMMs** (``options.gemm_precision == "fp8"``): every ``nn.Linear`` of the blocks below (not the routers)
+   multiplies in FP8, and so do the expert-parallel experts (:mod:`~lightning_ciuic.parallel.fp8`); then
+   **activation recomputation** (``options.gradient_checkpointing``, a
    :class:`~lightning_ciuic.parallel.recompute.Recompute`: full, every k-th block, torchtitan's op-level selective
    policy, or named sub-modules such as DeepSeek-V3's norms and MLA up-projections): over each pipeline block of a
    :class:`~lightning_ciuic.parallel.pipeline_module.PipelineModule`, else each block of the module's outermost
