@@ -37,7 +37,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
 from lightning_ciuic.parallel.balance_loss import SequenceBalanceLoss
-from lightning_ciuic.parallel.experts import RoutedTokens, packed_experts
+from lightning_ciuic.parallel.experts import RoutedTokens, experts_parent, packed_experts
 from lightning_ciuic.parallel.shutdown import reported_once
 from lightning_ciuic.strategies.context import parallel_context
 from lightning_ciuic.tensors import local_tensor
@@ -47,9 +47,7 @@ BIAS_NAME = "e_score_correction_bias"
 
 def router_bias(model: nn.Module, experts_name: str) -> Optional[torch.Tensor]:
     """The ``e_score_correction_bias`` buffer of the module holding ``experts_name`` (searched below it), or None."""
-    parent_name = experts_name.rpartition(".")[0]
-    parent = model.get_submodule(parent_name)
-    found = [buffer for name, buffer in parent.named_buffers() if name.split(".")[-1] == BIAS_NAME]
+    found = [buffer for name, buffer in experts_parent(model, experts_name).named_buffers() if name.split(".")[-1] == BIAS_NAME]
     return found[0] if len(found) == 1 else None
 
 

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from lightning_ciuic import compat
-from lightning_ciuic.parallel.experts.layout import packed_experts
+from lightning_ciuic.parallel.experts.layout import experts_parent, packed_experts
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -169,7 +169,7 @@ def use_fp8_gemms(blocks: Sequence[nn.Module], names: Sequence[str], experts: Se
         id(child)
         for block in blocks
         for name, _ in packed_experts(block)
-        for child in (block.get_submodule(name.rpartition(".")[0]) if "." in name else block).children()
+        for child in experts_parent(block, name).children()
         if isinstance(child, nn.Linear)
     }
     linears = [

@@ -7,6 +7,7 @@ Contract:
   ``forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``. transformers' DeepSeek-V3,
   Qwen3-MoE and Mixtral experts are such modules, and so is the pack's example model's. Found by their parameters'
   and ``act_fn``'s names and ranks (what the balance callbacks and the monitor count).
+* :func:`experts_parent`: the module holding a packed-experts module, where its router sits.
 * :func:`parameters_per_token`: the parameters one token's forward through a module uses, each packed-experts module
   counted for the ``top_k`` of its experts its router picks (what a pipeline's stages are balanced by).
 * :class:`ExpertLayout`: what :func:`~lightning_ciuic.parallel.experts.shard.shard_experts` made: the expert view of
@@ -74,6 +75,12 @@ def packed_experts(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, sub) for name, sub in module.named_modules() if is_packed_experts(sub)]
 
 
+def experts_parent(module: nn.Module, name: str) -> nn.Module:
+    """The module of ``module`` that holds the packed experts named ``name`` (``module`` itself for a top-level name):
+    where their router sits."""
+    return module.get_submodule(name.rpartition(".")[0])
+
+
 def parameters_per_token(module: nn.Module) -> int:
     """The parameters one token's forward through ``module`` passes: all of them, but of each packed-experts module
     only ``top_k / E`` (its router's ``top_k`` of its ``E`` experts): twice that is the forward's FLOPs per token,
@@ -81,8 +88,8 @@ def parameters_per_token(module: nn.Module) -> int:
     (transformers' routers and sparse blocks, the example model's); experts without one count whole."""
     total = sum(p.numel() for p in module.parameters())
     for name, experts in packed_experts(module):
-        parent = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
-        top_k = next((m.top_k for m in parent.modules() if isinstance(getattr(m, "top_k", None), int)), None)
+        router = experts_parent(module, name)
+        top_k = next((m.top_k for m in router.modules() if isinstance(getattr(m, "top_k", None), int)), None)
         if top_k is None:
             continue
         held = sum(p.numel() for p in experts.parameters())
