@@ -90,22 +90,25 @@ def test_the_opt_in_node_limit_trains_as_the_model_routed_by_node_groups():
     _fit_and_compare(4, 4, 1, 1, 4, 0.05, reference=_grouped, expert_devices_per_node=2, expert_node_limit=1)
 
 
-def _fit_and_compare(dp, shard, pp, tp, ep, clip, accumulate=1, gradient_checkpointing=False, factory=_tiny, reference=None, **dispatch):
+def _fit_and_compare(
+    dp, shard, pp, tp, ep, clip, accumulate=1, gradient_checkpointing=False, factory=_tiny, reference=None, steps=STEPS,
+    per_rank=PER_RANK_BATCH, microbatches=2, **dispatch,
+):
     strategy = HybridParallelStrategy(
         data_parallel_size=dp, data_parallel_shard_size=shard, pipeline_parallel_size=pp, tensor_parallel_size=tp,
-        expert_parallel_size=ep, num_microbatches=2, start_method="forkserver", gradient_checkpointing=gradient_checkpointing,
-        **dispatch,
+        expert_parallel_size=ep, num_microbatches=microbatches, start_method="forkserver",
+        gradient_checkpointing=gradient_checkpointing, **dispatch,
     )
     trainer = Trainer(
-        strategy=strategy, accelerator="cpu", devices=dp * pp * tp, max_steps=STEPS, logger=False, gradient_clip_val=clip,
+        strategy=strategy, accelerator="cpu", devices=dp * pp * tp, max_steps=steps, logger=False, gradient_clip_val=clip,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
         accumulate_grad_batches=accumulate,
     )
     module = factory()
-    global_batch = PER_RANK_BATCH * dp * accumulate
-    trainer.fit(module, loader(STEPS * global_batch, PER_RANK_BATCH))
+    global_batch = per_rank * dp * accumulate
+    trainer.fit(module, loader(steps * global_batch, per_rank))
     actual = {k: v.detach() for k, v in module.state_dict().items()}
-    assert_state_close(actual, reference_training(reference or factory, STEPS, global_batch, clip=clip), STEPS)
+    assert_state_close(actual, reference_training(reference or factory, steps, global_batch, clip=clip), steps)
 
 
 # gemm_precision="fp8": widths FP8's kernels take (multiples of 16: kv_lora_rank + the rotary part)
@@ -198,20 +201,10 @@ def test_fp8_gemms_under_dualpipev_with_deepseeks_recomputation_train_as_one_pro
     """DualPipeV over pp 2 x ep 2 with DeepSeek-V3's recomputation recipe: its input passes leave the FP8 linears'
     weight gradients to its weight passes (parallel/fp8.py, weight_gradients_deferred), as one process computes them.
     Four micro-batches of one sequence per rank (the schedule needs one per stage)."""
-    steps, per_rank = 3, 4
-    strategy = HybridParallelStrategy(
-        data_parallel_size=2, pipeline_parallel_size=2, expert_parallel_size=2, num_microbatches=4,
-        pipeline_schedule="dualpipev", gemm_precision="fp8", gradient_checkpointing={"recompute": ["norm", "mla_up"]},
-        start_method="forkserver",
+    _fit_and_compare(
+        2, 1, 2, 1, 2, None, gradient_checkpointing={"recompute": ["norm", "mla_up"]}, factory=_fp8_tiny,
+        reference=_fp8_reference, steps=3, per_rank=4, microbatches=4, pipeline_schedule="dualpipev", gemm_precision="fp8",
     )
-    trainer = Trainer(
-        strategy=strategy, accelerator="cpu", devices=4, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
-    )
-    module = _fp8_tiny()
-    trainer.fit(module, loader(steps * per_rank * 2, per_rank))
-    actual = {k: v.detach() for k, v in module.state_dict().items()}
-    assert_state_close(actual, reference_training(_fp8_reference, steps, per_rank * 2), steps)
 
 
 HF_FP8 = {  # widths FP8's kernels take: multiples of 16
@@ -243,18 +236,10 @@ def test_hugging_face_moe_families_train_with_fp8_gemms_as_one_process(model_typ
     differ by float64's, and a weight that tips an intermediate's e4m3 rounding moves it a whole code (a router
     weight 1.6e-6 off after 4 steps), so one step, from equal parameters."""
     pytest.importorskip("transformers")
-    strategy = HybridParallelStrategy(
-        data_parallel_size=2, data_parallel_shard_size=2, expert_parallel_size=2, gemm_precision="fp8", start_method="forkserver",
+    _fit_and_compare(
+        2, 2, 1, 1, 2, None, factory=_hugging_face_fp8(model_type, reference=False),
+        reference=_hugging_face_fp8(model_type, reference=True), steps=steps, gemm_precision="fp8",
     )
-    trainer = Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
-    )
-    module = _hugging_face_fp8(model_type, reference=False)()
-    trainer.fit(module, loader(steps * PER_RANK_BATCH * 2, PER_RANK_BATCH))
-    actual = {k: v.detach() for k, v in module.state_dict().items()}
-    expected = reference_training(_hugging_face_fp8(model_type, reference=True), steps, PER_RANK_BATCH * 2)
-    assert_state_close(actual, expected, steps, lr=1e-2)
 
 
 class _MeanLosses(Callback):
