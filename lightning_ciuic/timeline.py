@@ -8,7 +8,9 @@ processes of one host (and across hosts as far as their clocks agree); :func:`wa
 epoch nanoseconds and keeps their order: a reading no later than another never converts to a later integer (so a
 span that ended before the next began does not overlap it in the Chrome trace). :data:`STALLS` are the categories
 that stop training while they run on its thread. The telemetry's step records and the communication monitor's
-breakdown and Chrome trace read it. No Lightning imports.
+breakdown and Chrome trace read it. A span is recorded when it ends; :meth:`Timeline.running` names the spans of
+:meth:`Timeline.span` that have started and not ended (a checkpoint still being written when training ends), so
+a trace taken then can show them. No Lightning imports.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Timeline:
     def __init__(self) -> None:
         self._spans: deque[Span] = deque(maxlen=_HISTORY)
         self._lock = threading.Lock()  # writers on other threads append while the training thread reads
+        self._running: dict[int, Span] = {}  # spans of span() not ended yet, by id; their end is their start
 
     def record(self, name: str, category: str, start: float, end: Optional[float] = None, track: Optional[str] = None) -> None:
         end = time.perf_counter() if end is None else end
@@ -64,10 +67,21 @@ class Timeline:
     @contextmanager
     def span(self, name: str, category: str, track: Optional[str] = None) -> Iterator[None]:
         start = time.perf_counter()
+        track = track or threading.current_thread().name
+        key = object()
+        with self._lock:
+            self._running[id(key)] = Span(name, category, start, start, track)
         try:
             yield
         finally:
+            with self._lock:
+                del self._running[id(key)]
             self.record(name, category, start, track=track)
+
+    def running(self) -> list[Span]:
+        """Spans of :meth:`span` started and not yet ended, oldest first (each with ``end == start``)."""
+        with self._lock:
+            return sorted(self._running.values(), key=lambda span: span.start)
 
     def ending_within(self, start: float, end: float) -> list[Span]:
         """Spans that ended in ``(start, end]``, oldest first."""

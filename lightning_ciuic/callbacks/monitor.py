@@ -395,16 +395,22 @@ class CommunicationMonitor(Callback):
     def _trace_events(self) -> list[TraceEvent]:
         """This rank's step events, and the timeline's spans since the first step kept. A step's data wait starts
         at the end of the last training-thread span that ended inside it, if any (a checkpoint staged after the
-        previous step, in the gap the data wait is measured from, less that staging)."""
+        previous step, in the gap the data wait is measured from, less that staging). A span still running on
+        another thread (a checkpoint write in flight as training ends) ends now, named ``... (running at train
+        end)``."""
         steps = [event for step in self._trace_steps for event in step]
         if not steps:
             return steps
         since = min(e[3] for e in steps)
         training = threading.current_thread().name
+        now = time.perf_counter()
         spans: list[TraceEvent] = []
-        for span in timeline.ending_within((since - wall_clock_ns(0.0)) / 1e9, time.perf_counter()):
+        for span in timeline.ending_within((since - wall_clock_ns(0.0)) / 1e9, now):
             track = "training" if span.track == training else span.track
             spans.append((track, span.name, span.category, wall_clock_ns(span.start), wall_clock_ns(span.end)))
+        for span in timeline.running():
+            if span.track != training:
+                spans.append((span.track, f"{span.name} (running at train end)", span.category, wall_clock_ns(span.start), wall_clock_ns(now)))
         ends = sorted(e[4] for e in spans if e[0] == "training")
         events: list[TraceEvent] = []
         for event in steps:

@@ -98,6 +98,35 @@ def test_spans_one_after_another_never_overlap_and_nested_ones_stay_nested(monke
         assert any(w["ts"] == staging["ts"] + staging["dur"] for w in waits), staging
 
 
+def test_a_write_still_running_when_training_ends_is_in_the_trace_cut_at_its_end(monkeypatch):
+    """The monitor gathers the trace before the checkpoint callbacks wait for their write: a write running on its
+    own thread then is drawn from its start to the trace's end, under its own name; once it ends it is the plain
+    span, and the running list is empty."""
+    monitor, _ = _traced_run(monkeypatch, steps=20)
+    spans = monitor_module.timeline
+    started, release = threading.Event(), threading.Event()
+
+    def write():
+        with spans.span("checkpoint write", "checkpoint", track="checkpoint writer"):
+            started.set()
+            release.wait()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    started.wait()
+    events = monitor._trace_events()
+    running = [e for e in events if e[1] == "checkpoint write (running at train end)"]
+    assert len(running) == 1 and running[0][0] == "checkpoint writer" and running[0][3] < running[0][4]
+    assert running[0][4] >= max(e[4] for e in events if e is not running[0])  # cut at the trace's end
+    assert len(spans.running()) == 1
+    release.set()
+    writer.join()
+    assert spans.running() == []
+    events = monitor._trace_events()
+    assert not any(e[1].endswith("(running at train end)") for e in events)
+    assert sum(e[1] == "checkpoint write" for e in events) == 2 + 1  # the two of _traced_run's 20 steps, and this one
+
+
 def test_times_are_microseconds_from_the_earliest_span():
     ns = 1_700_000_000_123_456_789
     events = [[("training", "a", "compute", ns, ns + 2_500), ("training", "b", "compute", ns + 2_500, ns + 10_999)],
