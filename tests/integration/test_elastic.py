@@ -31,7 +31,9 @@ def test_losing_a_node_continues_on_one_and_a_rejoining_node_brings_the_run_back
         reference_alongside=True,
     )
     assert result["to_one_node_s"] < 60, result
-    assert 0 < result["lost_on_kill"] <= 5, result  # at most snapshot_freq
+    # At most snapshot_freq, plus one: the job's progress line for a step is written before that step's snapshot,
+    # so a kill between them counts the step as done and resumes from the snapshot before it.
+    assert 0 < result["lost_on_kill"] <= 5 + 1, result
     assert result["accumulate_alone"] == [2], result  # global batch 8 kept: 4 per rank x 1 rank x 2
     assert result["lost_on_rejoin"] <= 1, result  # the SIGTERM snapshot: nothing, or the step in flight
     assert result["final"]["step"] == 45 and result["final"]["world"] == 2
