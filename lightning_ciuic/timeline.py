@@ -57,7 +57,7 @@ class Timeline:
     def __init__(self) -> None:
         self._spans: deque[Span] = deque(maxlen=_HISTORY)
         self._lock = threading.Lock()  # writers on other threads append while the training thread reads
-        self._running: dict[int, Span] = {}  # spans of span() not ended yet, by id; their end is their start
+        self._running: dict[object, Span] = {}  # spans of span() not ended yet, by a token; their end is their start
 
     def record(self, name: str, category: str, start: float, end: Optional[float] = None, track: Optional[str] = None) -> None:
         end = time.perf_counter() if end is None else end
@@ -68,14 +68,14 @@ class Timeline:
     def span(self, name: str, category: str, track: Optional[str] = None) -> Iterator[None]:
         start = time.perf_counter()
         track = track or threading.current_thread().name
-        key = object()
+        token = object()
         with self._lock:
-            self._running[id(key)] = Span(name, category, start, start, track)
+            self._running[token] = Span(name, category, start, start, track)
         try:
             yield
         finally:
             with self._lock:
-                del self._running[id(key)]
+                del self._running[token]
             self.record(name, category, start, track=track)
 
     def running(self) -> list[Span]:
