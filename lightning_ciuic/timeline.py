@@ -74,24 +74,35 @@ class Timeline:
         try:
             yield
         finally:
-            with self._lock:
+            end = time.perf_counter()
+            with self._lock:  # leaves the running ones and joins the ended ones at one instant
                 del self._running[token]
-            self.record(name, category, start, track=track)
+                self._spans.append(Span(name, category, start, end, track))
 
     def running(self) -> list[Span]:
         """Spans of :meth:`span` started and not yet ended, oldest first (each with ``end == start``)."""
+        return self.now_since(float("inf"))[2]
+
+    def now_since(self, start: float) -> tuple[float, list[Span], list[Span]]:
+        """At one instant: the time, the spans that ended since ``start`` (:meth:`ending_within` up to it) and
+        the spans running (:meth:`running`): a span that ends meanwhile is in exactly one of the two."""
         with self._lock:
-            return sorted(self._running.values(), key=lambda span: span.start)
+            now = time.perf_counter()
+            running = sorted(self._running.values(), key=lambda span: span.start)
+            return now, self._ended_within(start, now), running
 
     def ending_within(self, start: float, end: float) -> list[Span]:
         """Spans that ended in ``(start, end]``, oldest first."""
-        found = []
         with self._lock:
-            for span in reversed(self._spans):  # appended as they end: stop at the first that ended before
-                if span.end <= start:
-                    break
-                if span.end <= end:
-                    found.append(span)
+            return self._ended_within(start, end)
+
+    def _ended_within(self, start: float, end: float) -> list[Span]:
+        found = []
+        for span in reversed(self._spans):  # appended as they end: stop at the first that ended before
+            if span.end <= start:
+                break
+            if span.end <= end:
+                found.append(span)
         return found[::-1]
 
 

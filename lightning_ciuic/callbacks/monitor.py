@@ -403,12 +403,12 @@ class CommunicationMonitor(Callback):
             return steps
         since = min(e[3] for e in steps)
         training = threading.current_thread().name
-        now = time.perf_counter()
+        now, ended, running = timeline.now_since((since - wall_clock_ns(0.0)) / 1e9)
         spans: list[TraceEvent] = []
-        for span in timeline.ending_within((since - wall_clock_ns(0.0)) / 1e9, now):
+        for span in ended:
             track = "training" if span.track == training else span.track
             spans.append((track, span.name, span.category, wall_clock_ns(span.start), wall_clock_ns(span.end)))
-        for span in timeline.running():
+        for span in running:
             if span.track != training:
                 spans.append((span.track, f"{span.name} (running at train end)", span.category, wall_clock_ns(span.start), wall_clock_ns(now)))
         ends = sorted(e[4] for e in spans if e[0] == "training")
