@@ -23,6 +23,10 @@ Contract:
 
 * :meth:`records_since` hands each consumer the records after its own cursor; :func:`gather_per_rank`
   all-gathers one row of numbers per rank (``[world_size, k]``) over the default process group.
+* A process whose ranks measure leaves its process groups cleanly at exit, whatever the strategy
+  (:func:`~lightning_ciuic.parallel.shutdown.leave_at_exit`, registered when the first ``Telemetry`` is made): under
+  Lightning's own ``ddp_spawn`` on gloo, the DDP wrapper still holds the default group at interpreter exit, and a gloo
+  worker finishing its last work then aborts the process (SIGABRT) now and then.
 
 Limits: timings are wall-clock on the host; on CUDA the caller must synchronize for them to mean device time.
 """
@@ -42,6 +46,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.data import extract_batch_size
 
 from lightning_ciuic.compat import all_gather_single
+from lightning_ciuic.parallel.shutdown import leave_at_exit
 from lightning_ciuic.timeline import STALLS, timeline
 
 _HISTORY = 100_000  # records kept; consumers read far more often than this
@@ -83,6 +88,7 @@ class Telemetry:
         telemetry = cls._by_trainer.get(trainer)
         if telemetry is None:
             telemetry = cls._by_trainer[trainer] = cls(trainer.lightning_module)
+            leave_at_exit()
         return telemetry
 
     @classmethod
