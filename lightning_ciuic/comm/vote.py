@@ -25,7 +25,7 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_ciuic.comm.groups import close_group
+from lightning_ciuic.comm.groups import close_group, side_group
 
 Provider = Callable[..., Sequence[float]]
 
@@ -54,7 +54,7 @@ class StepVote:
         if width < 1:
             raise ValueError(f"StepVote: {name!r} must vote at least one value, got width={width}.")
         if not self._providers and self._group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = dist.new_group(backend="gloo")
+            self._group = side_group()
         self._providers[name] = (width, provider)
         self._key = None
 

@@ -40,11 +40,10 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_ciuic.comm.groups import close_group
+from lightning_ciuic.comm.groups import close_group, side_group
 from lightning_ciuic.checkpoint.dcp import ChunkedReader, ChunkedWriter, load_full, save_full
 from lightning_ciuic.checkpoint.incremental import LATEST, MANIFEST, CheckpointCatalog, ChunkStore, CorruptCheckpointError, SaveAbandoned
 from lightning_ciuic.checkpoint.storage import Storage, page_aligned_empty
-from lightning_ciuic.parallel.shutdown import leave_at_exit
 from lightning_ciuic.timeline import timeline
 
 Compression = Literal["zstd", "none"]
@@ -275,11 +274,9 @@ class ChunkedCheckpointIO(CheckpointIO):
         self._pending = self._executor.submit(_timed_write, self._stage.synchronize, job)
 
     def checkpoint_group(self) -> dist.ProcessGroup:
-        """A gloo group of all ranks for the background DCP collectives (created on first use, collectively; the
-        process then leaves its groups at exit without gloo aborting it, :func:`leave_at_exit`)."""
+        """A gloo group of all ranks for the background DCP collectives (created on first use, collectively)."""
         if self._group is None:
-            self._group = dist.new_group(backend="gloo")
-            leave_at_exit()
+            self._group = side_group()
         return self._group
 
     # -- CheckpointIO --------------------------------------------------------------------------------
