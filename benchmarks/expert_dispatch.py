@@ -27,8 +27,9 @@ per-device link speed), its compute rate and the latency of a collective call (a
 hierarchical dispatch makes more calls) and checked on the four others: the modelled step against the measured one
 (target: the overlapped steps within 15%).
 
-Writes the ``expert_dispatch`` section of docs/benchmarks.md (``expert_dispatch_per_node<N>`` for another
-``--per-node``; ``--dry-run``: prints it only).
+Writes the ``expert_dispatch`` section of docs/benchmarks.md (``expert_dispatch_per_node<N>_inter<D>_batch<B>`` for
+another ``--per-node``, ``--moe-inter-dim`` or ``--batch-size``, each only where it differs; ``--dry-run``: prints it
+only).
 
     sudo .venv/bin/python benchmarks/expert_dispatch.py [--rate 1gbit] [--steps 14] [--rounds 3] [--batch-size 8] [--moe-inter-dim 64] [--per-node 2]
 """
@@ -311,7 +312,17 @@ def main() -> None:
         ])
     print(section)
     if not args.dry_run:
-        write_section("expert_dispatch" if args.per_node == 2 else f"expert_dispatch_per_node{args.per_node}", section)
+        write_section(section_name(args), section)
+
+
+def section_name(args: argparse.Namespace) -> str:
+    """``expert_dispatch``, then ``_per_node<N>``, ``_inter<D>``, ``_batch<B>`` for each that is not the default."""
+    name = "expert_dispatch"
+    for suffix, value, default in (("per_node", args.per_node, 2), ("inter", args.moe_inter_dim, MOE["moe_inter_dim"]),
+                                   ("batch", args.batch_size, 8)):
+        if value != default:
+            name += f"_{suffix}{value}"
+    return name
 
 
 if __name__ == "__main__":
