@@ -2,8 +2,8 @@
 
 Two parts, both exact, no timing:
 
-* Bytes: the example DeepSeek-style decoder's blocks (``--layers`` of them, the first dense, the rest experts) run one
-  micro-batch's forward, then torch's input backward (``torch.distributed.pipelining``'s ``stage_backward_input``,
+* Bytes: blocks of the example DeepSeek-style decoder (``MODELS``: its small config, and DeepSeek-V3's head dimensions
+  and latent at a quarter of its width) run one micro-batch's forward, then torch's input backward (``torch.distributed.pipelining``'s ``stage_backward_input``,
   what the zero-bubble schedules run for ``I``), then its weight backward (``W``). The bytes of every tensor made since
   the forward began and still alive are counted after each (a dispatch mode that tracks each new storage until it is
   freed), under each recomputation mode of ``gradient_checkpointing``: held after the forward, held while waiting for
@@ -15,7 +15,7 @@ Two parts, both exact, no timing:
 
 Writes the ``weight_backward_memory`` section of docs/benchmarks.md.
 
-    .venv/bin/python benchmarks/weight_backward_memory.py [--layers 3] [--pp 16] [--microbatches 32]
+    .venv/bin/python benchmarks/weight_backward_memory.py [--pp 16] [--microbatches 32]
 """
 
 from __future__ import annotations
@@ -40,10 +40,19 @@ from lightning_ciuic import compat  # noqa: E402
 from lightning_ciuic.parallel.pipeline import SCHEDULES  # noqa: E402
 from lightning_ciuic.parallel.recompute import Recompute, recompute_blocks  # noqa: E402
 
-MODEL = dict(dim=256, n_dense_layers=1, n_routed_experts=8, n_activated_experts=2, moe_inter_dim=128, dense_inter_dim=512,
-             max_seq_len=512, kv_lora_rank=64, n_heads=8)
-MICRO_BATCH = (2, 512)  # sequences x tokens
 MODES = ("none", {"recompute": ["norm", "mla_up"]}, "selective", "full")
+# name: (the example decoder's config, blocks, micro-batch as sequences x tokens, recomputation modes)
+MODELS = {
+    "example decoder": (
+        dict(dim=256, n_dense_layers=1, n_routed_experts=8, n_activated_experts=2, moe_inter_dim=128, dense_inter_dim=512,
+             max_seq_len=512, kv_lora_rank=64, n_heads=8), 3, (2, 512), MODES,
+    ),
+    "DeepSeek-V3 at a quarter of its width": (  # its head dims and latent, 32 of its 128 heads, 8 of 32 experts per token
+        dict(dim=1792, n_heads=32, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512,
+             n_dense_layers=0, n_routed_experts=32, n_activated_experts=8, moe_inter_dim=512, max_seq_len=1024), 2, (1, 1024),
+        MODES[:2],
+    ),
+}
 
 
 class LiveBytes(TorchDispatchMode):
@@ -75,9 +84,9 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def held(layers: torch.nn.ModuleList, dim: int) -> tuple[int, int]:
+def held(layers: torch.nn.ModuleList, dim: int, micro_batch: tuple[int, int]) -> tuple[int, int]:
     """Bytes held after one micro-batch's forward, and after its input backward (waiting for W)."""
-    x = torch.randn(*MICRO_BATCH, dim, requires_grad=True)
+    x = torch.randn(*micro_batch, dim, requires_grad=True)
     with LiveBytes() as live:
         y = x
         for layer in layers:
@@ -122,36 +131,36 @@ def dualpipev_holding(pp: int, microbatches: int, waiting_weight: float) -> list
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--pp", type=int, default=16)
     parser.add_argument("--microbatches", type=int, default=32)
     args = parser.parse_args()
     rows = []
-    for mode in MODES:
-        torch.manual_seed(0)
-        layers = DeepSeekTransformer(DeepSeekConfig(n_layers=args.layers, **MODEL)).layers
-        if mode != "none":
-            recompute_blocks(list(layers), Recompute.parse(mode))
-        held(layers, MODEL["dim"])  # warm: what the first step builds lazily is not counted
-        after_forward, waiting = held(layers, MODEL["dim"])
-        ratio = waiting / after_forward
-        holding = [most for most, _ in dualpipev_holding(args.pp, args.microbatches, ratio)]
-        rows.append(
-            f"| `{mode}` | {after_forward / 2**20:.1f} | {waiting / 2**20:.1f} | **{ratio:.2f}x** |"
-            f" {holding[0]:.1f} / {max(holding):.1f} / {holding[-1]:.1f} |"
-        )
+    for name, (config, blocks, micro_batch, modes) in MODELS.items():
+        for mode in modes:
+            torch.manual_seed(0)
+            layers = DeepSeekTransformer(DeepSeekConfig(n_layers=blocks, **config)).layers
+            if mode != "none":
+                recompute_blocks(list(layers), Recompute.parse(mode))
+            held(layers, config["dim"], micro_batch)  # warm: what the first step builds lazily is not counted
+            after_forward, waiting = held(layers, config["dim"], micro_batch)
+            ratio = waiting / after_forward
+            holding = [most for most, _ in dualpipev_holding(args.pp, args.microbatches, ratio)]
+            rows.append(
+                f"| {name} ({blocks} blocks, {micro_batch[0]} x {micro_batch[1]} tokens) | `{mode}` |"
+                f" {after_forward / 2**20:.1f} | {waiting / 2**20:.1f} | **{ratio:.2f}x** |"
+                f" {holding[0]:.1f} / {max(holding):.1f} / {holding[-1]:.1f} |"
+            )
     counts = dualpipev_holding(args.pp, args.microbatches, 1.0)
     command = shlex.join([".venv/bin/python", "benchmarks/weight_backward_memory.py", *sys.argv[1:]])
     table = "\n".join(rows)
     write_section("weight_backward_memory", f"""## What a pipeline chunk holds while it waits for its weight backward
 
-Command: `{command}` (machine: {machine()}). Bytes: the example decoder's {args.layers} blocks (dim {MODEL['dim']},
-{MODEL['n_routed_experts']} routed experts, {MODEL['n_activated_experts']} per token), one micro-batch of
-{MICRO_BATCH[0]} x {MICRO_BATCH[1]} tokens in float32, through torch's input backward (`stage_backward_input`, the
-zero-bubble schedules' `I`), by `gradient_checkpointing`:
+Command: `{command}` (machine: {machine()}). Bytes: blocks of the example decoder (its own small config, the first
+block dense; and DeepSeek-V3's head dimensions and latent at a quarter of its width, all blocks experts), one
+micro-batch in float32, through torch's input backward (`stage_backward_input`, the zero-bubble schedules' `I`), by `gradient_checkpointing`:
 
-| recomputation | MiB held after the forward | MiB held waiting for W | ratio | DualPipeV's peak, chunks: rank 0 / most / last rank |
-|---|---|---|---|---|
+| model | recomputation | MiB held after the forward | MiB held waiting for W | ratio | DualPipeV's peak, chunks: rank 0 / most / last rank |
+|---|---|---|---|---|---|
 {table}
 
 DualPipeV's order at pp {args.pp}, {args.microbatches} micro-batches (two chunks per rank, torch's `pipeline_order`):
