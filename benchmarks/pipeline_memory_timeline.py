@@ -1,0 +1,118 @@
+"""Where a pipeline rank's memory peaks in the schedule: the planner's step, action by action.
+
+Plans DeepSeek-V3 (``examples/configs/plan/deepseek_v3.yaml``, shortened to ``--layers`` MoE layers: every pipeline
+rank but the first holds the same layers) over ``--pp`` pipeline ranks x 16 data-parallel ranks, with DeepSeek's
+recomputation recipe (or ``--recompute``) and ZeRO-1, under ``--schedule``, and records the memory the step's tracker holds after each
+action a stage runs (torch's ``forward_one_chunk``, ``backward_one_chunk``: a full or an input backward,
+``backward_weight_one_chunk``: a weight backward). Per rank: its peak and the action it follows; the memory after the
+rank's last forward (the end of the steady state, where every rank holds as many chunks as the order lets it); and
+the memory after each of its last actions. Writes the ``pipeline_memory_timeline_<schedule>`` section of
+docs/benchmarks.md.
+
+    .venv/bin/python benchmarks/pipeline_memory_timeline.py [--schedule dualpipev] [--pp 4] [--microbatches 8] [--layers 14]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torch.distributed.pipelining import stage as pipeline_stage  # noqa: E402
+
+from benchmarks.common import machine, write_section  # noqa: E402
+from lightning_ciuic import compat  # noqa: E402
+from lightning_ciuic.planner import plan  # noqa: E402
+from lightning_ciuic.planner.train_step import StepSpec  # noqa: E402
+
+GiB = 2**30
+ACTIONS = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
+
+
+def recorded_step(args: argparse.Namespace) -> dict[int, list[tuple[str, int, int, int]]]:
+    """Per tracked step (one per rank the planner steps): (action, stage, micro-batch, bytes held after it)."""
+    trackers: list = []
+    events: dict[int, list[tuple[str, int, int, int]]] = defaultdict(list)
+    make_tracker = compat.memory_tracker
+
+    def tracked(*a, **k):
+        tracker = make_tracker(*a, **k)
+        trackers.append(tracker)
+        return tracker
+
+    def recording(method, letter):
+        def run(self, *a, **k):
+            out = method(self, *a, **k)
+            snapshot = trackers[-1].get_tracker_snapshot("current")
+            microbatch = a[0] if a else next(iter(k.values()), -1)
+            events[len(trackers)].append((letter, self.stage_index, microbatch, sum(d.get("Total", 0) for d in snapshot.values())))
+            return out
+
+        return run
+
+    originals = {name: getattr(pipeline_stage._PipelineStageBase, name) for name in ACTIONS}
+    compat.memory_tracker = tracked
+    for name, letter in ACTIONS.items():
+        setattr(pipeline_stage._PipelineStageBase, name, recording(originals[name], letter))
+    try:
+        plan(
+            "examples/configs/plan/deepseek_v3.yaml", world_size=16 * args.pp, step=StepSpec(1, args.sequence_length), cli_args=[
+                "--trainer.strategy.init_args.gradient_checkpointing", args.recompute,
+                "--trainer.strategy.init_args.zero_stage", "1",
+                "--trainer.strategy.init_args.pipeline_parallel_size", str(args.pp),
+                "--trainer.strategy.init_args.expert_parallel_size", "16",
+                "--trainer.strategy.init_args.num_microbatches", str(args.microbatches),
+                "--trainer.strategy.init_args.pipeline_schedule", args.schedule,
+                "--model.init_args.config.num_hidden_layers", str(args.layers),
+                "--model.init_args.config.first_k_dense_replace", "0",
+            ],
+        )
+    finally:
+        compat.memory_tracker = make_tracker
+        for name, method in originals.items():
+            setattr(pipeline_stage._PipelineStageBase, name, method)
+    return events
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--schedule", default="dualpipev")
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=14)
+    parser.add_argument("--sequence-length", type=int, default=1024)
+    parser.add_argument("--recompute", default='{"recompute": ["norm", "mla_up"]}', help="gradient_checkpointing, as YAML")
+    args = parser.parse_args()
+    rows = []
+    for rank, events in enumerate(recorded_step(args).values()):
+        stages = sorted({stage for _, stage, _, _ in events})
+        peak = max(held for *_, held in events)
+        at = next(f"{a}{s}.{m}" for a, s, m, held in events if held == peak)
+        last_forward = max(i for i, (a, *_) in enumerate(events) if a == "F")
+        tail = " ".join(f"{a}{s}.{m} {held / GiB:.1f}" for a, s, m, held in events[last_forward:])
+        rows.append(
+            f"| {rank} | {stages} | **{peak / GiB:.2f}** after {at} | {events[last_forward][3] / GiB:.2f} |"
+            f" {(peak - events[last_forward][3]) / GiB:+.2f} | {tail} |"
+        )
+    command = shlex.join([".venv/bin/python", "benchmarks/pipeline_memory_timeline.py", *sys.argv[1:]])
+    table = "\n".join(rows)
+    write_section(f"pipeline_memory_timeline_{args.schedule}", f"""## Where a pipeline rank's memory peaks: {args.schedule}
+
+Command: `{command}` (machine: {machine()}). The planner's step of DeepSeek-V3 with {args.layers} MoE layers over pp
+{args.pp} x 16, {args.microbatches} micro-batches of 1 x {args.sequence_length} tokens, `gradient_checkpointing`
+`{args.recompute}`, ZeRO-1, {args.schedule}: the memory held (GiB, fake tensors, the step's tracker) after each action of a rank's
+stages. `F`: forward; `B`: full or input backward; `W`: weight backward; `<action><stage>.<micro-batch>`.
+
+| rank | stages | peak | after its last forward | peak - that | from its last forward on |
+|---|---|---|---|---|---|
+{table}
+""")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
