@@ -48,7 +48,7 @@ def recorded_step(args: argparse.Namespace) -> dict[int, list[tuple[str, int, in
         def run(self, *a, **k):
             out = method(self, *a, **k)
             snapshot = trackers[-1].get_tracker_snapshot("current")
-            microbatch = a[0] if a else next(iter(k.values()), -1)
+            microbatch = a[0] if a else k.get("fwd_chunk_id", k.get("bwd_chunk_id"))  # torch's first parameter
             events[len(trackers)].append((letter, self.stage_index, microbatch, sum(d.get("Total", 0) for d in snapshot.values())))
             return out
 
