@@ -73,10 +73,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     for the weight's gradient and computes it, the second multiplies (its backward the input's gradient) and hands
     it the output's gradient. ``x`` is saved before the product runs, as ``nn.Linear``'s product saves its inputs: a
     recomputation that needs ``x`` back (torch's checkpointing stops once what backward reads is back) does not run
-    the product too."""
+    the product too. ``x``'s gradient goes from the product to ``x``; the first function passes only the weight on,
+    and the product gives it a weight-shaped zero that takes no memory (an expanded scalar) for a gradient: a
+    zero-bubble schedule's input pass keeps, for the weight pass, what reaches the first function (torch's
+    ``stage_backward_input``: the gradients into the first node that reads both a weight and the stage's input),
+    so it keeps that zero and the output gradient the product handed over, as it keeps ``nn.Linear``'s output
+    gradient, and not ``x``'s gradient besides."""
     handoff = _OutputGradient()
-    kept_x, kept_weight = _WeightGradient.apply(x, weight, handoff)
-    return _Fp8Product.apply(kept_x, kept_weight, bias, handoff)
+    kept_weight = _WeightGradient.apply(x, weight, handoff)
+    return _Fp8Product.apply(x, kept_weight, bias, handoff)
 
 
 _DEFERRED = threading.local()
@@ -103,26 +108,26 @@ class _OutputGradient:
 
 
 class _WeightGradient(torch.autograd.Function):
-    """``(x, weight)`` as they are, ``x`` kept; in backward, ``x``'s gradient passed on and the weight's computed from
-    the output gradient the product handed over, in ``x``'s dtype."""
+    """``weight`` as it is, ``x`` kept; in backward, the weight's gradient computed from the output gradient the
+    product handed over, in ``x``'s dtype (``x``'s own gradient is the product's)."""
 
     @staticmethod
     def forward(ctx, x, weight, handoff):  # type: ignore[override]
         ctx.save_for_backward(x)
         ctx.handoff, ctx.weight_dtype = handoff, weight.dtype
-        ctx.set_materialize_grads(False)  # no weight-sized zeros for the weight's pass-through gradient
-        return x.view_as(x), weight.view_as(weight)
+        ctx.set_materialize_grads(False)
+        return weight.view_as(weight)
 
     @staticmethod
-    def backward(ctx, grad_x, _):  # type: ignore[override]
+    def backward(ctx, _zero):  # type: ignore[override]
         if getattr(_DEFERRED, "on", False):
-            return grad_x, None, None  # the output gradient stays for the weight pass, which runs this again
+            return None, None, None  # the output gradient stays for the weight pass, which runs this again
         grad_weight, rows = None, ctx.handoff.grad
         ctx.handoff.grad = None
         if ctx.needs_input_grad[1] and rows is not None:
             (x,) = ctx.saved_tensors
             grad_weight = (rows.to(x.dtype).t() @ x.reshape(-1, x.shape[-1])).to(ctx.weight_dtype)
-        return grad_x, grad_weight, None
+        return None, grad_weight, None
 
 
 class _Fp8Product(torch.autograd.Function):
@@ -144,14 +149,15 @@ class _Fp8Product(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         weight = ctx.weight
         rows = grad.reshape(-1, grad.shape[-1])
-        grad_x = grad_bias = None
+        grad_x = zero = grad_bias = None
         if ctx.needs_input_grad[1]:
             ctx.handoff.grad = rows
+            zero = weight.new_zeros(()).expand(weight.shape)  # for the weight's node (fp8_linear's docstring)
         if ctx.needs_input_grad[0]:
             grad_x = fp8_product(rows, weight.t(), ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = rows.sum(0).to(weight.dtype)
-        return grad_x, None, grad_bias, None
+        return grad_x, zero, grad_bias, None
 
 
 class Fp8Linear(nn.Linear):

@@ -155,3 +155,42 @@ def test_deepseeks_recomputation_runs_the_same_products_with_fp8_gemms():
 
     (plain, none), (fp8, in_fp8) = step_flops(False), step_flops(True)
     assert none == 0 < in_fp8 < fp8 == plain
+
+
+def _held_between_the_passes(fp8: bool) -> tuple[int, dict]:
+    """Bytes the step's memory tracker holds after a zero-bubble input pass through an MLP (torch's
+    ``stage_backward_input``, what a pipeline stage runs), and the weights' gradients after the weight pass."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from lightning_ciuic import compat
+    from lightning_ciuic.parallel.fp8 import weight_gradients_deferred
+
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 32))
+    if fp8:
+        use_fp8_gemms([stage], ["stage"])
+    x = torch.randn(128, 64, requires_grad=True)
+    tracker = compat.memory_tracker(per_module=False)
+    with tracker:
+        out = stage(x)
+        with weight_gradients_deferred():
+            _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], stage.parameters())
+        held = sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot("current").values())
+    stage_backward_weight(stage.parameters(), groups)
+    return held, {name: p.grad for name, p in stage.named_parameters()}
+
+
+def test_an_input_pass_keeps_for_the_weight_pass_what_nn_linear_keeps():
+    """Between a zero-bubble schedule's input and weight passes an FP8 linear holds what ``nn.Linear`` holds (its input
+    and output gradient), not its input's gradient besides (the second linear's, 128 x 256 floats, which no other
+    layer keeps: the activation's output gradient; it did, 2026-12-06); the weight pass then computes the weight
+    gradients the full backward computes."""
+    linear, _ = _held_between_the_passes(fp8=False)
+    held, grads = _held_between_the_passes(fp8=True)
+    assert held <= linear + 1024, (held, linear)
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 32))
+    use_fp8_gemms([stage], ["stage"])
+    stage(torch.randn(128, 64, requires_grad=True)).sum().backward()
+    for name, p in stage.named_parameters():
+        assert torch.equal(grads[name], p.grad), name
