@@ -72,9 +72,15 @@ class Plan:
 
     @property
     def pacing_stage(self) -> Optional[int]:
-        """The pipeline stage whose rank computes the most FLOPs per step, at whose pace a pipeline moves (the only
-        stage without pipeline parallelism); None without the step phase."""
-        return max(self.steps, key=lambda stage: (self.steps[stage].flops, -stage)) if self.steps else None
+        """The pipeline stage at whose pace a pipeline moves (the only stage without pipeline parallelism): with the
+        hardware given, the one whose rank's modelled step is the longest (its compute and the communication it does
+        not hide: a stage of fewer FLOPs but more expert all-to-alls can set it), else the one whose rank computes
+        the most FLOPs per step; None without the step phase."""
+        if not self.steps:
+            return None
+        if self.hardware is None:
+            return max(self.steps, key=lambda stage: (self.steps[stage].flops, -stage))
+        return max(self.steps, key=lambda stage: (self._estimate_of(stage).modelled_seconds, -stage))
 
     @property
     def pacing_step(self) -> Optional[Any]:
@@ -87,16 +93,19 @@ class Plan:
         """The step's time and MFU, where the step phase ran and the hardware is given: the pacing stage's rank, its
         busy time stretched by the schedule's bubble (:func:`~lightning_ciuic.parallel.schedule_bubble.schedule_bubble`:
         the schedule's own order of actions played with equal stages), MFU over the model FLOPs of all stages' ranks."""
-        pacing = self.pacing_step
-        if self.hardware is None or pacing is None:
+        if self.hardware is None or not self.steps:
             return None
-        d = self.dims
+        return self._estimate_of(self.pacing_stage)
+
+    def _estimate_of(self, stage: int) -> StepEstimate:
+        """The estimate of a step at the pace of ``stage``'s rank (see :attr:`estimate`)."""
+        figures, d = self.steps[stage], self.dims
         bubble = schedule_bubble(self.pipeline_schedule, d.pp, self.num_microbatches, self.stages_per_rank)
         model_forward = sum(f.forward_flops for f in self.steps.values()) / len(self.steps)
         return estimate_step(
-            pacing.flops, model_forward, pacing.traffic, pacing.axis_ranks, self.hardware, bubble=bubble,
-            experts_flops=pacing.experts_flops, expert_overlap=self.expert_overlap, calls=pacing.calls,
-            fp8_flops=pacing.fp8_flops,
+            figures.flops, model_forward, figures.traffic, figures.axis_ranks, self.hardware, bubble=bubble,
+            experts_flops=figures.experts_flops, expert_overlap=self.expert_overlap, calls=figures.calls,
+            fp8_flops=figures.fp8_flops,
         )
 
     def fits(self, rank_class: RankClass) -> bool:
@@ -196,7 +205,7 @@ class Plan:
             )
             if estimate.bubble:
                 lines.append(
-                    f"pipeline: stage {self.pacing_stage} sets the pace (most FLOPs); the schedule's bubble"
+                    f"pipeline: stage {self.pacing_stage} sets the pace (the longest modelled step); the schedule's bubble"
                     f" {estimate.bubble:.1%} of the step ({self.pipeline_schedule}, pp={self.dims.pp}, {self.num_microbatches}"
                     " micro-batches)"
                 )

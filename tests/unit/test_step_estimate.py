@@ -293,3 +293,25 @@ def test_the_experts_forward_flops_are_counted_apart_and_scale_the_steps():
     assert (counter.forward, counter.experts_forward) == (5 * per_matmul, 2 * per_matmul)  # 2 dense, the attention, 2 experts'
     figures = StepFigures(0, {}, {}, counter.total, counter.forward, counter.experts_forward)
     assert figures.experts_flops == pytest.approx(counter.total * 2 / 5)
+
+
+def test_the_stage_whose_modelled_step_is_longest_sets_the_pace_not_the_one_with_most_flops():
+    """Two pipeline stages: stage 0 computes 1% more, stage 1 sends twice the expert all-to-alls (DeepSeek-V3 under
+    DualPipeV: its rank 1 holds two MoE layers, the others four). With the hardware given, stage 1's step is the
+    longer and sets the pace (the step estimate is its); without it, the FLOPs decide."""
+    from lightning_ciuic.parallel.dims import ParallelDims
+    from lightning_ciuic.planner.report import Plan
+    from lightning_ciuic.planner.train_step import StepFigures
+
+    hardware = Hardware(peak_flops=100e12, intra_node=400e9, inter_node=25e9, devices_per_node=8, efficiency=1.0)
+
+    def stage(flops, all_to_all):
+        return StepFigures(0, {"ep": {"all_to_all": all_to_all}}, {"ep": [0, 8]}, flops, flops // 3)
+
+    steps = {0: stage(40.4e12, 5e9), 1: stage(40e12, 10e9)}
+    plan = Plan(16, ParallelDims(pp=2, dp=8, tp=1, world_size=16, ep=8), 0, [], 80 * 2**30, steps=steps, num_microbatches=4, hardware=hardware)
+    assert plan.pacing_stage == 1
+    assert plan.estimate.modelled_seconds == pytest.approx((0.4 + 10e9 / 25e9) / (1 - plan.estimate.bubble))
+    assert plan.estimate.modelled_seconds > plan._estimate_of(0).modelled_seconds
+    plan.hardware = None
+    assert plan.pacing_stage == 0 and plan.estimate is None
