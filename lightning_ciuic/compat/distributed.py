@@ -163,6 +163,25 @@ def pipeline_sends_held() -> Iterator[None]:
         schedules._batch_p2p = batch
 
 
+def release_receive_buffers(receive_infos: Any) -> None:
+    """Each received tensor of a pipeline stage's ``_RecvInfo`` entries (the ``args_recv_info`` or ``grad_recv_info``
+    of one micro-batch, torch 2.13) dropped: its buffer becomes an empty tensor of its dtype and device. A root
+    argument and a gradient that is ``None`` (no buffer) are left as they are."""
+    for info in receive_infos:
+        if not info.is_root_arg and info.buffer is not None and info.tensor_meta is not None:
+            info.buffer = info.buffer.new_empty(0)
+
+
+def allocate_receive_buffers(receive_infos: Any, device: torch.device) -> None:
+    """Each received tensor of ``receive_infos`` (as :func:`release_receive_buffers`) given a fresh buffer of its
+    metadata's shape, as torch's stage allocates it at set-up (``_make_tensor_from_meta``, torch 2.13)."""
+    from torch.distributed.pipelining.stage import _make_tensor_from_meta
+
+    for info in receive_infos:
+        if not info.is_root_arg and info.buffer is not None and info.tensor_meta is not None:
+            info.buffer = _make_tensor_from_meta(info.tensor_meta, device)
+
+
 def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shape and global offset of this rank's shard of a DTensor (``torch.distributed.tensor._utils.
     compute_local_shape_and_global_offset``: a private module, torch 2.4+)."""

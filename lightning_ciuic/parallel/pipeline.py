@@ -338,13 +338,38 @@ class _Stage(PipelineStage):
             self._compute_clock[0] += time.perf_counter() - start
             timeline.record(f"stage {self.stage_index} {method.__name__}", PIPELINE_COMPUTE, start, track="pp stages")
 
+    def _setup_forward_recv_info(self, *args: Any, **kwargs: Any) -> None:
+        super()._setup_forward_recv_info(*args, **kwargs)
+        for infos in self.args_recv_info.values():
+            compat.release_receive_buffers(infos)
+
+    def _setup_backward_recv_info(self, *args: Any, **kwargs: Any) -> None:
+        super()._setup_backward_recv_info(*args, **kwargs)
+        for infos in self.grad_recv_info.values():
+            compat.release_receive_buffers(infos)
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+        compat.allocate_receive_buffers(self.args_recv_info[fwd_chunk_id], self.device)
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+        if self.has_backward and not self.is_last:
+            compat.allocate_receive_buffers(self.grad_recv_info[bwd_chunk_id], self.device)
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(super().forward_one_chunk, *args, **kwargs)
+        try:
+            return self._timed(super().forward_one_chunk, *args, **kwargs)
+        finally:  # the activation received lives on where the forward keeps it (its backward's inputs), not here
+            compat.release_receive_buffers(self.args_recv_info.get(kwargs.get("fwd_chunk_id", args[0] if args else None), ()))
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
-        with contextlib.nullcontext() if full else weight_gradients_deferred():  # an input pass: FP8 weights wait
-            return self._timed(super().backward_one_chunk, *args, **kwargs)
+        try:
+            with contextlib.nullcontext() if full else weight_gradients_deferred():  # an input pass: FP8 weights wait
+                return self._timed(super().backward_one_chunk, *args, **kwargs)
+        finally:  # the gradient received is read: what the weight pass needs of it, its input pass keeps
+            compat.release_receive_buffers(self.grad_recv_info.get(kwargs.get("bwd_chunk_id", args[0] if args else None), ()))
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
@@ -352,9 +377,12 @@ class _Stage(PipelineStage):
     def get_local_bwd_output(self, mb_index: int) -> Any:
         return None if self._forward_only else super().get_local_bwd_output(mb_index)
 
-    def set_local_bwd_input(self, *args: Any, **kwargs: Any) -> None:
-        if not self._forward_only:
-            super().set_local_bwd_input(*args, **kwargs)
+    def set_local_bwd_input(self, next_stage_bwd_outputs: tuple, mb_index: int) -> None:
+        if self._forward_only:
+            return
+        if any(grad is None for grad in next_stage_bwd_outputs):  # torch zeroes the buffer of a gradient that is None
+            compat.allocate_receive_buffers(self.grad_recv_info[mb_index], self.device)
+        super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         if holds_gradients(self.submod):  # an accumulation micro-step: reduce with the optimizer step's last one

@@ -78,7 +78,19 @@ def _check_every_schedule(rank: int, world: int) -> None:
             torch.testing.assert_close(param.grad, ref_grads[name] * 1.5, rtol=1e-5, atol=1e-6, msg=f"{schedule} {name}")
         assert runner.run(inputs, targets, train=False).item() == pytest.approx(ref_loss, rel=1e-5), schedule
         torch.testing.assert_close(runner.forward(inputs), reference_outputs, rtol=1e-5, atol=1e-6)
+        assert not _receive_buffers_held(runner), schedule
         assert 0.0 <= runner.bubble < 1.0
+
+
+def _receive_buffers_held(runner: PipelineRunner) -> list[int]:
+    """The elements of the receive buffers the runner's stages hold between steps: none (a micro-batch's buffer lives
+    from its receive to its forward or backward; torch's stages keep one per micro-batch from set-up on)."""
+    schedules = runner._schedules.values()
+    stages = [stage for s in schedules for stage in (s._stages if hasattr(s, "_stages") else [s._stage])]
+    return [
+        info.buffer.numel() for stage in stages for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+        for info in infos if not info.is_root_arg and info.buffer is not None and info.buffer.numel()
+    ]
 
 
 def test_every_schedule_matches_single_process():
