@@ -303,7 +303,7 @@ def partition(
 
 
 class _Stage(PipelineStage):
-    """torch's ``PipelineStage`` with five changes:
+    """torch's ``PipelineStage`` with six changes:
 
     * Shape inference feeds zeros, not uninitialized memory, to stages after the first. Tensor-parallel
       ranks of a stage must compute the same thing: with garbage inputs a mixture-of-experts router sends
@@ -311,6 +311,10 @@ class _Stage(PipelineStage):
     * Compute time (forward, backward, weight-gradient chunks) is added to ``clock[0]``, for the bubble.
     * ``forward_only``: the hand-off of input gradients between two adjacent stages on one rank is a no-op.
       torch 2.13's V-shaped schedules perform it even in ``eval()``, where no backward ran, and fail.
+    * A micro-batch's receive buffers live from its receive to its forward (the activation) or backward (the output
+      gradient), not from set-up for the run, one per micro-batch, as torch's stages keep them: what the forward
+      and an input pass keep of them is all that stays (a ``2 m``-buffer floor otherwise, 13 GiB a rank at
+      DeepSeek-V3's shapes and 120 micro-batches).
     * A zero-bubble schedule's input pass runs inside :func:`~lightning_ciuic.parallel.fp8.weight_gradients_deferred`:
       FP8 linears leave their weights' gradients to the weight pass.
     * A sharded stage inside :func:`~lightning_ciuic.parallel.fsdp.gradients_held` (an accumulation micro-step)
