@@ -155,6 +155,10 @@ OVERRIDDEN_PRIVATE_HOOKS = {
         "HybridParallelStrategy: its launchers, as every Lightning strategy sets them (Lightning 2.0+)",
     "torch.distributed.pipelining.stage.PipelineStage._to_tensor":
         "parallel/pipeline.py's stage: shape inference on zeros (torch 2.4+)",
+    "torch.distributed.pipelining.stage.PipelineStage._setup_forward_recv_info":
+        "parallel/pipeline.py's stage: the activations' receive buffers dropped after set-up, allocated per micro-batch (torch 2.13)",
+    "torch.distributed.pipelining.stage._PipelineStageBase._setup_backward_recv_info":
+        "parallel/pipeline.py's stage: the output gradients' receive buffers, the same (torch 2.13)",
     "torch.distributed.tensor.parallel.style.ColwiseParallel._apply":
         "ColwiseSavingShard: torch's column-parallel linear, its forward keeping a gathered input's part (torch 2.2+)",
     "torch.distributed.tensor.parallel.style.ColwiseParallel._prepare_input_fn":
