@@ -361,19 +361,19 @@ class _Stage(PipelineStage):
             compat.allocate_receive_buffers(self.grad_recv_info[bwd_chunk_id], self.device)
         return super().get_bwd_recv_ops(bwd_chunk_id)
 
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         try:
-            return self._timed(super().forward_one_chunk, *args, **kwargs)
+            return self._timed(super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
         finally:  # the activation received lives on where the forward keeps it (its backward's inputs), not here
-            compat.release_receive_buffers(self.args_recv_info.get(kwargs.get("fwd_chunk_id", args[0] if args else None), ()))
+            compat.release_receive_buffers(self.args_recv_info.get(fwd_chunk_id, ()))
 
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
         try:
             with contextlib.nullcontext() if full else weight_gradients_deferred():  # an input pass: FP8 weights wait
-                return self._timed(super().backward_one_chunk, *args, **kwargs)
+                return self._timed(super().backward_one_chunk, bwd_chunk_id, *args, **kwargs)
         finally:  # the gradient received is read: what the weight pass needs of it, its input pass keeps
-            compat.release_receive_buffers(self.grad_recv_info.get(kwargs.get("bwd_chunk_id", args[0] if args else None), ()))
+            compat.release_receive_buffers(self.grad_recv_info.get(bwd_chunk_id, ()))
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
