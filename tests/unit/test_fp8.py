@@ -157,6 +157,15 @@ def test_deepseeks_recomputation_runs_the_same_products_with_fp8_gemms():
     assert none == 0 < in_fp8 < fp8 == plain
 
 
+def _mlp(fp8: bool) -> nn.Module:
+    """Two linear layers with an activation between (seeded), FP8 or not."""
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 32))
+    if fp8:
+        use_fp8_gemms([stage], ["stage"])
+    return stage
+
+
 def _held_between_the_passes(fp8: bool) -> tuple[int, dict]:
     """Bytes the step's memory tracker holds after a zero-bubble input pass through an MLP (torch's
     ``stage_backward_input``, what a pipeline stage runs), and the weights' gradients after the weight pass."""
@@ -165,10 +174,7 @@ def _held_between_the_passes(fp8: bool) -> tuple[int, dict]:
     from lightning_ciuic import compat
     from lightning_ciuic.parallel.fp8 import weight_gradients_deferred
 
-    torch.manual_seed(0)
-    stage = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 32))
-    if fp8:
-        use_fp8_gemms([stage], ["stage"])
+    stage = _mlp(fp8)
     x = torch.randn(128, 64, requires_grad=True)
     tracker = compat.memory_tracker(per_module=False)
     with tracker:
@@ -188,9 +194,7 @@ def test_an_input_pass_keeps_for_the_weight_pass_what_nn_linear_keeps():
     linear, _ = _held_between_the_passes(fp8=False)
     held, grads = _held_between_the_passes(fp8=True)
     assert held <= linear + 1024, (held, linear)
-    torch.manual_seed(0)
-    stage = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 32))
-    use_fp8_gemms([stage], ["stage"])
+    stage = _mlp(fp8=True)
     stage(torch.randn(128, 64, requires_grad=True)).sum().backward()
     for name, p in stage.named_parameters():
         assert torch.equal(grads[name], p.grad), name
