@@ -1,12 +1,12 @@
 """torch.distributed's private parts the pack touches (see :mod:`lightning_ciuic.compat`): DCP's whole-checkpoint load,
 FSDP2's collectives' interfaces and unit state, DeviceMesh's flatten/unflatten and layout, DTensor's shard rule and
 caches, c10d's group registry, the fake process group's store, and a pipeline schedule's warm-up, point-to-point
-batches and order of actions."""
+batches and order of actions, and its forward-backward pairs' custom function."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -194,6 +194,53 @@ def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...
 def use_static_pipeline_warmup(schedule: Any) -> None:
     """A pipeline schedule warms up by :func:`static_pipeline_warmup` (its ``_warmup_p2p`` replaced, torch 2.13)."""
     schedule._warmup_p2p = static_pipeline_warmup
+
+
+def run_pairs_with(schedule: Any, run_pair: Callable[[Callable[[], None], Callable[[], None]], None]) -> bool:
+    """DualPipeV's ``OVERLAP_F_B`` actions (a forward and a full backward of two micro-batches) run by
+    ``run_pair(forward, backward)`` instead of one after the other: registered as the schedule's custom function for
+    them (``_PipelineScheduleRuntime.register_custom_function``, torch 2.9+). Each part runs as torch's runtime runs a
+    ``FORWARD`` and a ``FULL_BACKWARD`` (``_step_microbatches``' ``_perform_action``, torch 2.13): its receives waited
+    for, the stage's chunk computed, the loss kept (forward outputs not kept: the runner's ``return_outputs=False``),
+    the result handed to an adjacent stage of this rank. Returns whether ``schedule`` has such actions to run."""
+    from torch.distributed.pipelining import schedules
+
+    if not isinstance(schedule, schedules._PipelineScheduleRuntime):
+        return False
+    if not any(a is not None and a.computation_type == schedules.OVERLAP_F_B for a in schedule.pipeline_order[schedule.rank]):
+        return False
+
+    def pair(action: Any, ctx: Any) -> None:
+        run = ctx.schedule_ref
+        by_index = {stage.stage_index: stage for stage in run._stages}
+        fwd, bwd = action.sub_actions
+        f_stage, b_stage = by_index[fwd.stage_index], by_index[bwd.stage_index]
+        f_mb, b_mb = fwd.microbatch_index, bwd.microbatch_index
+        if not f_stage.is_first and f_stage.stage_index - 1 not in by_index:
+            schedules._wait_batch_p2p(run.fwd_recv_ops.pop((f_stage.stage_index, f_mb)))
+        if not b_stage.is_last and b_stage.stage_index + 1 not in by_index:
+            schedules._wait_batch_p2p(run.bwd_recv_ops.pop((b_stage.stage_index, b_mb)))
+        run._assert_unsharded(f_stage)
+        run._assert_unsharded(b_stage)
+
+        def forward() -> None:
+            output = f_stage.forward_one_chunk(f_mb, ctx.arg_mbs[f_mb], ctx.kwarg_mbs[f_mb], save_forward_output=False)
+            run._maybe_compute_loss(f_stage, output, ctx.target_mbs, f_mb)
+            if f_stage.stage_index + 1 in by_index:
+                by_index[f_stage.stage_index + 1].set_local_fwd_input(output, f_mb)
+
+        def backward() -> None:
+            loss = run._maybe_get_loss(b_stage, b_mb)
+            run.backward_counter[b_stage.stage_index] += 1
+            last = run.backward_counter[b_stage.stage_index] == run._n_microbatches
+            b_stage.backward_one_chunk(b_mb, loss=loss, full_backward=True, last_backward=last)
+            if b_stage.stage_index - 1 in by_index:
+                by_index[b_stage.stage_index - 1].set_local_bwd_input(b_stage.get_local_bwd_output(b_mb), b_mb)
+
+        run_pair(forward, backward)
+
+    schedule.register_custom_function(schedules.OVERLAP_F_B, pair)
+    return True
 
 
 def pipeline_schedule_order(

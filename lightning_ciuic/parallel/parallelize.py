@@ -179,6 +179,7 @@ def parallelize(
                 " (data_parallel_shard_size > 1) or use pipeline_parallel_size=1."
             )
         result.pipeline = build_pipeline(module, meshes.mesh(Axis.PP), options.pipeline, device)
+        result.pipeline.overlap_pairs = dims.ep_enabled and options.expert_dispatch_overlap
         if result.loss_parallel:  # the plan is sequence-parallel: stages hand each other 1/tp of the sequence
             result.pipeline.sequence_shards = dims.tp
         if result.experts is not None:

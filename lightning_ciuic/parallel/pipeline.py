@@ -28,6 +28,9 @@ Contract:
   meta tensor of each one's shape, stride, dtype and ``requires_grad``: what the planner runs on a fake process group,
   where nothing a stage sends arrives), the stages take them instead of exchanging shapes and a vote with their
   neighbours on the first step (torch's STATIC inference mode).
+* ``overlap_pairs`` (the strategy sets it with ``expert_dispatch_overlap``): DualPipeV's forward-backward pairs
+  (``OVERLAP_F_B``) run interleaved, one micro-batch's expert all-to-alls in flight while the other computes
+  (:mod:`~lightning_ciuic.parallel.paired_overlap`), not one after the other; the same gradients.
 * The runner times each stage's compute and reports ``bubble``: the fraction of the step this rank spent
   not computing (waiting for its neighbours), to compare with
   :func:`~lightning_ciuic.parallel.schedule_bubble.schedule_bubble`. The compute chunks and
@@ -54,6 +57,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from lightning_ciuic import compat
 from lightning_ciuic.timeline import timeline
 from lightning_ciuic.validation import check_int
+from lightning_ciuic.parallel import paired_overlap
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.fp8 import weight_gradients_deferred
 from lightning_ciuic.parallel.fsdp import holds_gradients
@@ -335,6 +339,8 @@ class _Stage(PipelineStage):
         return tensor
 
     def _timed(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if paired_overlap.in_pair():  # the runner times the pair as a whole
+            return method(*args, **kwargs)
         start = time.perf_counter()
         try:
             return method(*args, **kwargs)
@@ -421,6 +427,7 @@ class PipelineRunner:
         self._clock = [0.0]
         self.stage_metadata: Optional[Mapping[int, tuple[torch.Tensor, torch.Tensor]]] = None  # stage -> (input, output)
         self.sequence_shards = 1  # sequence parallelism: the tp ranks each stage's activations split the sequence over
+        self.overlap_pairs = False  # DualPipeV's forward-backward pairs interleaved at their expert all-to-alls
         pp_size = dist.get_world_size(group)
         last_stage_rank = next(r for r in range(pp_size) if num_stages - 1 in self._ids_of(r, pp_size))
         self._last_stage_rank = dist.get_global_rank(group, last_stage_rank)
@@ -495,8 +502,20 @@ class PipelineRunner:
                 ) from err
             if self.stage_metadata is not None:
                 compat.use_static_pipeline_warmup(schedule)
+            if self.overlap_pairs and mode == "train":
+                compat.run_pairs_with(schedule, self._run_pair)
             self._schedules[key] = schedule
         return self._schedules[key]
+
+    def _run_pair(self, forward: Callable[[], None], backward: Callable[[], None]) -> None:
+        """A DualPipeV forward-backward pair, interleaved (:func:`~lightning_ciuic.parallel.paired_overlap.run_pair`),
+        timed as one chunk of compute."""
+        start = time.perf_counter()
+        try:
+            paired_overlap.run_pair(forward, backward)
+        finally:
+            self._clock[0] += time.perf_counter() - start
+            timeline.record("forward-backward pair", PIPELINE_COMPUTE, start, track="pp stages")
 
     def _scaled_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         return local_loss(self.loss_fn(outputs, targets)) / (self._active_microbatches * self._loss_divisor)

@@ -92,7 +92,7 @@ def test_the_opt_in_node_limit_trains_as_the_model_routed_by_node_groups():
 
 def _fit_and_compare(
     dp, shard, pp, tp, ep, clip, accumulate=1, gradient_checkpointing=False, factory=_tiny, reference=None, steps=STEPS,
-    per_rank=PER_RANK_BATCH, microbatches=2, **dispatch,
+    per_rank=PER_RANK_BATCH, microbatches=2, callbacks=(), **dispatch,
 ):
     strategy = HybridParallelStrategy(
         data_parallel_size=dp, data_parallel_shard_size=shard, pipeline_parallel_size=pp, tensor_parallel_size=tp,
@@ -102,7 +102,7 @@ def _fit_and_compare(
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=dp * pp * tp, max_steps=steps, logger=False, gradient_clip_val=clip,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, precision=PRECISION,
-        accumulate_grad_batches=accumulate,
+        accumulate_grad_batches=accumulate, callbacks=list(callbacks),
     )
     module = factory()
     global_batch = per_rank * dp * accumulate
@@ -195,6 +195,44 @@ def test_hugging_face_moe_families_train_with_experts_sharded(model_type, shard,
     trainer.fit(module, loader(STEPS * PER_RANK_BATCH * 2, PER_RANK_BATCH))
     actual = {k: v.detach() for k, v in module.state_dict().items()}
     assert_state_close(actual, reference_training(factory, STEPS, PER_RANK_BATCH * 2), STEPS, lr=1e-2)
+
+
+class _PairsRun(Callback):
+    """Each rank writes how many forward-backward pairs it ran interleaved, and how often their sides took turns."""
+
+    def __init__(self, directory) -> None:
+        self.directory = str(directory)
+
+    def on_train_end(self, trainer, pl_module):
+        from lightning_ciuic.parallel.paired_overlap import PAIR_STATS
+
+        Path(self.directory, f"pairs-{trainer.global_rank}.json").write_text(json.dumps(PAIR_STATS))
+
+
+def _grouped_deeper() -> DeepSeekMini:
+    """:func:`_grouped` with 4 layers, 3 of them mixtures of experts: under DualPipeV's 4 stages over pp 2 both sides of
+    a forward-backward pair hold experts."""
+    seed_everything(7)
+    return DeepSeekMini(**{**MOE_MODEL, "n_layers": 4}, n_expert_groups=2, topk_expert_groups=1).double()
+
+
+@pytest.mark.parametrize("dispatch, per_node", [("flat", None), ("hierarchical", 1)], ids=["flat", "hierarchical"])
+def test_dualpipev_forward_backward_pairs_overlapped_train_as_one_process(dispatch, per_node, tmp_path):
+    """DualPipeV over pp 2 x ep 2 with expert_dispatch_overlap: its forward-backward pairs run interleaved, one
+    micro-batch's all-to-alls in flight while the other computes (parallel/paired_overlap.py), with DeepSeek-V3's
+    recomputation: the parameters of one process. Every rank ran its pairs (3 a step at 4 micro-batches) and their
+    sides took turns at the all-to-alls (6 turns a pair flat, 12 hierarchical, where both sides hold experts)."""
+    _fit_and_compare(
+        2, 1, 2, 1, 2, 0.05, factory=_grouped_deeper, gradient_checkpointing={"recompute": ["norm", "mla_up"]}, steps=3,
+        per_rank=4, microbatches=4, pipeline_schedule="dualpipev", expert_dispatch_overlap=True, expert_dispatch=dispatch,
+        expert_devices_per_node=per_node, callbacks=[_PairsRun(tmp_path)],
+    )
+    stats = [json.loads((tmp_path / f"pairs-{rank}.json").read_text()) for rank in range(4)]
+    assert [s["pairs"] for s in stats] == [3 * 3] * 4, stats
+    # pipeline rank 0 (global ranks 0, 1: pp is the mesh's outer axis) pairs stage 0 (the dense layer) with stage 3:
+    # one side waits for all-to-alls; pipeline rank 1 holds stages 1 and 2, both sides do, and hand over at each wait
+    assert all(s["turns"] > 0 for s in stats), stats
+    assert min(s["turns"] for s in stats[2:]) >= 2 * 3 * 3, stats
 
 
 def test_fp8_gemms_under_dualpipev_with_deepseeks_recomputation_train_as_one_process():

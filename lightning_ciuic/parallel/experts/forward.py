@@ -14,7 +14,9 @@ two chunks (:func:`~lightning_ciuic.parallel.experts.overlap.chunks`: the first 
 divide), each dispatched, computed and combined as above, interleaved
 (:func:`~lightning_ciuic.parallel.experts.overlap.run_interleaved`: one chunk's all-to-alls in flight while the other
 computes, forward and backward), their outputs concatenated: the same routing and the same result (the routing and
-any statistics of it are the caller's, over all the tokens).
+any statistics of it are the caller's, over all the tokens). Inside one side of DualPipeV's forward-backward pairs
+(:mod:`~lightning_ciuic.parallel.paired_overlap`) the tokens go as one flow of asynchronous exchanges, in flight while
+the pair's other micro-batch computes.
 
 Over tensor-parallel peers (``layout.tp_mesh``: ``ep`` takes the tp peers too, which hold the same tokens): each peer
 dispatches its share of the tokens, and the shares' outputs are all-gathered; the inputs' gradients are summed over the
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ciuic.parallel import paired_overlap
 from lightning_ciuic.parallel.experts.hierarchical import hierarchical_flow
 from lightning_ciuic.parallel.experts.layout import ExpertLayout
 from lightning_ciuic.parallel.experts.overlap import Flow, chunks, run_alone, run_interleaved
@@ -83,6 +86,8 @@ def _dispatch_and_combine(self, layout: ExpertLayout, hidden, top_k_index, top_k
     """Route, send, compute, send back, combine (see the module docstring): flat, or hierarchical by the layout; with
     ``layout.overlap`` in two chunks of the tokens, interleaved."""
     flow = hierarchical_flow if layout.mode == "hierarchical" else _flat_flow
+    if paired_overlap.in_pair():  # the other micro-batch of the pair computes while this one's exchanges are in flight
+        return run_alone(flow(self, layout, hidden, top_k_index, top_k_weights, True))
     if not layout.overlap:
         return run_alone(flow(self, layout, hidden, top_k_index, top_k_weights, False))
     flows = [flow(self, layout, hidden[part], top_k_index[part], top_k_weights[part], True) for part in chunks(hidden.shape[0])]

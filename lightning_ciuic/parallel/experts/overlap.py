@@ -21,6 +21,9 @@ Contract:
   (the hierarchical dispatch's int32 codes), the same way. :func:`together(*pending)`: several waited as one.
   :func:`chunks(tokens, count=CHUNKS)`: the slices of the tokens the chunks take (consecutive, the first ones a token
   longer where they do not divide; a chunk may be empty).
+* Inside one side of a forward-backward pair (:mod:`~lightning_ciuic.parallel.paired_overlap`), an asynchronous
+  exchange's ``wait()`` first gives the turn to the other side if this side issued an exchange in its turn: the
+  other micro-batch computes while it is in flight.
 * Time (into ``layout.stats``): an asynchronous all-to-all's wall time is from its issue to its completion (on the
   CPU the moment its completion callback runs, on a GPU the moment the stream passes its wait: an upper bound), added
   to ``seconds``; the time the caller spent blocked in ``wait()`` (on a GPU: the stream's stall there, CUDA events)
@@ -41,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_ciuic.parallel import paired_overlap
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.experts.dispatch import Exchange, all_to_all_timed, decode_rows, encode_rows, gradient_bytes
 from lightning_ciuic.timeline import timeline
@@ -116,6 +120,7 @@ class _InFlight:
         self.done: Optional[float] = None
         self.issued = layout.clock.mark()
         self.work = dist.all_to_all_single(self.received, send, recv_splits, send_splits, group=mesh.get_group(), async_op=True)
+        paired_overlap.issued()
         if not layout.clock.cuda:
             self.work.get_future().add_done_callback(self._completed)
 
@@ -123,6 +128,7 @@ class _InFlight:
         self.done = time.perf_counter()
 
     def wait(self) -> torch.Tensor:
+        paired_overlap.before_wait()  # in a forward-backward pair, the other side runs while this one is in flight
         clock, stats = self.layout.clock, self.layout.stats
         start = clock.mark()
         self.work.wait()
