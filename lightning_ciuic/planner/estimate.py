@@ -30,7 +30,12 @@ the global ranks of each axis's group) and a :class:`Hardware`, and returns a :c
   chunk's all-to-alls in flight while another's experts compute) ``E - min(E (1 - 1/CHUNKS), C)``: the first chunk's
   dispatch and the last chunk's combine of each layer have nothing to hide behind (half of ``E`` with two chunks),
   the others hide behind the other chunks' experts' compute ``C`` (``experts_flops``: the FLOPs run inside the packed
-  experts' modules, at the step's mean rate) up to its length;
+  experts' modules, at the step's mean rate) up to its length; under DualPipeV the share ``q`` of the rank's forwards
+  and backwards that run in forward-backward pairs (``paired``:
+  :func:`~lightning_ciuic.parallel.schedule_bubble.paired_fraction`) runs its all-to-alls as one flow in flight while
+  the pair's other micro-batch computes (:mod:`~lightning_ciuic.parallel.paired_overlap`): ``q E`` hides behind
+  ``q`` of the whole compute ``K`` up to its length (``q max(0, E - K)`` exposed), the rest ``(1 - q) E`` as two
+  chunks, behind ``(1 - q) C``;
 * MFU for both: model FLOPs over the step's time times ``peak_flops``, model FLOPs being three times the forward's
   (backward costs two forwards; recomputation is not counted, the convention of PaLM's appendix B).
 
@@ -166,6 +171,7 @@ class StepEstimate:
     expert_overlap: bool = False  # CHUNKS chunks per micro-batch: an all-to-all hides behind another chunk's experts
     fp8_flops: int = 0  # of flops, the FP8 GEMMs' (compute_seconds times them at fp8_speedup)
     fp8_speedup: float = 1.0
+    paired: float = 0.0  # with expert_overlap, the share of the expert all-to-alls in DualPipeV's forward-backward pairs
 
     @property
     def axis_links(self) -> dict[str, str]:
@@ -193,7 +199,10 @@ class StepEstimate:
         chunk's dispatch and the last chunk's combine, and what the other chunks' experts' compute does not hide."""
         if not self.expert_overlap:
             return self.expert_seconds
-        return self.expert_seconds - min(self.expert_seconds * (1 - 1 / CHUNKS), self.experts_compute_seconds)
+        q = self.paired
+        in_pairs = q * max(0.0, self.expert_seconds - self.compute_seconds)
+        chunked, experts = (1 - q) * self.expert_seconds, (1 - q) * self.experts_compute_seconds
+        return in_pairs + chunked - min(chunked * (1 - 1 / CHUNKS), experts)
 
     @property
     def modelled_seconds(self) -> float:
@@ -210,7 +219,7 @@ class StepEstimate:
             "efficiency": self.efficiency, "fp8_flops": self.fp8_flops, "fp8_speedup": self.fp8_speedup,
             "communication_seconds": dict(self.axis_seconds), "links": self.axis_links,
             "link_bytes": {axis: dict(by) for axis, by in self.axis_link_bytes.items()},
-            "experts_compute_seconds": self.experts_compute_seconds, "expert_overlap": self.expert_overlap,
+            "experts_compute_seconds": self.experts_compute_seconds, "expert_overlap": self.expert_overlap, "paired": self.paired,
             "expert_seconds": self.expert_seconds, "exposed_expert_seconds": self.exposed_expert_seconds,
             "step_seconds": {"overlapped": self.overlapped_seconds, "modelled": self.modelled_seconds, "serial": self.serial_seconds},
             "mfu": {
@@ -223,12 +232,12 @@ class StepEstimate:
 def estimate_step(
     flops: int, forward_flops: int, traffic: Mapping[str, Mapping[str, int]], axis_ranks: Mapping[str, Sequence[int]],
     hardware: Hardware, bubble: float = 0.0, experts_flops: float = 0.0, expert_overlap: bool = False,
-    calls: Optional[Mapping[str, Mapping[str, int]]] = None, fp8_flops: int = 0,
+    calls: Optional[Mapping[str, Mapping[str, int]]] = None, fp8_flops: int = 0, paired: float = 0.0,
 ) -> StepEstimate:
     """The estimate of one rank's step (see the module docstring); ``traffic``: bytes per axis and collective;
     ``experts_flops``: of ``flops``, the packed experts'; ``expert_overlap``: the dispatch's chunks; ``calls``: the
     collectives' calls per axis and collective (each costs ``hardware.latency``); ``fp8_flops``: of ``flops``, the FP8
-    GEMMs'."""
+    GEMMs'; ``paired``: with ``expert_overlap``, the share of the rank's passes in DualPipeV's forward-backward pairs."""
     calls = calls or {}
     by_link = {axis: link_bytes(collectives, axis_ranks.get(axis, ()), hardware) for axis, collectives in traffic.items()}
     latency = {axis: hardware.latency * sum(calls.get(axis, {}).values()) for axis in traffic}
@@ -245,7 +254,7 @@ def estimate_step(
         flops=int(flops), model_flops=int(3 * forward_flops), compute_seconds=compute,
         axis_seconds=seconds, axis_link_bytes=by_link, peak_flops=hardware.peak_flops, expert_seconds=expert, bubble=bubble,
         efficiency=hardware.efficiency, experts_compute_seconds=compute * min(experts_flops, flops) / flops if flops else 0.0,
-        expert_overlap=expert_overlap, fp8_flops=int(fp8_flops), fp8_speedup=hardware.fp8_speedup,
+        expert_overlap=expert_overlap, fp8_flops=int(fp8_flops), fp8_speedup=hardware.fp8_speedup, paired=paired,
     )
 
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.experts.overlap import CHUNKS
-from lightning_ciuic.parallel.schedule_bubble import schedule_bubble
+from lightning_ciuic.parallel.schedule_bubble import paired_fraction, schedule_bubble
 from lightning_ciuic.planner.estimate import Hardware, StepEstimate, estimate_step
 from lightning_ciuic.planner.layout import RankBytes
 
@@ -101,11 +101,12 @@ class Plan:
         """The estimate of a step at the pace of ``stage``'s rank (see :attr:`estimate`)."""
         figures, d = self.steps[stage], self.dims
         bubble = schedule_bubble(self.pipeline_schedule, d.pp, self.num_microbatches, self.stages_per_rank)
+        paired = paired_fraction(self.pipeline_schedule, d.pp, self.num_microbatches, stage, self.stages_per_rank)
         model_forward = sum(f.forward_flops for f in self.steps.values()) / len(self.steps)
         return estimate_step(
             figures.flops, model_forward, figures.traffic, figures.axis_ranks, self.hardware, bubble=bubble,
             experts_flops=figures.experts_flops, expert_overlap=self.expert_overlap, calls=figures.calls,
-            fp8_flops=figures.fp8_flops,
+            fp8_flops=figures.fp8_flops, paired=paired if self.expert_overlap else 0.0,
         )
 
     def fits(self, rank_class: RankClass) -> bool:
@@ -225,6 +226,11 @@ class Plan:
                     f" the other chunk's experts' compute, {estimate.experts_compute_seconds * 1e3:.2f} ms)"
                     if estimate.expert_overlap else "not overlapped (expert_dispatch_overlap off)"
                 )
+                if estimate.paired:
+                    how = (
+                        f"{estimate.paired:.1%} of them in {self.pipeline_schedule}'s forward-backward pairs, behind the"
+                        f" other micro-batch's compute, the rest {how}"
+                    )
                 lines.append(
                     f"modelled step: {estimate.modelled_seconds * 1e3:.2f} ms, MFU {estimate.mfu(estimate.modelled_seconds):.1%}:"
                     f" expert all-to-alls {estimate.expert_seconds * 1e3:.2f} ms, {estimate.exposed_expert_seconds * 1e3:.2f} ms"

@@ -315,3 +315,38 @@ def test_the_stage_whose_modelled_step_is_longest_sets_the_pace_not_the_one_with
     assert plan.estimate.modelled_seconds > plan._estimate_of(0).modelled_seconds
     plan.hardware = None
     assert plan.pacing_stage == 0 and plan.estimate is None
+
+
+def test_under_dualpipev_the_paired_share_of_the_all_to_alls_hides_behind_the_other_micro_batchs_compute():
+    """The step above (compute 0.4 s, 0.2 s of it the experts'; expert all-to-alls 0.5 s), half of its passes in
+    DualPipeV's forward-backward pairs: their 0.25 s of all-to-alls hide behind their 0.2 s of compute (0.05 s
+    exposed), the other 0.25 s as two chunks (0.125 s exposed at once, 0.125 s behind 0.1 s of experts: 0.15 s).
+    A plan takes each rank's share from the schedule, with expert_dispatch_overlap only."""
+    from lightning_ciuic.parallel.dims import ParallelDims
+    from lightning_ciuic.parallel.schedule_bubble import paired_fraction
+    from lightning_ciuic.planner.layout import RankBytes
+    from lightning_ciuic.planner.report import Plan, RankClass
+    from lightning_ciuic.planner.train_step import StepFigures
+
+    hardware = Hardware(peak_flops=100e12, intra_node=400e9, inter_node=25e9, devices_per_node=8, efficiency=1.0)
+    traffic = {"ep_node": {"all_to_all": 10e9}, "ep_local": {"all_to_all": 40e9}}
+    ranks = {"ep_node": [0, 8, 16, 24], "ep_local": list(range(8))}
+    step = estimate_step(40e12, 10e12, traffic, ranks, hardware, experts_flops=20e12, expert_overlap=True, paired=0.5)
+    assert step.exposed_expert_seconds == pytest.approx(0.05 + 0.15)
+    assert step.to_json()["paired"] == 0.5
+    all_paired = estimate_step(40e12, 10e12, traffic, ranks, hardware, experts_flops=20e12, expert_overlap=True, paired=1.0)
+    assert all_paired.exposed_expert_seconds == pytest.approx(0.1)  # what 0.4 s of compute cannot cover
+
+    assert [round(paired_fraction("dualpipev", 4, 8, rank), 4) for rank in range(4)] == [10 / 32, 12 / 32, 14 / 32, 14 / 32]
+    assert paired_fraction("zbv_zero_bubble", 4, 8, 1) == paired_fraction("1f1b", 4, 8, 1) == 0.0
+    figures = StepFigures(0, traffic, ranks, 40e12, 10e12, 20e12)
+    for overlap in (False, True):
+        plan = Plan(
+            32, ParallelDims(pp=4, dp=8, tp=1, world_size=32, ep=8), 0,
+            [RankClass(list(range(8 * r, 8 * r + 8)), r, RankBytes()) for r in range(4)], 80 * 2**30, steps={r: figures for r in range(4)},
+            num_microbatches=8, pipeline_schedule="dualpipev", stages_per_rank=2, hardware=hardware, expert_overlap=overlap,
+        )
+        assert [plan._estimate_of(r).paired for r in range(4)] == (
+            [paired_fraction("dualpipev", 4, 8, r) for r in range(4)] if overlap else [0.0] * 4
+        )
+    assert "of them in dualpipev's forward-backward pairs, behind the other micro-batch's compute" in plan.table()
