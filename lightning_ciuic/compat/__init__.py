@@ -131,6 +131,7 @@ from lightning_ciuic.compat.tracing import (
     TorchDispatchMode,
     WatchesShapePropagation,
     attention_held_as_cuda_holds_it,
+    dispatch_modes,
     dtensor_shape_propagation_marked,
     fake_tensor_mode,
     grouped_mm_on_fake_tensors_in_any_dtype,
@@ -139,6 +140,7 @@ from lightning_ciuic.compat.tracing import (
     memory_tracker,
     overload_packet,
     private_op_flop_formulas,
+    push_dispatch_modes,
 )
 
 # Private hooks of Lightning's and torch's classes the pack's subclasses override (a subclass defines them by name, so

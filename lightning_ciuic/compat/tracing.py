@@ -1,5 +1,5 @@
 """The private parts of torch (and transformers) the planner's fake step touches (see :mod:`lightning_ciuic.compat`):
-dispatch modes, fake tensors and their rules, DTensor's shape propagation, ``MemTracker``, ops' overload packets and
+dispatch modes (and a thread's stack of them, handed to a helper thread), fake tensors and their rules, DTensor's shape propagation, ``MemTracker``, ops' overload packets and
 the FLOP formulas of private ops, the CPU's attention kernels as CUDA runs them, transformers' packed-sequence check."""
 
 from __future__ import annotations
@@ -199,6 +199,20 @@ def attention_held_as_cuda_holds_it() -> Iterator[None]:
         yield
     finally:
         functional.scaled_dot_product_attention = original
+
+
+def dispatch_modes() -> list[Any]:
+    """This thread's ``TorchDispatchMode`` stack, innermost last (infra modes, fake tensors', included; torch 2.1+)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return _get_current_dispatch_mode_stack()
+
+
+def push_dispatch_modes(modes: list[Any]) -> None:
+    """Push ``modes`` (another thread's :func:`dispatch_modes`) onto this thread's stack, as they are: none is entered
+    again (``__enter__`` would start them over). For a helper thread, whose stack dies with it."""
+    for mode in modes:
+        torch._C._push_on_torch_dispatch_stack(mode)
 
 
 def overload_packet(func: Any) -> Any:

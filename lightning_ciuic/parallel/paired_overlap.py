@@ -17,10 +17,10 @@ Contract:
   :func:`before_wait` hands the turn over if it did (no-op outside a pair, or when the other side is done).
 * ``PAIR_STATS``: pairs run and turns handed over, per process (the tests read them).
 
-Threads are only the means to suspend a backward inside torch's autograd engine: at most one side runs at a time,
-which is also what keeps a ``TorchDispatchMode`` of the caller's thread (the planner's fake tensors and trackers) out
-of the question: the planner runs pairs one side after the other (``PipelineRunner.overlap_pairs`` off) and models
-the overlap in its estimate.
+Threads are only the means to suspend a backward inside torch's autograd engine: at most one side runs at a time.
+The helper thread runs under the caller's ``TorchDispatchMode`` stack (the planner's fake tensors, its memory, FLOP
+and collective trackers; ``MemTracker`` around a real step): what a pair allocates, computes and sends is counted as
+the caller's, in the order it happens.
 
 No Lightning imports.
 """
@@ -30,6 +30,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from typing import Any, Optional
+
+from lightning_ciuic import compat
 
 _LOCAL = threading.local()
 PAIR_STATS = {"pairs": 0, "turns": 0}
@@ -63,7 +65,9 @@ class _Turns:
             self.condition.notify_all()
 
 
-def _side(turns: _Turns, side: int, work: Callable[[], Any], errors: list) -> None:
+def _side(turns: _Turns, side: int, work: Callable[[], Any], errors: list, modes: Optional[list] = None) -> None:
+    if modes:
+        compat.push_dispatch_modes(modes)
     _LOCAL.turns, _LOCAL.side, _LOCAL.issued = turns, side, False
     try:
         turns.wait_for_turn(side)
@@ -79,7 +83,9 @@ def run_pair(forward: Callable[[], Any], backward: Callable[[], Any]) -> None:
     """``forward`` here and ``backward`` on a helper thread, taking turns at their exchanges (module docstring)."""
     turns, errors = _Turns(), []
     PAIR_STATS["pairs"] += 1
-    helper = threading.Thread(target=_side, args=(turns, 1, backward, errors), name="paired backward", daemon=True)
+    helper = threading.Thread(
+        target=_side, args=(turns, 1, backward, errors, compat.dispatch_modes()), name="paired backward", daemon=True,
+    )
     helper.start()
     _side(turns, 0, forward, errors)
     helper.join()

@@ -163,9 +163,6 @@ def _measure(
         module, pipeline = parallelized.module, parallelized.pipeline
         if pipeline is not None:
             pipeline.stage_metadata = {stage: boundaries[stage] for stage in pipeline.stage_ids}
-            # a pair's two sides one after the other: a helper thread would run outside this thread's fake tensor mode
-            # and trackers; the estimate models the pairs' overlap (planner/report.py)
-            pipeline.overlap_pairs = False
             spec = StepSpec(spec.micro_batch_size * pipeline.num_microbatches, spec.sequence_length)
         engine = build_engine(parallelized, config)
         batch = token_batch(module, spec, torch.device("cpu"))

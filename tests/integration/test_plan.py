@@ -319,6 +319,11 @@ RECOMPUTE_STEP_LAYOUTS = {
         pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2, pipeline=PipelineConfig("dualpipev"),
         gradient_checkpointing={"recompute": ["norm", "mla_up"]},
     )),
+    # and its forward-backward pairs interleaved at their all-to-alls (expert_dispatch_overlap): the plan steps them so
+    "deepseek-recipe-pp2-dp2-ep2-dualpipev-pairs": ("deepseek-mini", dict(
+        pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2, pipeline=PipelineConfig("dualpipev"),
+        gradient_checkpointing={"recompute": ["norm", "mla_up"]}, expert_dispatch_overlap=True,
+    )),
     # and DeepSeek-V3's FP8: the experts' inputs kept in fp8 (its low-precision storage: the encodings the plan holds),
     # its GEMMs in FP8 (the products' FLOPs the estimate times at the FP8 rate)
     "deepseek-recipe-fp8-pp2-dp2-ep2": ("deepseek-mini-fp8", dict(
