@@ -121,6 +121,7 @@ class ParallelismConfig:
     expert_devices_per_node: Optional[int] = None  # the ep ranks' nodes (None: the cluster environment's, or one node)
     expert_node_limit: Optional[int] = None  # opt-in: each token's experts on at most this many nodes (routers by groups)
     expert_dispatch_overlap: bool = False  # two chunks per micro-batch: one chunk's all-to-alls run while the other computes
+    # (and DualPipeV's forward-backward pairs interleaved: one micro-batch's while the other's)
     expert_input_storage: DispatchCompression = "none"  # the experts' input rows kept for backward in this encoding
     gemm_precision: Optional[str] = None  # "fp8": the blocks' linear layers and the ep experts by FP8 GEMMs (parallel/fp8.py)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)

@@ -152,7 +152,9 @@ class HybridParallelStrategy(ParallelStrategy):
             fans out inside it), ``expert_devices_per_node`` (``None``: the cluster environment's devices per
             node), ``expert_node_limit`` (opt-in: a token's experts on at most that many nodes),
             ``expert_dispatch_overlap`` (each micro-batch's tokens in two chunks, one chunk's all-to-alls in flight
-            while the other's experts compute, forward and backward): docs/expert_parallel.md.
+            while the other's experts compute, forward and backward; under ``pipeline_schedule="dualpipev"`` its
+            forward-backward pairs interleaved, one micro-batch's all-to-alls in flight while the other computes):
+            docs/expert_parallel.md.
         expert_input_storage: ``"none"`` (the default), ``"fp8"``, ``"int8"`` or ``"bf16"``: the experts' input rows
             kept for backward in that encoding (DeepSeek-V3 keeps them in fp8: 0.52x of bf16's bytes); the experts'
             gate/up weight gradients then read the decoded rows (lossy, within the codec's rounding), nothing else
