@@ -20,7 +20,7 @@ Contract:
 Threads are only the means to suspend a backward inside torch's autograd engine: at most one side runs at a time.
 The helper thread runs under the caller's ``TorchDispatchMode`` stack (the planner's fake tensors, its memory, FLOP
 and collective trackers; ``MemTracker`` around a real step): what a pair allocates, computes and sends is counted as
-the caller's, in the order it happens.
+the caller's, in the order it happens; on a GPU it computes on the caller's current stream.
 
 No Lightning imports.
 """
@@ -30,6 +30,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from typing import Any, Optional
+
+import torch
 
 from lightning_ciuic import compat
 
@@ -65,9 +67,13 @@ class _Turns:
             self.condition.notify_all()
 
 
-def _side(turns: _Turns, side: int, work: Callable[[], Any], errors: list, modes: Optional[list] = None) -> None:
+def _side(
+    turns: _Turns, side: int, work: Callable[[], Any], errors: list, modes: Optional[list] = None, stream: Any = None,
+) -> None:
     if modes:
         compat.push_dispatch_modes(modes)
+    if stream is not None:  # on a GPU the helper computes on the training thread's stream, as the pair's other side
+        torch.cuda.set_stream(stream)
     _LOCAL.turns, _LOCAL.side, _LOCAL.issued = turns, side, False
     try:
         turns.wait_for_turn(side)
@@ -83,8 +89,9 @@ def run_pair(forward: Callable[[], Any], backward: Callable[[], Any]) -> None:
     """``forward`` here and ``backward`` on a helper thread, taking turns at their exchanges (module docstring)."""
     turns, errors = _Turns(), []
     PAIR_STATS["pairs"] += 1
+    stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     helper = threading.Thread(
-        target=_side, args=(turns, 1, backward, errors, compat.dispatch_modes()), name="paired backward", daemon=True,
+        target=_side, args=(turns, 1, backward, errors, compat.dispatch_modes(), stream), name="paired backward", daemon=True,
     )
     helper.start()
     _side(turns, 0, forward, errors)

@@ -63,6 +63,15 @@ def test_checkpoint_staging_copies_into_pinned_memory_before_later_kernels_chang
     assert not staged["w"].any()
 
 
+def test_a_forward_backward_pairs_helper_thread_computes_on_the_training_threads_stream():
+    from lightning_ciuic.parallel.paired_overlap import run_pair
+
+    side_stream, seen = torch.cuda.Stream(), {}
+    with torch.cuda.stream(side_stream):
+        run_pair(lambda: seen.update(forward=torch.cuda.current_stream()), lambda: seen.update(backward=torch.cuda.current_stream()))
+    assert seen == {"forward": side_stream, "backward": side_stream}
+
+
 def test_grad_norm_stays_on_the_gpu_and_device_clock_times_device_work():
     params = [torch.nn.Parameter(torch.ones(3, device="cuda")) for _ in range(2)]
     for p in params:
