@@ -92,6 +92,19 @@ def median_after_warmup(times: list[float], warmup: int) -> float:
     return statistics.median(times[warmup:])
 
 
+def spread(ratios: list[float]) -> str:
+    """Per-round ratios as their median and range: ``0.995x (0.975-1.022)``."""
+    return f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})"
+
+
+def alternating(variants: tuple[str, ...], rounds: int):
+    """``(round, variant)``: every variant once a round, the order reversed every other round (a drift of the
+    machine falls on each variant alike)."""
+    for r in range(rounds):
+        for variant in (variants if r % 2 == 0 else variants[::-1]):
+            yield r, variant
+
+
 def machine() -> str:
     return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 

@@ -39,9 +39,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from benchmarks.common import StepTimer, machine, median_after_warmup, write_section  # noqa: E402
+from benchmarks.common import StepTimer, alternating, machine, spread, write_section  # noqa: E402
 from benchmarks.expert_dispatch import MOE, SEQUENCE  # noqa: E402
-from benchmarks.sim_cluster import SimulatedCluster, available, run_nodes  # noqa: E402
+from benchmarks.sim_cluster import SimulatedCluster, available, run_measured  # noqa: E402
 
 WARMUP = 3
 NODES = 4  # one process each: pp 2 x dp 2
@@ -102,14 +102,7 @@ def run(variant: str, args: argparse.Namespace, workdir: Path, cluster) -> dict:
     out = workdir / f"{variant}.json"
     argv = [sys.executable, __file__, "--worker", "--variant", variant, "--steps", str(args.steps), "--batch-size",
             str(args.batch_size), "--microbatches", str(args.microbatches), "--layers", str(args.layers), "--out", str(out)]
-    run_nodes(argv, cluster, NODES, 1)
-    result = {**json.loads(out.read_text()), **json.loads(Path(str(out) + ".report").read_text())}
-    result["step"] = median_after_warmup(result["times"], WARMUP)
-    return result
-
-
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f}x ({min(values):.3f}-{max(values):.3f})"
+    return run_measured(argv, out, cluster, NODES, 1, WARMUP)
 
 
 def measure(args: argparse.Namespace, workdir: Path) -> str:
@@ -118,12 +111,11 @@ def measure(args: argparse.Namespace, workdir: Path) -> str:
         return f"Not run: {reason}."
     results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     with SimulatedCluster(nodes=NODES, rate=args.rate) as cluster:
-        for r in range(args.rounds):
-            for variant in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
-                result = run(variant, args, workdir, cluster)
-                results[variant].append(result)
-                print(f"PAIRS round {r} {variant}: {result['step']:.3f} s, ep_comm {result['ep_comm'] * 1e3:.0f} ms,"
-                      f" ep_exposed {result['ep_exposed'] * 1e3:.0f} ms, pairs {result['pairs']}", flush=True)
+        for r, variant in alternating(VARIANTS, args.rounds):
+            result = run(variant, args, workdir, cluster)
+            results[variant].append(result)
+            print(f"PAIRS round {r} {variant}: {result['step']:.3f} s, ep_comm {result['ep_comm'] * 1e3:.0f} ms,"
+                  f" ep_exposed {result['ep_exposed'] * 1e3:.0f} ms, pairs {result['pairs']}", flush=True)
     rows = []
     for variant in VARIANTS:
         runs = results[variant]
@@ -131,7 +123,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> str:
         to_chunks = [a["step"] / b["step"] for a, b in zip(runs, results["chunks"])]
         hidden = [1 - r["ep_exposed"] / r["ep_comm"] if r["ep_comm"] else 0.0 for r in runs]
         rows.append(
-            f"| {variant} | {statistics.median(r['step'] for r in runs):.3f} | {_spread(to_blocking)} | {_spread(to_chunks)} |"
+            f"| {variant} | {statistics.median(r['step'] for r in runs):.3f} | {spread(to_blocking)} | {spread(to_chunks)} |"
             f" {statistics.median(r['ep_comm'] for r in runs) * 1e3:.0f} | {statistics.median(r['ep_exposed'] for r in runs) * 1e3:.0f} |"
             f" {statistics.median(hidden):.0%} |"
         )

@@ -48,8 +48,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from benchmarks.common import StepTimer, machine, median_after_warmup, write_section  # noqa: E402
-from benchmarks.sim_cluster import SimulatedCluster, available, run_nodes  # noqa: E402
+from benchmarks.common import StepTimer, alternating, machine, spread, write_section  # noqa: E402
+from benchmarks.sim_cluster import SimulatedCluster, available, run_measured  # noqa: E402
 
 WARMUP = 4
 SEQUENCE = 64  # tokens per sequence (ByteCorpusDataModule)
@@ -185,14 +185,7 @@ def run(variant: str, args: argparse.Namespace, workdir: Path, cluster) -> dict:
     out = workdir / f"{variant.replace(' ', '_')}.json"
     argv = [sys.executable, __file__, "--worker", "--variant", variant, "--steps", str(args.steps), "--batch-size",
             str(args.batch_size), "--moe-inter-dim", str(args.moe_inter_dim), "--per-node", str(args.per_node), "--out", str(out)]
-    run_nodes(argv, cluster, NODES, args.per_node)
-    result = {**json.loads(out.read_text()), **json.loads(Path(str(out) + ".report").read_text())}
-    result["step"] = median_after_warmup(result["times"], WARMUP)
-    return result
-
-
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f}x ({min(values):.3f}-{max(values):.3f})"
+    return run_measured(argv, out, cluster, NODES, args.per_node, WARMUP)
 
 
 def measure(args: argparse.Namespace, workdir: Path) -> str:
@@ -201,20 +194,19 @@ def measure(args: argparse.Namespace, workdir: Path) -> str:
         return f"Not run: {reason}."
     results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     with SimulatedCluster(nodes=NODES, rate=args.rate) as cluster:
-        for r in range(args.rounds):
-            for variant in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
-                result = run(variant, args, workdir, cluster)
-                results[variant].append(result)
-                print(f"DISPATCH round {r} {variant}: {result['step']:.3f} s, wire {result['wire_bytes_per_step'] / 1e6:.2f}"
-                      f" MB/step, dispatch inter-node {result['dispatch_inter_bytes_per_step'] / 1e6:.2f} MB/step", flush=True)
+        for r, variant in alternating(VARIANTS, args.rounds):
+            result = run(variant, args, workdir, cluster)
+            results[variant].append(result)
+            print(f"DISPATCH round {r} {variant}: {result['step']:.3f} s, wire {result['wire_bytes_per_step'] / 1e6:.2f}"
+                  f" MB/step, dispatch inter-node {result['dispatch_inter_bytes_per_step'] / 1e6:.2f} MB/step", flush=True)
     rows, overlapped = [], []
     for variant in DISPATCHES:
         runs, flat = results[variant], results[variant.replace("hierarchical", "flat")]
         ratio = {key: [a[key] / b[key] for a, b in zip(runs, flat)] for key in ("wire_bytes_per_step", "dispatch_inter_bytes_per_step", "step")}
         rows.append(
-            f"| {variant} | {statistics.median(r['wire_bytes_per_step'] for r in runs) / 1e6:.2f} | {_spread(ratio['wire_bytes_per_step'])} |"
-            f" {statistics.median(r['dispatch_inter_bytes_per_step'] for r in runs) / 1e6:.2f} | {_spread(ratio['dispatch_inter_bytes_per_step'])} |"
-            f" {statistics.median(r['step'] for r in runs):.3f} | {_spread(ratio['step'])} |"
+            f"| {variant} | {statistics.median(r['wire_bytes_per_step'] for r in runs) / 1e6:.2f} | {spread(ratio['wire_bytes_per_step'])} |"
+            f" {statistics.median(r['dispatch_inter_bytes_per_step'] for r in runs) / 1e6:.2f} | {spread(ratio['dispatch_inter_bytes_per_step'])} |"
+            f" {statistics.median(r['step'] for r in runs):.3f} | {spread(ratio['step'])} |"
         )
     for variant in (v for pair in zip(DISPATCHES[:2], OVERLAPPED) for v in pair):
         runs, blocking = results[variant], results[variant.replace(" overlap", "")]
@@ -222,7 +214,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> str:
         hidden = [1 - r["ep_exposed"] / r["ep_comm"] if r["ep_comm"] else 0.0 for r in runs]
         overlapped.append(
             f"| {variant} | {statistics.median(r['step'] for r in runs):.3f} |"
-            f" {_spread(step) if variant in OVERLAPPED else '1'} | {statistics.median(r['ep_comm'] for r in runs) * 1e3:.0f} |"
+            f" {spread(step) if variant in OVERLAPPED else '1'} | {statistics.median(r['ep_comm'] for r in runs) * 1e3:.0f} |"
             f" {statistics.median(r['ep_exposed'] for r in runs) * 1e3:.0f} | {statistics.median(hidden):.0%} |"
         )
     steps = {v: statistics.median(r["step"] for r in results[v]) for v in VARIANTS}

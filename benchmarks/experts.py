@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -35,8 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from benchmarks.common import StepTimer, machine, median_after_warmup, write_section  # noqa: E402
-from benchmarks.sim_cluster import PREFIX, SimulatedCluster, available, run_two_nodes  # noqa: E402
+from benchmarks.common import StepTimer, alternating, machine, median_after_warmup, spread, write_section  # noqa: E402
+from benchmarks.sim_cluster import SimulatedCluster, available, run_two_nodes  # noqa: E402
 
 WARMUP = 4
 MOE = dict(dim=128, n_layers=4, n_routed_experts=16, n_activated_experts=2, moe_inter_dim=192, n_dense_layers=1)
@@ -150,22 +149,17 @@ def run(variant: str, steps: int, workdir: Path, cluster, batch: int = 8, valida
     return {**json.loads(out.read_text()), **json.loads(Path(str(out) + ".report").read_text())}
 
 
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f}x ({min(values):.3f}-{max(values):.3f})"
-
-
 def link_part(args, workdir: Path) -> str:
     reason = available()
     if reason:
         return f"Link part not run: {reason}."
     results: dict[str, list[dict]] = {v: [] for v in LINK_VARIANTS}
     with SimulatedCluster(nodes=2, rate=args.rate) as cluster:
-        for r in range(args.rounds):
-            for variant in (LINK_VARIANTS if r % 2 == 0 else LINK_VARIANTS[::-1]):
-                result = run(variant, args.steps, workdir, cluster)
-                result["step"] = median_after_warmup(result["times"], WARMUP)
-                results[variant].append(result)
-                print(f"LINK round {r} {variant}: {result['step']:.3f} s, {result['wire_bytes_per_step'] / 1e6:.2f} MB/step", flush=True)
+        for r, variant in alternating(LINK_VARIANTS, args.rounds):
+            result = run(variant, args.steps, workdir, cluster)
+            result["step"] = median_after_warmup(result["times"], WARMUP)
+            results[variant].append(result)
+            print(f"LINK round {r} {variant}: {result['step']:.3f} s, {result['wire_bytes_per_step'] / 1e6:.2f} MB/step", flush=True)
     rows = []
     for variant in LINK_VARIANTS:
         runs = results[variant]
@@ -174,8 +168,8 @@ def link_part(args, workdir: Path) -> str:
         wire_fsdp = [a["wire_bytes_per_step"] / b["wire_bytes_per_step"] for a, b in zip(runs, results["FSDP"])]
         wire_ddp = [a["wire_bytes_per_step"] / b["wire_bytes_per_step"] for a, b in zip(runs, results["DDPStrategy"])]
         rows.append(
-            f"| {variant} | {statistics.median(r['step'] for r in runs):.3f} | {_spread(time_fsdp)} | {_spread(time_ddp)} |"
-            f" {statistics.median(r['wire_bytes_per_step'] for r in runs) / 1e6:.2f} | {_spread(wire_fsdp)} | {_spread(wire_ddp)} |"
+            f"| {variant} | {statistics.median(r['step'] for r in runs):.3f} | {spread(time_fsdp)} | {spread(time_ddp)} |"
+            f" {statistics.median(r['wire_bytes_per_step'] for r in runs) / 1e6:.2f} | {spread(wire_fsdp)} | {spread(wire_ddp)} |"
         )
     return "\n".join([
         f"Two simulated nodes at {args.rate}, one process each, {args.steps} steps ({WARMUP} warm-up), {args.rounds}"

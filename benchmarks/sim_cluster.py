@@ -6,7 +6,8 @@ egress with a ``tbf`` qdisc at ``rate`` (both directions of every link: node sid
 ``rate=None`` leaves the links uncapped. ``run(node, argv, env)`` starts a process inside a node, with
 ``GLOO_SOCKET_IFNAME`` set so gloo uses the capped link. Everything is removed on exit, also after an error.
 :func:`run_two_nodes` runs one command as the two ranks of a ``num_nodes=2`` job, in a cluster's nodes or on
-loopback; :func:`run_nodes` as ``per_node`` ranks on each of ``nodes`` nodes.
+loopback; :func:`run_nodes` as ``per_node`` ranks on each of ``nodes`` nodes; :func:`run_measured` a benchmark's
+worker that way, and reads back what it wrote.
 
 Needs root and iproute2 (``ip``, ``tc``); :func:`available` says why not when it cannot work. Traffic stays on
 addresses this module creates inside its own namespaces.
@@ -14,12 +15,14 @@ addresses this module creates inside its own namespaces.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Optional
 
-from benchmarks.common import ROOT
+from benchmarks.common import ROOT, median_after_warmup
 
 PREFIX = "ciuic"
 SUBNET = "10.77.0"
@@ -120,3 +123,12 @@ def run_nodes(
     codes = [p.wait(timeout=timeout) for p in procs]
     if any(codes):
         raise RuntimeError(f"exit codes {codes}; the log shows why")
+
+
+def run_measured(argv: list[str], out: Path, cluster: Optional[SimulatedCluster], nodes: int, per_node: int, warmup: int) -> dict:
+    """:func:`run_nodes` of a benchmark's worker ``argv`` that writes its ``StepTimer`` JSON to ``out`` and its
+    report to ``out.report``: the two merged, with ``step`` the median step after ``warmup`` steps."""
+    run_nodes(argv, cluster, nodes, per_node)
+    result = {**json.loads(out.read_text()), **json.loads(Path(str(out) + ".report").read_text())}
+    result["step"] = median_after_warmup(result["times"], warmup)
+    return result
