@@ -39,9 +39,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from benchmarks.common import StepTimer, alternating, machine, spread, write_section  # noqa: E402
+from benchmarks.common import StepTimer, machine, spread, write_section  # noqa: E402
 from benchmarks.expert_dispatch import MOE, SEQUENCE  # noqa: E402
-from benchmarks.sim_cluster import SimulatedCluster, available, run_measured  # noqa: E402
+from benchmarks.sim_cluster import available, measured_rounds, node_benchmark_parser, run_measured  # noqa: E402
 
 WARMUP = 3
 NODES = 4  # one process each: pp 2 x dp 2
@@ -109,13 +109,10 @@ def measure(args: argparse.Namespace, workdir: Path) -> str:
     reason = available()
     if reason:
         return f"Not run: {reason}."
-    results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    with SimulatedCluster(nodes=NODES, rate=args.rate) as cluster:
-        for r, variant in alternating(VARIANTS, args.rounds):
-            result = run(variant, args, workdir, cluster)
-            results[variant].append(result)
-            print(f"PAIRS round {r} {variant}: {result['step']:.3f} s, ep_comm {result['ep_comm'] * 1e3:.0f} ms,"
-                  f" ep_exposed {result['ep_exposed'] * 1e3:.0f} ms, pairs {result['pairs']}", flush=True)
+    results = measured_rounds(
+        VARIANTS, args.rounds, NODES, args.rate, lambda variant, cluster: run(variant, args, workdir, cluster), "PAIRS",
+        lambda r: f"{r['step']:.3f} s, ep_comm {r['ep_comm'] * 1e3:.0f} ms, ep_exposed {r['ep_exposed'] * 1e3:.0f} ms, pairs {r['pairs']}",
+    )
     rows = []
     for variant in VARIANTS:
         runs = results[variant]
@@ -141,17 +138,10 @@ def measure(args: argparse.Namespace, workdir: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--variant", default="pairs")
-    parser.add_argument("--out", default="")
-    parser.add_argument("--rate", default="1gbit")
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = node_benchmark_parser("pairs", steps=12)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--layers", type=int, default=6, help="decoder layers (the first dense, the others experts)")
-    parser.add_argument("--dry-run", action="store_true", help="print the section, do not write docs/benchmarks.md")
     args = parser.parse_args()
     if args.worker:
         return worker(args)

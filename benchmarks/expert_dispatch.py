@@ -48,8 +48,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from benchmarks.common import StepTimer, alternating, machine, spread, write_section  # noqa: E402
-from benchmarks.sim_cluster import SimulatedCluster, available, run_measured  # noqa: E402
+from benchmarks.common import StepTimer, machine, spread, write_section  # noqa: E402
+from benchmarks.sim_cluster import available, measured_rounds, node_benchmark_parser, run_measured  # noqa: E402
 
 WARMUP = 4
 SEQUENCE = 64  # tokens per sequence (ByteCorpusDataModule)
@@ -192,13 +192,11 @@ def measure(args: argparse.Namespace, workdir: Path) -> str:
     reason = available()
     if reason:
         return f"Not run: {reason}."
-    results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    with SimulatedCluster(nodes=NODES, rate=args.rate) as cluster:
-        for r, variant in alternating(VARIANTS, args.rounds):
-            result = run(variant, args, workdir, cluster)
-            results[variant].append(result)
-            print(f"DISPATCH round {r} {variant}: {result['step']:.3f} s, wire {result['wire_bytes_per_step'] / 1e6:.2f}"
-                  f" MB/step, dispatch inter-node {result['dispatch_inter_bytes_per_step'] / 1e6:.2f} MB/step", flush=True)
+    results = measured_rounds(
+        VARIANTS, args.rounds, NODES, args.rate, lambda variant, cluster: run(variant, args, workdir, cluster), "DISPATCH",
+        lambda r: f"{r['step']:.3f} s, wire {r['wire_bytes_per_step'] / 1e6:.2f} MB/step, dispatch inter-node"
+        f" {r['dispatch_inter_bytes_per_step'] / 1e6:.2f} MB/step",
+    )
     rows, overlapped = [], []
     for variant in DISPATCHES:
         runs, flat = results[variant], results[variant.replace("hierarchical", "flat")]
@@ -268,17 +266,10 @@ def measure(args: argparse.Namespace, workdir: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--variant", default="flat")
-    parser.add_argument("--out", default="")
-    parser.add_argument("--rate", default="1gbit")
-    parser.add_argument("--steps", type=int, default=14)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = node_benchmark_parser("flat", steps=14)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--moe-inter-dim", type=int, default=MOE["moe_inter_dim"], help="each routed expert's hidden width")
     parser.add_argument("--per-node", type=int, default=2, help="processes per simulated node (ep = dp = 2 x this)")
-    parser.add_argument("--dry-run", action="store_true", help="print the section, do not write docs/benchmarks.md")
     args = parser.parse_args()
     if args.worker:
         return worker(args)

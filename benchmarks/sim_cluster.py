@@ -7,7 +7,8 @@ egress with a ``tbf`` qdisc at ``rate`` (both directions of every link: node sid
 ``GLOO_SOCKET_IFNAME`` set so gloo uses the capped link. Everything is removed on exit, also after an error.
 :func:`run_two_nodes` runs one command as the two ranks of a ``num_nodes=2`` job, in a cluster's nodes or on
 loopback; :func:`run_nodes` as ``per_node`` ranks on each of ``nodes`` nodes; :func:`run_measured` a benchmark's
-worker that way, and reads back what it wrote.
+worker that way, and reads back what it wrote; :func:`measured_rounds` every variant of a benchmark in alternating
+rounds; :func:`node_benchmark_parser` the arguments such a benchmark takes.
 
 Needs root and iproute2 (``ip``, ``tc``); :func:`available` says why not when it cannot work. Traffic stays on
 addresses this module creates inside its own namespaces.
@@ -15,14 +16,16 @@ addresses this module creates inside its own namespaces.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.common import ROOT, median_after_warmup
+from benchmarks.common import ROOT, alternating, median_after_warmup
 
 PREFIX = "ciuic"
 SUBNET = "10.77.0"
@@ -132,3 +135,33 @@ def run_measured(argv: list[str], out: Path, cluster: Optional[SimulatedCluster]
     result = {**json.loads(out.read_text()), **json.loads(Path(str(out) + ".report").read_text())}
     result["step"] = median_after_warmup(result["times"], warmup)
     return result
+
+
+def node_benchmark_parser(variant: str, steps: int) -> argparse.ArgumentParser:
+    """The arguments every benchmark on simulated nodes takes: ``--worker`` (this process is one rank of a run, of
+    ``--variant``, writing to ``--out``), the links' ``--rate``, ``--steps`` per run, ``--rounds`` of every variant,
+    ``--dry-run`` (print the section, do not write docs/benchmarks.md)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--variant", default=variant)
+    parser.add_argument("--out", default="")
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dry-run", action="store_true", help="print the section, do not write docs/benchmarks.md")
+    return parser
+
+
+def measured_rounds(
+    variants: tuple[str, ...], rounds: int, nodes: int, rate: str, run_one: Callable[[str, SimulatedCluster], dict],
+    label: str, line: Callable[[dict], str],
+) -> dict[str, list[dict]]:
+    """Every variant run once a round by ``run_one(variant, cluster)`` (the order alternating: ``common.alternating``)
+    on ``nodes`` simulated nodes at ``rate``; each run's ``line(result)`` printed as it ends; the results by variant."""
+    results: dict[str, list[dict]] = {v: [] for v in variants}
+    with SimulatedCluster(nodes=nodes, rate=rate) as cluster:
+        for r, variant in alternating(variants, rounds):
+            result = run_one(variant, cluster)
+            results[variant].append(result)
+            print(f"{label} round {r} {variant}: {line(result)}", flush=True)
+    return results
