@@ -17,7 +17,7 @@ steps:
   all-to-alls in flight while the other micro-batch computes, the two chunks elsewhere.
 
 Per step, after ``WARMUP`` steps (rank mean): the expert all-to-alls' wall time (ep_comm) and the part the training
-thread was blocked on them (ep_exposed), the step time (median). Ratios per round (median and spread) to ``blocking``
+thread was blocked on them (ep_exposed), the CPU time of each rank's process, the step time (median). Ratios per round (median and spread) to ``blocking``
 and ``pairs`` to ``chunks``. The same parameters in float64 are tests/integration/test_expert_parallel.py's.
 
 Writes the ``dualpipe_pairs`` section of docs/benchmarks.md (``--dry-run``: prints it only).
@@ -34,6 +34,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -61,14 +62,15 @@ def worker(args: argparse.Namespace) -> None:
     report: dict = {}
 
     class Measure(Callback):
-        """The expert all-to-alls' seconds from the end of warm-up to the end of training, rank mean."""
+        """The expert all-to-alls' seconds and the process's CPU seconds (all its threads) from the end of warm-up to
+        the end of training, rank mean."""
 
         def on_train_start(self, trainer, pl_module):
             trainer.strategy.parallelized.pipeline.overlap_pairs = args.variant == "pairs"
 
-        def _counters(self, trainer) -> tuple[float, float]:
+        def _counters(self, trainer) -> tuple[float, float, float]:
             stats = trainer.strategy.parallelized.experts.stats
-            return stats.seconds, stats.exposed_seconds
+            return stats.seconds, stats.exposed_seconds, time.process_time()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.global_step == WARMUP:
@@ -78,8 +80,8 @@ def worker(args: argparse.Namespace) -> None:
             steps = max(trainer.global_step - WARMUP, 1)
             mine = torch.tensor([e - s for e, s in zip(self._counters(trainer), self.start)], dtype=torch.float64)
             dist.all_reduce(mine)
-            comm, exposed = (float(v) / steps / dist.get_world_size() for v in mine)
-            report.update(ep_comm=comm, ep_exposed=exposed, pairs=PAIR_STATS["pairs"])
+            comm, exposed, cpu = (float(v) / steps / dist.get_world_size() for v in mine)
+            report.update(ep_comm=comm, ep_exposed=exposed, cpu=cpu, pairs=PAIR_STATS["pairs"])
 
     seed_everything(0)
     torch.set_num_threads(1)
@@ -122,17 +124,18 @@ def measure(args: argparse.Namespace, workdir: Path) -> str:
         rows.append(
             f"| {variant} | {statistics.median(r['step'] for r in runs):.3f} | {spread(to_blocking)} | {spread(to_chunks)} |"
             f" {statistics.median(r['ep_comm'] for r in runs) * 1e3:.0f} | {statistics.median(r['ep_exposed'] for r in runs) * 1e3:.0f} |"
-            f" {statistics.median(hidden):.0%} |"
+            f" {statistics.median(hidden):.0%} | {statistics.median(r['cpu'] for r in runs):.3f} |"
         )
     return "\n".join([
         f"Four simulated nodes at {args.rate}, one process each (pp 2 x dp 2, ep 2 over dp, DualPipeV, flat dispatch),"
         f" {args.microbatches} micro-batches of {args.batch_size // args.microbatches} x {SEQUENCE} tokens per rank,"
         f" {args.steps} steps ({WARMUP} warm-up), {args.rounds} alternating rounds; step time (median), ratios per"
         " round; the expert all-to-alls' wall time per step (ep_comm: issue to completion) and the part the training"
-        " thread was blocked on them (ep_exposed), rank mean; hidden = 1 - ep_exposed / ep_comm.",
+        " thread was blocked on them (ep_exposed), rank mean; hidden = 1 - ep_exposed / ep_comm; CPU: the seconds a"
+        " rank's process (all its threads) ran on a core per step, rank mean.",
         "",
-        "| variant | step (s) | vs blocking | vs chunks | ep_comm (ms/step) | ep_exposed (ms/step) | hidden |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | step (s) | vs blocking | vs chunks | ep_comm (ms/step) | ep_exposed (ms/step) | hidden | CPU (s/step) |",
+        "|---|---|---|---|---|---|---|---|",
         *rows,
     ])
 
