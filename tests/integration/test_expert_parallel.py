@@ -224,34 +224,43 @@ def _qwen3_moe_deeper():
     return HuggingFaceCausalLM("qwen3_moe", dict(HF_MOE["qwen3_moe"], num_hidden_layers=4), lr=1e-2).double()
 
 
+DEEPSEEK_RECIPE = {"recompute": ["norm", "mla_up"]}
+
+
 @pytest.mark.parametrize(
-    "factory, dispatch, per_node, recompute",
+    "factory, shard, tp, ep, dispatch, per_node, recompute",
     [
-        (_grouped_deeper, "flat", None, {"recompute": ["norm", "mla_up"]}),
-        (_grouped_deeper, "hierarchical", 1, {"recompute": ["norm", "mla_up"]}),
-        (_qwen3_moe_deeper, "flat", None, False),
+        (_grouped_deeper, 1, 1, 2, "flat", None, DEEPSEEK_RECIPE),
+        (_grouped_deeper, 1, 1, 2, "hierarchical", 1, DEEPSEEK_RECIPE),
+        (_grouped_deeper, 2, 1, 2, "flat", None, DEEPSEEK_RECIPE),
+        (_grouped_deeper, 2, 2, 4, "flat", None, DEEPSEEK_RECIPE),
+        (_qwen3_moe_deeper, 1, 1, 2, "flat", None, False),
     ],
-    ids=["flat", "hierarchical", "qwen3_moe"],
+    ids=["flat", "hierarchical", "fsdp2", "fsdp2-tp2-ep4", "qwen3_moe"],
 )
-def test_dualpipev_forward_backward_pairs_overlapped_train_as_one_process(factory, dispatch, per_node, recompute, tmp_path):
-    """DualPipeV over pp 2 x ep 2 with expert_dispatch_overlap: its forward-backward pairs run interleaved, one
+def test_dualpipev_forward_backward_pairs_overlapped_train_as_one_process(
+    factory, shard, tp, ep, dispatch, per_node, recompute, tmp_path,
+):
+    """DualPipeV over pp 2 x dp 2 with expert_dispatch_overlap: its forward-backward pairs run interleaved, one
     micro-batch's all-to-alls in flight while the other computes (parallel/paired_overlap.py), with DeepSeek-V3's
-    recomputation on the example model, and transformers' Qwen3-MoE: the parameters of one process. Every rank ran
-    its pairs (3 a step at 4 micro-batches) and their sides took turns at the all-to-alls (at least 2 a pair where
-    both sides hold experts: 6 flat, 12 hierarchical on the example model)."""
+    recomputation on the example model (ep 2 over dp 2, flat and hierarchical; over FSDP 2; ep 4 over FSDP 2 x tp 2),
+    and transformers' Qwen3-MoE: the parameters of one process. Every rank ran its pairs (3 a step at 4 micro-batches)
+    and their sides took turns at the all-to-alls (at least 2 a pair where both sides hold experts: 6 flat, 12
+    hierarchical on the example model)."""
     if factory is _qwen3_moe_deeper:
         pytest.importorskip("transformers")
     _fit_and_compare(
-        2, 1, 2, 1, 2, 0.05, factory=factory, gradient_checkpointing=recompute, steps=3, per_rank=4, microbatches=4,
+        2, shard, 2, tp, ep, 0.05, factory=factory, gradient_checkpointing=recompute, steps=3, per_rank=4, microbatches=4,
         pipeline_schedule="dualpipev", expert_dispatch_overlap=True, expert_dispatch=dispatch,
         expert_devices_per_node=per_node, callbacks=[_PairsRun(tmp_path)],
     )
-    stats = [json.loads((tmp_path / f"pairs-{rank}.json").read_text()) for rank in range(4)]
-    assert [s["pairs"] for s in stats] == [3 * 3] * 4, stats
-    # pipeline rank 1 (global ranks 2, 3: pp is the mesh's outer axis) holds stages 1 and 2, mixtures of experts both:
-    # the sides of each pair hand over at their waits (pipeline rank 0's stages 0 and 3 hold the embedding and the
-    # head, and one of them no all-to-all, or none)
-    assert min(s["turns"] for s in stats[2:]) >= 2 * 3 * 3, stats
+    ranks = 2 * 2 * tp
+    stats = [json.loads((tmp_path / f"pairs-{rank}.json").read_text()) for rank in range(ranks)]
+    assert [s["pairs"] for s in stats] == [3 * 3] * ranks, stats
+    # pipeline rank 1 (the second half of the global ranks: pp is the mesh's outer axis) holds stages 1 and 2,
+    # mixtures of experts both: the sides of each pair hand over at their waits (pipeline rank 0's stages 0 and 3 hold
+    # the embedding and the head, and one of them no all-to-all, or none)
+    assert min(s["turns"] for s in stats[ranks // 2:]) >= 2 * 3 * 3, stats
 
 
 def test_fp8_gemms_under_dualpipev_with_deepseeks_recomputation_train_as_one_process():
