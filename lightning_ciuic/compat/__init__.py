@@ -33,8 +33,9 @@ Touch points:
   through an FSDP2 root, so its hooks run once per step); a pipeline schedule's warm-up (``_warmup_p2p``, replaced where
   the planner gives stages their metadata), its point-to-point batches (``schedules._batch_p2p``: on the fake process
   group, their works made to hold their tensors) and ``MemTracker``'s module tracker (``_mod_tracker``: none for a
-  pipeline's steps), and its runtime's state around DualPipeV's forward-backward pairs (``run_pairs_with``: receives,
-  losses, backward counts, run as torch 2.13's runtime runs them); fake tensors' rules (``fake_impls.op_implementations_dict``) and the meta kernel of
+  pipeline's steps), and its runtime's state around DualPipeV's forward-backward pairs (``run_pairs_with``:
+  receives, losses, backward counts, as torch 2.13's runtime keeps them); a thread's dispatch modes (``dispatch_modes``,
+  handed to a helper thread); fake tensors' rules (``fake_impls.op_implementations_dict``) and the meta kernel of
   ``_grouped_mm`` (a float32 rule beside it while the planner steps).
 * LitData (optional): its ``_DistributedEnv`` (the world a ``StreamingDataset`` splits its chunks over, kept as the
   dataset's ``distributed_env``; ``StreamingDataLoader.load_state_dict`` asks ``_DistributedEnv.detect()`` for it

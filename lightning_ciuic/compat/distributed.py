@@ -196,19 +196,19 @@ def use_static_pipeline_warmup(schedule: Any) -> None:
     schedule._warmup_p2p = static_pipeline_warmup
 
 
-def run_pairs_with(schedule: Any, run_pair: Callable[[Callable[[], None], Callable[[], None]], None]) -> bool:
+def run_pairs_with(schedule: Any, run_pair: Callable[[Callable[[], None], Callable[[], None]], None]) -> None:
     """DualPipeV's ``OVERLAP_F_B`` actions (a forward and a full backward of two micro-batches) run by
     ``run_pair(forward, backward)`` instead of one after the other: registered as the schedule's custom function for
     them (``_PipelineScheduleRuntime.register_custom_function``, torch 2.9+). Each part runs as torch's runtime runs a
     ``FORWARD`` and a ``FULL_BACKWARD`` (``_step_microbatches``' ``_perform_action``, torch 2.13): its receives waited
     for, the stage's chunk computed, the loss kept (forward outputs not kept: the runner's ``return_outputs=False``),
-    the result handed to an adjacent stage of this rank. Returns whether ``schedule`` has such actions to run."""
+    the result handed to an adjacent stage of this rank. A schedule without such actions is left as it is."""
     from torch.distributed.pipelining import schedules
 
-    if not isinstance(schedule, schedules._PipelineScheduleRuntime):
-        return False
-    if not any(a is not None and a.computation_type == schedules.OVERLAP_F_B for a in schedule.pipeline_order[schedule.rank]):
-        return False
+    if not isinstance(schedule, schedules._PipelineScheduleRuntime) or not any(
+        a is not None and a.computation_type == schedules.OVERLAP_F_B for a in schedule.pipeline_order[schedule.rank]
+    ):
+        return
 
     def pair(action: Any, ctx: Any) -> None:
         run = ctx.schedule_ref
@@ -240,7 +240,6 @@ def run_pairs_with(schedule: Any, run_pair: Callable[[Callable[[], None], Callab
         run_pair(forward, backward)
 
     schedule.register_custom_function(schedules.OVERLAP_F_B, pair)
-    return True
 
 
 def pipeline_schedule_order(

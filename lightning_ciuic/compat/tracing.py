@@ -1,6 +1,6 @@
 """The private parts of torch (and transformers) the planner's fake step touches (see :mod:`lightning_ciuic.compat`):
-dispatch modes (and a thread's stack of them, handed to a helper thread), fake tensors and their rules, DTensor's shape propagation, ``MemTracker``, ops' overload packets and
-the FLOP formulas of private ops, the CPU's attention kernels as CUDA runs them, transformers' packed-sequence check."""
+dispatch modes (and a thread's stack of them, handed to a helper thread), fake tensors and their rules, DTensor's shape
+propagation, ``MemTracker``, ops' overload packets and the FLOP formulas of private ops, the CPU's attention kernels as CUDA runs them, transformers' packed-sequence check."""
 
 from __future__ import annotations
 

@@ -374,3 +374,43 @@ def test_loss_parallels_backward_in_place_gives_torchs_gradient_bit_for_bit(weig
         torch.testing.assert_close(grads[1], reference.grad)
     finally:
         dist.destroy_process_group()
+
+
+def test_dualpipevs_pairs_and_a_threads_dispatch_modes_are_where_the_pack_reads_them():
+    """run_pairs_with reads torch 2.13's runtime as its ``_step_microbatches`` keeps it; a schedule without
+    forward-backward pairs is left as it is. A helper thread handed this thread's dispatch modes dispatches to them."""
+    import threading
+
+    from torch.distributed.pipelining import schedules
+
+    runtime = schedules._PipelineScheduleRuntime
+    for name in ("register_custom_function", "_assert_unsharded", "_maybe_compute_loss", "_maybe_get_loss"):
+        assert callable(getattr(runtime, name)), name
+    assert callable(schedules._wait_batch_p2p) and schedules.OVERLAP_F_B.value == "OVERLAP_F_B"
+    assert {"fwd_recv_ops", "bwd_recv_ops", "backward_counter"} <= set(runtime.__init__.__code__.co_names)
+
+    class NoPairs:
+        pass
+
+    schedule = NoPairs()
+    compat.run_pairs_with(schedule, lambda forward, backward: None)
+    assert vars(schedule) == {}
+
+    seen = []
+
+    class Seen(compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(threading.current_thread().name)
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        modes = compat.dispatch_modes()
+
+        def helper():
+            compat.push_dispatch_modes(modes)
+            torch.ones(2) + 1
+
+        thread = threading.Thread(target=helper, name="helper")
+        thread.start()
+        thread.join()
+    assert "helper" in seen
