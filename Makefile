@@ -12,7 +12,7 @@ LITDATA := litdata>=0.2.76,<0.2.77
 # a resolver may take for the newest CUDA build. Its other dependencies (requests, urllib3) are in [test].
 TORCHDATA := torchdata>=0.11.0,<0.12
 
-.PHONY: demo demo-pipeline demo-sharded demo-experts test test-gpu setup browser clean bench
+.PHONY: demo demo-pipeline demo-sharded demo-experts demo-dualpipe test test-gpu setup browser clean bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ demo-sharded: setup
 
 demo-experts: setup
 	$(VENV)/bin/lightning-ciuic fit --config examples/configs/experts.yaml
+
+# DeepSeek-V3's way at the demo's size: pp=2 x dp=2 with the experts sharded, DualPipeV with its pairs overlapped.
+demo-dualpipe: setup
+	$(VENV)/bin/lightning-ciuic fit --config examples/configs/dualpipe.yaml
 
 # The browser test renders the monitor's report in headless Chromium: Debian's package, installed here where apt
 # can (as root); without it that one test is skipped, and says why.

@@ -21,6 +21,9 @@ Contract:
   - ``stalls``: seconds, per category of :data:`STALLS`, that :data:`timeline` spans recorded on this thread took
     within this step's period (the previous batch's end to this one's); ``data_wait`` excludes them.
 
+* :func:`samples_in(batch)`: a training batch's samples, as Lightning counts them (``extract_batch_size``), and a
+  middle pipeline stage's :class:`~lightning_ciuic.parallel.pipeline_module.NotRead` its ``batch_size`` (Lightning
+  cannot size it): what the callbacks that count samples read.
 * :meth:`records_since` hands each consumer the records after its own cursor; :func:`gather_per_rank`
   all-gathers one row of numbers per rank (``[world_size, k]``) over the default process group.
 * A process whose ranks measure leaves its process groups cleanly at exit, whatever the strategy
@@ -46,6 +49,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.data import extract_batch_size
 
 from lightning_ciuic.compat import all_gather_single
+from lightning_ciuic.parallel.pipeline_module import NotRead
 from lightning_ciuic.parallel.shutdown import leave_at_exit
 from lightning_ciuic.timeline import STALLS, timeline
 
@@ -65,6 +69,11 @@ class StepRecord:
     start: float = 0.0  # time.perf_counter at batch start
     stalls: dict[str, float] = field(default_factory=dict)  # category -> seconds, within this step's period
 
+
+
+def samples_in(batch: Any) -> int:
+    """A training batch's samples (see the module docstring)."""
+    return batch.batch_size if isinstance(batch, NotRead) else extract_batch_size(batch)
 
 class Telemetry:
     """Rank-local step timings of one Trainer, shared by every callback that reads them."""
@@ -107,7 +116,7 @@ class Telemetry:
             return
         now = time.perf_counter()
         wait = 0.0 if self._last_end is None else now - self._last_end
-        samples = extract_batch_size(batch) if batch is not None else 0
+        samples = samples_in(batch) if batch is not None else 0
         self._last_grad = self._sync_mark = 0.0
         self._open = (step, batch_idx, samples, wait, now)
 

@@ -63,6 +63,8 @@ class RunProfile:
     memory_capacity_mb: Optional[float] = None  # per rank: the GPU's memory, or the host's RAM / local processes
     ep: int = 1
     expert_load: dict[str, float] = field(default_factory=dict)  # MoE layer -> max / mean tokens per expert (all ranks)
+    pp_rank_of: list[int] = field(default_factory=list)  # global rank -> pipeline rank (empty: unknown, one stage)
+    expert_balancer_rate: Optional[float] = None  # an ExpertLoadBalancer's bias_update_rate (None: none in the run)
 
     def mean(self, key: str) -> float:
         return statistics.fmean(r[key] for r in self.ranks) if self.ranks else 0.0

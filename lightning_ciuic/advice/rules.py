@@ -104,29 +104,47 @@ def _expert_balance(profile: RunProfile, advised: float = 1.5) -> Finding:
     checked = f"tokens per expert max/mean {worst:.2f} in {layer} (advised at {advised} or more){ranks}"
     waited = _imbalance_wait(profile)
     if waited is not None:
+        every = [seconds for stage in waited.values() for seconds in stage]
         checked += (
-            f"; all-to-alls {min(waited) * 1e3:.1f}-{max(waited) * 1e3:.1f} ms per step over the ranks (the busiest"
-            " waits least)"
+            f"; all-to-alls {min(every) * 1e3:.1f}-{max(every) * 1e3:.1f} ms per step over the ranks (the busiest"
+            " waits least" + (", compared within each pipeline stage)" if len(waited) > 1 else ")")
         )
     if worst < advised:
         return Finding(rule, checked)
-    checked += "; add ExpertLoadBalancer (auxiliary-loss-free routing bias, docs/expert_parallel.md)"
+    rate = profile.expert_balancer_rate
+    if rate is None:
+        change, argument = "add ExpertLoadBalancer", "callbacks: [ExpertLoadBalancer()]  (lightning_ciuic.ExpertLoadBalancer)"
+    else:  # on already: its bias moves too slowly for this run
+        change = f"ExpertLoadBalancer is on (bias_update_rate={rate:g}): raise its rate, or train longer"
+        argument = f"callbacks: [ExpertLoadBalancer(bias_update_rate={max(10 * rate, 1e-3):g})]  (lightning_ciuic.ExpertLoadBalancer)"
+    checked += f"; {change} (auxiliary-loss-free routing bias, docs/expert_parallel.md)"
     step = profile.mean("step")
-    if waited is None or step <= 0 or max(waited) - min(waited) < 0.05 * step:
+    spread = _imbalance_spread(waited) if waited is not None else 0.0
+    if spread < 0.05 * step or step <= 0:
         return Finding(rule, checked)  # the imbalance costs no measurable time: a finding, no speed-up predicted
-    saved = max(waited) - min(waited)  # what the least busy rank waited for the busiest, at most
     return Finding(rule, checked, Advice(
-        f"experts are unbalanced: ranks wait up to {saved * 1e3:.1f} ms per step in the token all-to-alls for the"
-        " busiest rank's experts",
-        "callbacks: [ExpertLoadBalancer()]  (lightning_ciuic.ExpertLoadBalancer)",
-        step / (step - saved), rule,
+        f"experts are unbalanced: ranks wait up to {spread * 1e3:.1f} ms per step in the token all-to-alls for the"
+        " busiest rank's experts" + ("" if rate is None else f" (ExpertLoadBalancer on, bias_update_rate={rate:g})"),
+        argument, step / (step - spread), rule,
     ))
 
 
-def _imbalance_wait(profile: RunProfile) -> Optional[list[float]]:
-    """Each rank's seconds per step in the token all-to-alls, where expert parallelism measured them."""
+def _imbalance_wait(profile: RunProfile) -> Optional[dict[int, list[float]]]:
+    """Each rank's seconds per step in the token all-to-alls, by pipeline rank (ranks of different stages run
+    different layers), where expert parallelism measured them."""
     waited = [r["ep_comm"] for r in profile.ranks]
-    return waited if profile.ep > 1 and waited and max(waited) > 0 else None
+    if profile.ep <= 1 or not waited or max(waited) <= 0:
+        return None
+    stages = profile.pp_rank_of if len(profile.pp_rank_of) == len(waited) else [0] * len(waited)
+    by_stage: dict[int, list[float]] = {}
+    for stage, seconds in zip(stages, waited):
+        by_stage.setdefault(stage, []).append(seconds)
+    return by_stage
+
+
+def _imbalance_spread(waited: dict[int, list[float]]) -> float:
+    """What the least busy rank of a pipeline stage waited for its busiest, at most, over the stages."""
+    return max(max(seconds) - min(seconds) for seconds in waited.values())
 
 
 def advise(profile: RunProfile, min_speedup: float = 1.10, straggler_threshold: float = 0.15) -> list[Advice]:

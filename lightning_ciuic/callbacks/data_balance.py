@@ -40,7 +40,6 @@ from typing import Any, Literal, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 from typing_extensions import override
@@ -49,7 +48,7 @@ from lightning_ciuic.callbacks.train_loader import add_train_loader_transform, r
 from lightning_ciuic.data.balance import BalancedBatchSampler, imbalance, rebalanced_split
 from lightning_ciuic.data.resume import PositionedDataLoader, with_batch_sampler
 from lightning_ciuic.parallel.shutdown import raise_once
-from lightning_ciuic.telemetry import StepRecord, Telemetry, gather_per_rank
+from lightning_ciuic.telemetry import StepRecord, Telemetry, gather_per_rank, samples_in
 from lightning_ciuic.tensors import local_tensor
 from lightning_ciuic.strategies.context import parallel_context
 from lightning_ciuic.validation import check_int
@@ -164,7 +163,7 @@ class DynamicDataBalancer(Callback):
         sampler = self.sampler
         if sampler is not None and sampler.num_replicas > 1:
             window = min(sampler.global_batch_size, sampler.num_samples - batch_idx * sampler.global_batch_size)
-            self._weight = sampler.num_replicas * extract_batch_size(batch) / window
+            self._weight = sampler.num_replicas * samples_in(batch) / window
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:

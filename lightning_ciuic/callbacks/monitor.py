@@ -64,6 +64,8 @@ from lightning_ciuic.advice import RANK_FIELDS, RunProfile, check
 from lightning_ciuic.advice.trace import TraceEvent
 from lightning_ciuic.compat import TorchDispatchMode
 from lightning_ciuic.comm.auto import measure_link, measure_sync_seconds, synchronize
+from lightning_ciuic.callbacks.expert_balance import ExpertLoadBalancer
+from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.experts import ExpertLayout, RoutedTokens, packed_experts
 from lightning_ciuic.advice.report import summary_table, write_report
 from lightning_ciuic.strategies.context import parallel_context
@@ -203,10 +205,12 @@ class CommunicationMonitor(Callback):
             )
         self._sync_seen = self._sync_counters()
         self._dp_rank = context.dp_rank
+        self._pp_rank = context.mesh.get_local_rank(Axis.PP) if dims.pp > 1 and context.mesh is not None else 0
         self._experts = context.experts
         self._expert_seen = self._expert_counters()
         self._routed = RoutedTokens(pl_module) if packed_experts(pl_module) else None
-        self._meta.update(ep=dims.ep)
+        balancer = next((c for c in trainer.callbacks if isinstance(c, ExpertLoadBalancer)), None)
+        self._meta.update(ep=dims.ep, expert_balancer_rate=balancer.bias_update_rate if balancer is not None else None)
 
     def _expert_counters(self) -> tuple[float, float, float, float, float]:
         """Bytes sent in the token all-to-alls, rows this rank's experts ran, the all-to-alls' seconds, of the bytes
@@ -317,10 +321,11 @@ class CommunicationMonitor(Callback):
         return 2 * (dp - 1) / dp * self._meta["gradient_numel"] * 4.0 if dp > 1 else 0.0
 
     def _gather(self, trainer: Trainer, pl_module: Optional[LightningModule], step: int, log: bool) -> None:
-        rows = gather_per_rank(trainer, [float(self._dp_rank), *self._window.means()])
+        rows = gather_per_rank(trainer, [float(self._dp_rank), float(self._pp_rank), *self._window.means()])
         self._window = _Window()
-        ranks = [dict(zip(RANK_FIELDS, row[1:].tolist())) for row in rows]
+        ranks = [dict(zip(RANK_FIELDS, row[2:].tolist())) for row in rows]
         self._meta["dp_rank_of"] = [int(row[0]) for row in rows]
+        self._meta["pp_rank_of"] = [int(row[1]) for row in rows]
         if trainer.is_global_zero:
             self.windows.append({"step": step, "ranks": ranks})
         if log and pl_module is not None:

@@ -28,10 +28,10 @@ from typing import Any, Literal, Optional
 from datetime import timedelta
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
 from lightning_ciuic.strategies.context import parallel_context
+from lightning_ciuic.telemetry import samples_in
 from lightning_ciuic.validation import check_choice, check_int
 
 
@@ -46,7 +46,7 @@ class SlowRank(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._start, self._samples = time.perf_counter(), extract_batch_size(batch)
+        self._start, self._samples = time.perf_counter(), samples_in(batch)
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:

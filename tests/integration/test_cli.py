@@ -2,6 +2,7 @@
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,34 @@ def test_console_script_trains_the_main_job_shows_the_pack_and_resumes(tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Restored all states from the checkpoint at demo_logs/checkpoints/latest" in again.stdout + again.stderr
     assert "Summary: 2 optimizer steps (steps 7 to 8)." in again.stdout and "-step=8 " in again.stdout
+
+
+def test_the_shipped_dualpipe_config_trains_with_its_pairs_overlapped_and_resumes(tmp_path):
+    """`lightning-ciuic fit --config examples/configs/dualpipe.yaml` (DeepSeek-V3's way: pp 2 x dp 2, ep 2, DualPipeV
+    with its forward-backward pairs overlapped, DeepSeek's recomputation, the bias balancer, the monitor), shortened:
+    it trains, the monitor says how much of the all-to-alls was hidden (a middle pipeline stage's batch, which it
+    does not read, is sized from the first stage's), and it resumes from its last checkpoint."""
+    command = [
+        sys.executable, "-m", "lightning_ciuic.cli", "fit", "--config", str(ROOT / "examples/configs/dualpipe.yaml"),
+        "--trainer.limit_val_batches=0", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([*command, "--trainer.max_steps=6"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    output = done.stderr + done.stdout
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pp=2 x dp=2 x tp=1 x ep=2" in output and "dualpipev pipeline, 8 micro-batches" in output
+    (metrics,) = Path(tmp_path).rglob("metrics.csv")
+    losses = [float(r["train/loss"]) for r in csv.DictReader(metrics.open()) if r.get("train/loss")]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 1.0, losses
+    hidden = re.search(r"all-to-all [0-9.]+ MB sent and ([0-9.]+) ms per step, ([0-9.]+) ms of it exposed \(([0-9]+)% hidden", output)
+    assert hidden is not None and float(hidden[2]) < float(hidden[1]) and int(hidden[3]) > 0, output[-3000:]
+    assert "add ExpertLoadBalancer" not in output  # it is on: the advice, if any, is about its rate
+
+    again = subprocess.run([*command, "--trainer.max_steps=8", "--trainer.max_epochs=2", "--ckpt_path", "last"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Restored all states from the checkpoint" in again.stdout + again.stderr
+    assert "Summary: 2 optimizer steps (steps 7 to 8)." in again.stdout
 
 
 def test_shipped_pipeline_configs_parse():

@@ -181,3 +181,30 @@ def test_expert_imbalance_that_costs_all_to_all_waiting_is_advice_with_the_wait_
     assert "ExpertLoadBalancer" in waited.advice.argument
     assert profile((0.010, 0.012)).advice is None  # 2 ms of 100: below 5% of the step, no prediction
     assert profile((0.002, 0.022), load=1.2).advice is None  # balanced experts: nothing to advise
+
+
+def test_expert_imbalance_compares_the_ranks_of_one_pipeline_stage_and_knows_the_balancer_is_on():
+    """Under pipeline parallelism ranks of different stages run different layers: their all-to-alls' seconds differ
+    without any imbalance (DualPipeV's rank 0 holds the embedding's and the head's stages). With ExpertLoadBalancer
+    already in the run, the advice is to raise its rate, not to add it."""
+    from lightning_ciuic.advice import RunProfile, check
+    from lightning_ciuic.advice.profile import RANK_FIELDS
+
+    def finding(waits, pp_rank_of, rate=None):
+        ranks = [dict.fromkeys(RANK_FIELDS, 0.0) | {"step": 0.1, "compute": 0.1, "ep_tokens": 100.0, "ep_comm": w} for w in waits]
+        profile = RunProfile(
+            world_size=4, dp=2, pp=2, ep=2, ranks=ranks, expert_load={"l": 2.5}, pp_rank_of=pp_rank_of,
+            expert_balancer_rate=rate,
+        )
+        (found,) = [f for f in check(profile) if f.rule == "expert balance"]
+        return found
+
+    stages_apart = finding((0.002, 0.002, 0.030, 0.030), [0, 0, 1, 1])
+    assert stages_apart.advice is None and "compared within each pipeline stage" in stages_apart.checked
+    assert finding((0.002, 0.002, 0.030, 0.030), []).advice is not None  # stages unknown: one stage, as before
+    within = finding((0.002, 0.002, 0.010, 0.030), [0, 0, 1, 1])
+    assert within.advice.predicted_speedup == pytest.approx(0.1 / 0.08)
+    assert "callbacks: [ExpertLoadBalancer()]" in within.advice.argument
+    on = finding((0.002, 0.002, 0.010, 0.030), [0, 0, 1, 1], rate=1e-3)
+    assert "bias_update_rate=0.01" in on.advice.argument and "ExpertLoadBalancer on" in on.advice.summary
+    assert "raise its rate" in on.checked and "add ExpertLoadBalancer" not in on.checked
