@@ -44,6 +44,9 @@ def test_a_not_read_batch_answers_for_the_inputs_shape_only():
     assert batch_digest(batch) == batch_digest(NotRead((2, 3)))  # its digest is never compared (data/check.py)
     with pytest.raises(Exception):  # Lightning cannot size it: pipelined_loss gives Lightning its batch size
         extract_batch_size(batch)
+    from lightning_ciuic.telemetry import samples_in  # and the callbacks that count samples read it from the batch
+
+    assert samples_in(batch) == 4 and samples_in((torch.zeros(3, 16), torch.zeros(3, 16))) == 3
 
 
 def test_a_stage_loader_is_the_wrapped_loaders_length_and_attributes_read_and_set(monkeypatch):
