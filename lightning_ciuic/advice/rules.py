@@ -99,8 +99,9 @@ def _expert_balance(profile: RunProfile, advised: float = 1.5) -> Finding:
     if not profile.expert_load:
         return Finding(rule, "not checked: no mixture-of-experts layer (packed experts)")
     layer, worst = max(profile.expert_load.items(), key=lambda item: item[1])
-    tokens = [r["ep_tokens"] for r in profile.ranks]
-    ranks = f"; ranks' experts ran max/mean {max(tokens) / statistics.fmean(tokens):.2f}x the tokens" if profile.ep > 1 and statistics.fmean(tokens) > 0 else ""
+    tokens = _by_stage(profile, [r["ep_tokens"] for r in profile.ranks])
+    ranked = [max(t) / statistics.fmean(t) for t in tokens.values() if statistics.fmean(t) > 0]
+    ranks = f"; ranks' experts ran max/mean {max(ranked):.2f}x the tokens" if profile.ep > 1 and ranked else ""
     checked = f"tokens per expert max/mean {worst:.2f} in {layer} (advised at {advised} or more){ranks}"
     waited = _imbalance_wait(profile)
     if waited is not None:
@@ -135,11 +136,16 @@ def _imbalance_wait(profile: RunProfile) -> Optional[dict[int, list[float]]]:
     waited = [r["ep_comm"] for r in profile.ranks]
     if profile.ep <= 1 or not waited or max(waited) <= 0:
         return None
-    stages = profile.pp_rank_of if len(profile.pp_rank_of) == len(waited) else [0] * len(waited)
-    by_stage: dict[int, list[float]] = {}
-    for stage, seconds in zip(stages, waited):
-        by_stage.setdefault(stage, []).append(seconds)
-    return by_stage
+    return _by_stage(profile, waited)
+
+
+def _by_stage(profile: RunProfile, values: list[float]) -> dict[int, list[float]]:
+    """Per-rank values grouped by pipeline rank (one group where the profile does not know the ranks' stages)."""
+    stages = profile.pp_rank_of if len(profile.pp_rank_of) == len(values) else [0] * len(values)
+    grouped: dict[int, list[float]] = {}
+    for stage, value in zip(stages, values):
+        grouped.setdefault(stage, []).append(value)
+    return grouped
 
 
 def _imbalance_spread(waited: dict[int, list[float]]) -> float:

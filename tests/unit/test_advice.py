@@ -190,8 +190,11 @@ def test_expert_imbalance_compares_the_ranks_of_one_pipeline_stage_and_knows_the
     from lightning_ciuic.advice import RunProfile, check
     from lightning_ciuic.advice.profile import RANK_FIELDS
 
-    def finding(waits, pp_rank_of, rate=None):
-        ranks = [dict.fromkeys(RANK_FIELDS, 0.0) | {"step": 0.1, "compute": 0.1, "ep_tokens": 100.0, "ep_comm": w} for w in waits]
+    def finding(waits, pp_rank_of, rate=None, tokens=(300.0, 300.0, 100.0, 100.0)):
+        ranks = [
+            dict.fromkeys(RANK_FIELDS, 0.0) | {"step": 0.1, "compute": 0.1, "ep_tokens": t, "ep_comm": w}
+            for t, w in zip(tokens, waits)
+        ]
         profile = RunProfile(
             world_size=4, dp=2, pp=2, ep=2, ranks=ranks, expert_load={"l": 2.5}, pp_rank_of=pp_rank_of,
             expert_balancer_rate=rate,
@@ -201,6 +204,8 @@ def test_expert_imbalance_compares_the_ranks_of_one_pipeline_stage_and_knows_the
 
     stages_apart = finding((0.002, 0.002, 0.030, 0.030), [0, 0, 1, 1])
     assert stages_apart.advice is None and "compared within each pipeline stage" in stages_apart.checked
+    assert "ran max/mean 1.00x the tokens" in stages_apart.checked  # 300 and 100 a rank: the stages' layers differ
+    assert "ran max/mean 1.50x the tokens" in finding((0.002, 0.002, 0.030, 0.030), []).checked
     assert finding((0.002, 0.002, 0.030, 0.030), []).advice is not None  # stages unknown: one stage, as before
     within = finding((0.002, 0.002, 0.010, 0.030), [0, 0, 1, 1])
     assert within.advice.predicted_speedup == pytest.approx(0.1 / 0.08)
