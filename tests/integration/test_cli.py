@@ -60,20 +60,31 @@ def test_yaml_round_trip(tmp_path):
     assert _cli(["--config", str(again)]).trainer.strategy.parallelism.bucket_size_mb == 4.0
 
 
+def _console_fit(config: str, cwd: Path, *arguments: str) -> subprocess.CompletedProcess:
+    """`lightning-ciuic fit --config examples/configs/<config>` run from ``cwd`` as a user runs it, shortened (no
+    validation, a log line every step, no progress bar), with ``arguments``; it must end with exit status 0."""
+    command = [
+        sys.executable, "-m", "lightning_ciuic.cli", "fit", "--config", str(ROOT / "examples/configs" / config),
+        "--trainer.limit_val_batches=0", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false", *arguments,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def _logged_losses(run_dir: Path) -> list[float]:
+    (metrics,) = Path(run_dir).rglob("metrics.csv")
+    return [float(r["train/loss"]) for r in csv.DictReader(metrics.open()) if r.get("train/loss")]
+
+
 def test_console_script_trains_the_main_job_shows_the_pack_and_resumes(tmp_path):
     """`lightning-ciuic fit --config examples/configs/demo.yaml`, shortened (4 processes, dp=2 x tp=2), run from an
     empty folder: it trains, stays quiet, ends with the pack's summary, and the resume command it prints works."""
-    command = [
-        sys.executable, "-m", "lightning_ciuic.cli", "fit", "--config", str(ROOT / "examples/configs/demo.yaml"),
-        "--trainer.limit_val_batches=0", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([*command, "--trainer.max_steps=6"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = _console_fit("demo.yaml", tmp_path, "--trainer.max_steps=6")
     output = done.stderr + done.stdout
-    assert done.returncode == 0, done.stderr[-3000:]
     assert "pp=1 x dp=2 x tp=2 (world size 4)" in output
-    (metrics,) = Path(tmp_path).rglob("metrics.csv")
-    losses = [float(r["train/loss"]) for r in csv.DictReader(metrics.open()) if r.get("train/loss")]
+    losses = _logged_losses(tmp_path)
     assert len(losses) >= 5 and losses[-1] < losses[0] - 0.5, losses
 
     assert "deprecated" not in output and "weights_only" not in output, output[-3000:]  # quiet by default
@@ -87,9 +98,7 @@ def test_console_script_trains_the_main_job_shows_the_pack_and_resumes(tmp_path)
 
     # The end-of-training checkpoint counts epoch 0 as finished (Lightning's counters after a max_steps stop): allow
     # a second epoch so the resumed run has steps left to take.
-    again = subprocess.run([*command, "--trainer.max_steps=8", "--trainer.max_epochs=2", "--ckpt_path", "last"], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr[-3000:]
+    again = _console_fit("demo.yaml", tmp_path, "--trainer.max_steps=8", "--trainer.max_epochs=2", "--ckpt_path", "last")
     assert "Restored all states from the checkpoint at demo_logs/checkpoints/latest" in again.stdout + again.stderr
     assert "Summary: 2 optimizer steps (steps 7 to 8)." in again.stdout and "-step=8 " in again.stdout
 
@@ -99,25 +108,16 @@ def test_the_shipped_dualpipe_config_trains_with_its_pairs_overlapped_and_resume
     with its forward-backward pairs overlapped, DeepSeek's recomputation, the bias balancer, the monitor), shortened:
     it trains, the monitor says how much of the all-to-alls was hidden (a middle pipeline stage's batch, which it
     does not read, is sized from the first stage's), and it resumes from its last checkpoint."""
-    command = [
-        sys.executable, "-m", "lightning_ciuic.cli", "fit", "--config", str(ROOT / "examples/configs/dualpipe.yaml"),
-        "--trainer.limit_val_batches=0", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([*command, "--trainer.max_steps=6"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = _console_fit("dualpipe.yaml", tmp_path, "--trainer.max_steps=6")
     output = done.stderr + done.stdout
-    assert done.returncode == 0, done.stderr[-3000:]
     assert "pp=2 x dp=2 x tp=1 x ep=2" in output and "dualpipev pipeline, 8 micro-batches" in output
-    (metrics,) = Path(tmp_path).rglob("metrics.csv")
-    losses = [float(r["train/loss"]) for r in csv.DictReader(metrics.open()) if r.get("train/loss")]
+    losses = _logged_losses(tmp_path)
     assert len(losses) == 6 and losses[-1] < losses[0] - 1.0, losses
     hidden = re.search(r"all-to-all [0-9.]+ MB sent and ([0-9.]+) ms per step, ([0-9.]+) ms of it exposed \(([0-9]+)% hidden", output)
     assert hidden is not None and float(hidden[2]) < float(hidden[1]) and int(hidden[3]) > 0, output[-3000:]
     assert "add ExpertLoadBalancer" not in output  # it is on: the advice, if any, is about its rate
 
-    again = subprocess.run([*command, "--trainer.max_steps=8", "--trainer.max_epochs=2", "--ckpt_path", "last"], cwd=tmp_path,
-                           env=env, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr[-3000:]
+    again = _console_fit("dualpipe.yaml", tmp_path, "--trainer.max_steps=8", "--trainer.max_epochs=2", "--ckpt_path", "last")
     assert "Restored all states from the checkpoint" in again.stdout + again.stderr
     assert "Summary: 2 optimizer steps (steps 7 to 8)." in again.stdout
 
