@@ -263,13 +263,16 @@ def test_dualpipev_forward_backward_pairs_overlapped_train_as_one_process(
     assert min(s["turns"] for s in stats[ranks // 2:]) >= 2 * 3 * 3, stats
 
 
-def test_fp8_gemms_under_dualpipev_with_deepseeks_recomputation_train_as_one_process():
+@pytest.mark.parametrize("overlap", [False, True], ids=["pairs-in-turn", "pairs-overlapped"])
+def test_fp8_gemms_under_dualpipev_with_deepseeks_recomputation_train_as_one_process(overlap):
     """DualPipeV over pp 2 x ep 2 with DeepSeek-V3's recomputation recipe: its input passes leave the FP8 linears'
-    weight gradients to its weight passes (parallel/fp8.py, weight_gradients_deferred), as one process computes them.
-    Four micro-batches of one sequence per rank (the schedule needs one per stage)."""
+    weight gradients to its weight passes (parallel/fp8.py, weight_gradients_deferred), as one process computes them;
+    also with its forward-backward pairs overlapped (expert_dispatch_overlap). Four micro-batches of one sequence per
+    rank (the schedule needs one per stage)."""
     _fit_and_compare(
         2, 1, 2, 1, 2, None, gradient_checkpointing={"recompute": ["norm", "mla_up"]}, factory=_fp8_tiny,
         reference=_fp8_reference, steps=3, per_rank=4, microbatches=4, pipeline_schedule="dualpipev", gemm_precision="fp8",
+        expert_dispatch_overlap=overlap,
     )
 
 
