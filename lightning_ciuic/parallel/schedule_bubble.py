@@ -74,17 +74,23 @@ def schedule_bubble(schedule: str, pp_size: int, num_microbatches: int, stages_p
     return 1 - 3 * num_microbatches / max(clock)
 
 
-@functools.lru_cache(maxsize=256)
 def paired_fraction(schedule: str, pp_size: int, num_microbatches: int, rank: int, stages_per_rank: int | None = None) -> float:
     """Of pipeline rank ``rank``'s micro-batch forwards and backwards, the fraction that runs inside DualPipeV's
     forward-backward pairs (``OVERLAP_F_B``: each part counted once, a pair two of them); 0 for the other schedules."""
     if pp_size == 1 or SCHEDULES[schedule].placement == "single":
         return 0.0
-    local = resolve_stages_per_rank(schedule, stages_per_rank)
-    actions = compat.pipeline_schedule_order(SCHEDULES[schedule].cls_name, pp_size, num_microbatches, local)[rank]
-    passes = [part for parts in actions for part in parts if part[0] in ("F", "B", "I")]
-    paired = sum(len(parts) for parts in actions if len(parts) == 2)
-    return paired / len(passes) if passes else 0.0
+    return _paired_fractions(schedule, pp_size, num_microbatches, resolve_stages_per_rank(schedule, stages_per_rank))[rank]
+
+
+@functools.lru_cache(maxsize=64)
+def _paired_fractions(schedule: str, pp_size: int, num_microbatches: int, local: int) -> tuple[float, ...]:
+    """:func:`paired_fraction` of every rank, from one build of the schedule's order."""
+    fractions = []
+    for actions in compat.pipeline_schedule_order(SCHEDULES[schedule].cls_name, pp_size, num_microbatches, local):
+        passes = [part for parts in actions for part in parts if part[0] in ("F", "B", "I")]
+        paired = sum(len(parts) for parts in actions if len(parts) == 2)
+        fractions.append(paired / len(passes) if passes else 0.0)
+    return tuple(fractions)
 
 
 def _single_stage_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[tuple[str, int, int]]]:
