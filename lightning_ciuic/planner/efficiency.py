@@ -11,7 +11,9 @@ fitted on, whose predicted throughput (:meth:`PublishedRun.predicted_tokens_per_
 the published one (within 15%: kernels of larger models reach more of the peak, which one constant does not model).
 :data:`FP8_SPEEDUP` is the same for FP8 GEMMs: how many times faster than bf16 GEMMs they ran in published pairs of
 runs with and without them (:class:`Float8Run`), fitted on :data:`FP8_FITTED_ON`, checked on :data:`FP8_CHECKED_ON`. :data:`A100_FITTED_ON` and :data:`A100_CHECKED_ON` do the same for A100s, whose kernels reach
-a larger fraction of their (lower) peak: pass ``--efficiency`` for such devices.
+a larger fraction of their (lower) peak: pass ``--efficiency`` for such devices. :data:`MOE_CHECKED_ON` checks both
+defaults on published mixture-of-experts runs over pipelines (:class:`PlannedRun`), on the whole planned step:
+compute, the schedule's bubble and the expert all-to-alls.
 
 No Lightning imports.
 """
@@ -138,3 +140,54 @@ FP8_CHECKED_ON = (
 )
 FP8_SPEEDUP = round(fmean(run.speedup() for run in FP8_FITTED_ON), 2)
 """How many times faster FP8 GEMMs run than bf16 ones, fitted on :data:`FP8_FITTED_ON` (the step estimate's default)."""
+
+
+MEGATRON_MODELZOO_QWEN3 = "yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md at c1ad0b5 (Megatron-Core moe_dev f3e6c5)"
+MEGATRON_BRIDGE_H100 = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md, 25.09 NeMo container, DGX-H100 table"
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """A published run of a mixture-of-experts model over a pipeline, checked on its whole step: ``planned_seconds`` is
+    the planner's step of one rank for the same model, layout, micro-batches and recomputation at the defaults
+    (:data:`KERNEL_EFFICIENCY`, :data:`FP8_SPEEDUP`; ``lightning-ciuic plan ... --json``, ``step_estimate.step_seconds``):
+    its ``"modelled"`` step with the all-to-alls as the published run ran them (``bound``: ``"modelled"`` with the
+    dispatch not overlapped, for a run that does not overlap it; ``"overlapped"``, every collective hidden behind
+    compute, for a run that hides its all-to-alls behind another micro-batch's compute, as Megatron-Core's 1F1B
+    overlap does). Not fitted on: the defaults are the dense runs' above."""
+
+    name: str
+    source: str
+    tokens_per_second: float  # published, per device
+    tokens_per_step: int  # one device's tokens per step in the plan
+    bound: str  # "modelled" or "overlapped": the planned step that matches how the run ran its all-to-alls
+    planned_seconds: float
+
+    def predicted_tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.planned_seconds
+
+    def error(self) -> float:
+        """The prediction's error, a fraction of the published throughput (negative: predicted slower)."""
+        return self.predicted_tokens_per_second() / self.tokens_per_second - 1
+
+
+DEEPSEEK_V3_REPORT = "DeepSeek-V3 Technical Report (arXiv 2412.19437), 180K H800 GPU-hours per trillion tokens"
+MOE_CHECKED_ON = (
+    PlannedRun(  # planned at tp 1 x dp 128 and 64 micro-batches (the run: tp 2 x dp 64, 128): the same tokens per device
+        "DeepSeek-V3, PP 8 (4 virtual stages) x EP 64 on 1024 H100, 1 x 4096, FP8 GEMMs, DeepEP, the all-to-alls not"
+        " overlapped (the H100 recipe leaves moe_a2a_overlap off); planned with the hierarchical fp8 dispatch",
+        MEGATRON_BRIDGE_H100, 1297, 64 * 4096 * 128 // 1024, "modelled", 35.159518605866054,
+    ),
+    PlannedRun(
+        "Qwen3-235B-A22B, PP 8 (4 virtual stages) x EP 32 on 256 H100, 1 x 4096, bf16, DeepEP, the all-to-alls not"
+        " overlapped; planned with the hierarchical dispatch",
+        MEGATRON_MODELZOO_QWEN3 + ", 19.7 s a step", 2048 * 4096 / 256 / 19.7, 64 * 4096 * 32 // 256, "modelled",
+        26.94493330477288,
+    ),
+    PlannedRun(
+        "Qwen3-235B-A22B, the same with Megatron-Core's 1F1B all-to-all overlap (one micro-batch's forward with"
+        " another's backward)",
+        MEGATRON_MODELZOO_QWEN3 + ", 17.6 s a step", 2048 * 4096 / 256 / 17.6, 64 * 4096 * 32 // 256, "overlapped",
+        18.27342319644399,
+    ),
+)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
@@ -146,6 +147,20 @@ def test_llama3_70b_plans_at_1024_ranks_with_its_parameter_count():
     planned = plan(str(ROOT / "examples/configs/plan/llama3_70b.yaml"), world_size=1024)
     assert planned.total_parameters == 70_553_706_496 and planned.all_fit
     assert {c.pp_stage for c in planned.classes} == {0, 1, 2, 3}
+
+
+def test_the_shipped_qwen3_235b_config_plans_megatrons_layout_with_its_parameter_count():
+    """The layout of the Qwen3-235B-A22B run the step estimate is checked on (docs/plan.md): 8 pipeline ranks of 4
+    interleaved stages, 32-way expert parallelism; transformers' count of the published config's parameters."""
+    import transformers
+
+    planned = plan(str(ROOT / "examples/configs/plan/qwen3_235b.yaml"), world_size=256)
+    config = yaml.safe_load((ROOT / "examples/configs/plan/qwen3_235b.yaml").read_text())["model"]["init_args"]["config"]
+    with torch.device("meta"):
+        reference = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**config))
+    assert planned.total_parameters == sum(p.numel() for p in reference.parameters()) == 235_093_634_560
+    assert (planned.dims.pp, planned.dims.dp_shard, planned.dims.ep) == (8, 32, 32)
+    assert (planned.pipeline_schedule, planned.stages_per_rank, planned.num_microbatches) == ("interleaved_1f1b", 4, 64)
 
 
 def test_llama31_70b_in_torchtitans_layout_fits_where_torchtitan_ran_it():
