@@ -32,7 +32,8 @@ Touch points:
   axis, as torchtitan splits ``dp_shard`` into ``efsdp x ep``); ``nn.Module``'s own forward-hook tables (suspended while a step is routed
   through an FSDP2 root, so its hooks run once per step); a pipeline schedule's warm-up (``_warmup_p2p``, replaced where
   the planner gives stages their metadata), its point-to-point batches (``schedules._batch_p2p``: on the fake process
-  group, their works made to hold their tensors) and ``MemTracker``'s module tracker (``_mod_tracker``: none for a
+  group, their works made to hold their tensors; on any, a send's work waited for early: ``pipeline_send_works``), its
+  order of actions with their communication (``pipeline_order_with_comms``) and ``MemTracker``'s module tracker (``_mod_tracker``: none for a
   pipeline's steps), and its runtime's state around DualPipeV's forward-backward pairs (``run_pairs_with``:
   receives, losses, backward counts, as torch 2.13's runtime keeps them); a thread's dispatch modes (``dispatch_modes``,
   handed to a helper thread); fake tensors' rules (``fake_impls.op_implementations_dict``) and the meta kernel of
@@ -77,7 +78,9 @@ from lightning_ciuic.compat.distributed import (
     loss_parallel_backward_in_place,
     mesh_coordinates,
     mesh_groups,
+    pipeline_order_with_comms,
     pipeline_schedule_order,
+    pipeline_send_works,
     pipeline_sends_held,
     release_receive_buffers,
     resolve_process_group,
@@ -237,6 +240,8 @@ __all__ = [
     "optimizers_of",
     "overload_packet",
     "pipeline_schedule_order",
+    "pipeline_order_with_comms",
+    "pipeline_send_works",
     "pipeline_sends_held",
     "private_op_flop_formulas",
     "reset_optimizers_and_schedulers",

@@ -1,16 +1,17 @@
 """torch.distributed's private parts the pack touches (see :mod:`lightning_ciuic.compat`): DCP's whole-checkpoint load,
 FSDP2's collectives' interfaces and unit state, DeviceMesh's flatten/unflatten and layout, DTensor's shard rule and
 caches, c10d's group registry, the fake process group's store, and a pipeline schedule's warm-up, point-to-point
-batches and order of actions, and its forward-backward pairs' custom function."""
+batches and order of actions (its communication too), and its forward-backward pairs' custom function."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 # re-exported by lightning_ciuic.compat: DCP's whole-checkpoint load in one process (torch 2.2+), FSDP2's collectives
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner  # noqa: F401
@@ -161,6 +162,45 @@ def pipeline_sends_held() -> Iterator[None]:
         yield
     finally:
         schedules._batch_p2p = batch
+
+
+@contextmanager
+def pipeline_send_works(wrap: Callable[[bool, list], list]) -> Iterator[None]:
+    """Inside, the works of a pipeline schedule's point-to-point batches (``schedules._batch_p2p``, torch 2.13) are
+    what ``wrap(sends_only, works)`` makes of them (``sends_only``: every op of the batch a send)."""
+    from torch.distributed.pipelining import schedules
+
+    batch = schedules._batch_p2p
+
+    def wrapped(p2p_ops: Any, desc: Any = None) -> list:
+        return wrap(all(op.op is dist.isend for op in p2p_ops), batch(p2p_ops, desc))
+
+    schedules._batch_p2p = wrapped
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = batch
+
+
+def pipeline_order_with_comms(schedule: Any) -> Optional[tuple[dict[int, list[tuple[str, int, int]]], dict[int, int]]]:
+    """A multi-stage schedule's actions on every rank, communication included (``_PipelineScheduleRuntime.
+    pipeline_order_with_comms``, which its runtime executes, torch 2.5+), as ``(kind, stage, micro-batch)`` (an
+    ``OVERLAP_F_B`` as its parts; actions of no micro-batch left out), and the rank of each stage
+    (``stage_index_to_group_rank``); ``None`` for a schedule without them (GPipe's and 1F1B's own loops)."""
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if not order:
+        return None
+    return (
+        {
+            rank: [
+                (part.computation_type.value, part.stage_index, part.microbatch_index)
+                for action in actions if action is not None
+                for part in (action.sub_actions or (action,)) if part.microbatch_index is not None
+            ]
+            for rank, actions in order.items()
+        },
+        dict(schedule.stage_index_to_group_rank),
+    )
 
 
 def release_receive_buffers(receive_infos: Any) -> None:

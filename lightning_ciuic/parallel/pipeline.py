@@ -61,6 +61,7 @@ from lightning_ciuic.parallel import paired_overlap
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.fp8 import weight_gradients_deferred
 from lightning_ciuic.parallel.fsdp import holds_gradients
+from lightning_ciuic.parallel.pipeline_sends import SendRelease, release_points
 from lightning_ciuic.parallel.tensor import gradient_to_parameter_placements, local_loss
 
 PipelineScheduleName = Literal[
@@ -307,7 +308,7 @@ def partition(
 
 
 class _Stage(PipelineStage):
-    """torch's ``PipelineStage`` with six changes:
+    """torch's ``PipelineStage`` with seven changes:
 
     * Shape inference feeds zeros, not uninitialized memory, to stages after the first. Tensor-parallel
       ranks of a stage must compute the same thing: with garbage inputs a mixture-of-experts router sends
@@ -321,6 +322,8 @@ class _Stage(PipelineStage):
       DeepSeek-V3's shapes and 120 micro-batches).
     * A zero-bubble schedule's input pass runs inside :func:`~lightning_ciuic.parallel.fp8.weight_gradients_deferred`:
       FP8 linears leave their weights' gradients to the weight pass.
+    * Under a multi-stage schedule's runtime, a send is waited for (its tensor let go) as soon as it must have completed,
+      not at the step's end (``sends``, a :class:`~lightning_ciuic.parallel.pipeline_sends.SendRelease`).
     * A sharded stage inside :func:`~lightning_ciuic.parallel.fsdp.gradients_held` (an accumulation micro-step)
       ends the schedule's backward without the reduce torch runs after it: the gradients stay unreduced and the
       weights gathered (the module's parameters are then the gathered ones) until the optimizer step's last
@@ -330,6 +333,7 @@ class _Stage(PipelineStage):
     def __init__(self, *args: Any, clock: list[float], forward_only: bool, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._compute_clock, self._forward_only = clock, forward_only
+        self.sends: Optional[SendRelease] = None
 
     def _to_tensor(self, arg: Any) -> torch.Tensor:
         tensor = super()._to_tensor(arg)
@@ -367,7 +371,19 @@ class _Stage(PipelineStage):
             compat.allocate_receive_buffers(self.grad_recv_info[bwd_chunk_id], self.device)
         return super().get_bwd_recv_ops(bwd_chunk_id)
 
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+        if self.sends is not None:
+            self.sends.sending("SEND_F", self.stage_index, fwd_chunk_id)
+        return super().get_fwd_send_ops(fwd_chunk_id)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+        if self.sends is not None:
+            self.sends.sending("SEND_B", self.stage_index, bwd_chunk_id)
+        return super().get_bwd_send_ops(bwd_chunk_id)
+
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if self.sends is not None:
+            self.sends.before("F", self.stage_index, fwd_chunk_id)
         try:
             return self._timed(super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
         finally:  # the activation received lives on where the forward keeps it (its backward's inputs), not here
@@ -375,6 +391,8 @@ class _Stage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+        if self.sends is not None:
+            self.sends.before("B", self.stage_index, bwd_chunk_id)
         try:
             with contextlib.nullcontext() if full else weight_gradients_deferred():  # an input pass: FP8 weights wait
                 return self._timed(super().backward_one_chunk, bwd_chunk_id, *args, **kwargs)
@@ -424,6 +442,7 @@ class PipelineRunner:
         self.bubble = 0.0
         self.busy_seconds = self.step_seconds = 0.0
         self._schedules: dict[tuple, Any] = {}
+        self._releases: dict[tuple, SendRelease] = {}  # a multi-stage schedule's sends waited for early (per schedule)
         self._clock = [0.0]
         self.stage_metadata: Optional[Mapping[int, tuple[torch.Tensor, torch.Tensor]]] = None  # stage -> (input, output)
         self.sequence_shards = 1  # sequence parallelism: the tp ranks each stage's activations split the sequence over
@@ -504,6 +523,12 @@ class PipelineRunner:
                 compat.use_static_pipeline_warmup(schedule)
             if self.overlap_pairs and mode == "train":
                 compat.run_pairs_with(schedule, self._run_pair)
+            order = compat.pipeline_order_with_comms(schedule)
+            if order is not None:
+                actions, stage_rank = order
+                self._releases[key] = SendRelease(release_points(actions, dist.get_rank(self.group), stage_rank))
+                for stage in stages:
+                    stage.sends = self._releases[key]
             self._schedules[key] = schedule
         return self._schedules[key]
 
@@ -544,8 +569,14 @@ class PipelineRunner:
         target = targets if self.holds_last_stage else None
         losses: list[torch.Tensor] = []
         call = schedule.step if train else schedule.eval
+        release = self._releases.get(("train" if train else "eval", tuple(inputs.shape)))
         # return_outputs=False: else the last stage keeps every micro-batch's output (the logits) to the step's end
-        self._timed(lambda: call(*args, target=target, losses=losses, return_outputs=False))
+        with compat.pipeline_send_works(release.works) if release is not None else contextlib.nullcontext():
+            try:
+                self._timed(lambda: call(*args, target=target, losses=losses, return_outputs=False))
+            finally:
+                if release is not None:
+                    release.end_step()
         if train:
             self._gradients_in_parameter_placements()
         # Every pipeline rank must allocate the dtype the last stage sends: the model's (float64 under "64-true").

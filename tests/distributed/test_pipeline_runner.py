@@ -79,6 +79,9 @@ def _check_every_schedule(rank: int, world: int) -> None:
         assert runner.run(inputs, targets, train=False).item() == pytest.approx(ref_loss, rel=1e-5), schedule
         torch.testing.assert_close(runner.forward(inputs), reference_outputs, rtol=1e-5, atol=1e-6)
         assert not _receive_buffers_held(runner), schedule
+        # the multi-stage runtimes' sends: most waited for as soon as they must have completed, not at the step's end
+        waited_early = sum(release.waited_early for release in runner._releases.values())
+        assert (waited_early > 0) == (schedule not in ("gpipe", "1f1b")), (schedule, waited_early)
         assert 0.0 <= runner.bubble < 1.0
 
 
@@ -95,5 +98,6 @@ def _receive_buffers_held(runner: PipelineRunner) -> list[int]:
 
 def test_every_schedule_matches_single_process():
     """On 2 processes, each schedule's loss and gradients (also accumulated over two calls, the second at half
-    weight), its evaluation loss and its forward output equal single-process computation."""
+    weight), its evaluation loss and its forward output equal single-process computation; the multi-stage schedules
+    wait for their sends early (parallel/pipeline_sends.py) and hold no receive buffer between steps."""
     run_workers(_check_every_schedule, 2)

@@ -414,3 +414,30 @@ def test_dualpipevs_pairs_and_a_threads_dispatch_modes_are_where_the_pack_reads_
         thread.start()
         thread.join()
     assert "helper" in seen
+
+
+def test_a_schedules_order_with_its_communication_and_its_send_batches_are_where_the_pack_reads_them():
+    """pipeline_order_with_comms reads a runtime schedule's ``pipeline_order_with_comms`` (an ``OVERLAP_F_B`` as its
+    parts, actions of no micro-batch left out) and ``stage_index_to_group_rank``; a schedule without them gives
+    ``None``. pipeline_send_works hands ``_batch_p2p``'s works to the wrapper, told whether the batch only sends, and
+    puts torch's back on leaving."""
+    from torch.distributed.pipelining import schedules
+
+    class Runtime:
+        stage_index_to_group_rank = {0: 0, 1: 1}
+        pipeline_order_with_comms = {
+            0: [schedules._Action(0, schedules.UNSHARD), schedules._Action(0, schedules.FORWARD, 0),
+                schedules._Action(0, schedules.SEND_F, 0), None],
+            1: [schedules._Action(1, schedules.RECV_F, 0),
+                schedules._Action(-1, schedules.OVERLAP_F_B, None, (schedules._Action(1, schedules.FORWARD, 1),
+                                                                     schedules._Action(1, schedules.FULL_BACKWARD, 0)))],
+        }
+
+    order, stage_rank = compat.pipeline_order_with_comms(Runtime())
+    assert order == {0: [("F", 0, 0), ("SEND_F", 0, 0)], 1: [("RECV_F", 1, 0), ("F", 1, 1), ("B", 1, 0)]}
+    assert stage_rank == {0: 0, 1: 1} and compat.pipeline_order_with_comms(object()) is None
+
+    torchs, seen = schedules._batch_p2p, []
+    with compat.pipeline_send_works(lambda sends_only, works: seen.append(sends_only) or ["wrapped", *works]):
+        assert schedules._batch_p2p([]) == ["wrapped"]
+    assert schedules._batch_p2p is torchs and seen == [True]
