@@ -127,18 +127,19 @@ def test_the_fp8_speedup_is_the_fit_and_its_checks_are_as_docs_plan_says():
 
 
 def test_the_defaults_on_published_mixture_of_experts_runs_are_as_docs_plan_says():
-    """Not fitted on: Megatron-Core's mixture-of-experts runs over pipelines on H100s, planned at the defaults
-    (docs/plan.md, "Checked on published mixture-of-experts runs"). The run that hides its all-to-alls behind another
-    micro-batch's compute is predicted within 4% by the step with every collective hidden; the two that do not are
-    27-28% faster than the modelled step with every all-to-all exposed: the estimate charges the exposed all-to-alls
-    more than those runs spent on them (outside the 25% the issue asks, said so in docs/plan.md)."""
+    """Not fitted on: Megatron-Core's mixture-of-experts runs over pipelines on H100s and DeepSeek-V3's own, planned at
+    the defaults (docs/plan.md, "Checked on published mixture-of-experts runs"). Megatron-Core's run that hides its
+    all-to-alls behind another micro-batch's compute is predicted within 4% by the step with every collective hidden,
+    DeepSeek's (DualPipe) 24% slow; the two that do not hide them are 27-28% faster than the modelled step with every
+    all-to-all exposed: the estimate charges the exposed all-to-alls more than those runs spent on them (outside the
+    25% the issue asks, said so in docs/plan.md)."""
     from lightning_ciuic.planner import efficiency
 
     errors = {run.bound: [] for run in efficiency.MOE_CHECKED_ON}
     for run in efficiency.MOE_CHECKED_ON:
-        assert run.tokens_per_step == 32768, run.name  # 64 micro-batches of 1 x 4096 per data-parallel rank, over tp 1
+        assert run.tokens_per_step in (32768, 30720), run.name  # micro-batches x 4096 tokens per device a step
         errors[run.bound].append(round(run.error(), 3))
-    assert errors == {"modelled": [-0.281, -0.269], "overlapped": [-0.037]}
+    assert errors == {"modelled": [-0.281, -0.269], "overlapped": [-0.037, -0.243]}
 
 
 def test_fp8_flops_run_at_the_speedup_and_the_experts_at_the_steps_mean_rate():
