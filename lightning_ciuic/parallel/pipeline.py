@@ -61,7 +61,7 @@ from lightning_ciuic.parallel import paired_overlap
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.fp8 import weight_gradients_deferred
 from lightning_ciuic.parallel.fsdp import holds_gradients
-from lightning_ciuic.parallel.pipeline_sends import SendRelease, release_points
+from lightning_ciuic.parallel.pipeline_sends import SendRelease
 from lightning_ciuic.parallel.tensor import gradient_to_parameter_placements, local_loss
 
 PipelineScheduleName = Literal[
@@ -442,7 +442,7 @@ class PipelineRunner:
         self.bubble = 0.0
         self.busy_seconds = self.step_seconds = 0.0
         self._schedules: dict[tuple, Any] = {}
-        self._releases: dict[tuple, SendRelease] = {}  # a multi-stage schedule's sends waited for early (per schedule)
+        self._releases: dict[tuple, Optional[SendRelease]] = {}  # per schedule, as _schedules
         self._clock = [0.0]
         self.stage_metadata: Optional[Mapping[int, tuple[torch.Tensor, torch.Tensor]]] = None  # stage -> (input, output)
         self.sequence_shards = 1  # sequence parallelism: the tp ranks each stage's activations split the sequence over
@@ -523,12 +523,9 @@ class PipelineRunner:
                 compat.use_static_pipeline_warmup(schedule)
             if self.overlap_pairs and mode == "train":
                 compat.run_pairs_with(schedule, self._run_pair)
-            order = compat.pipeline_order_with_comms(schedule)
-            if order is not None:
-                actions, stage_rank = order
-                self._releases[key] = SendRelease(release_points(actions, dist.get_rank(self.group), stage_rank))
-                for stage in stages:
-                    stage.sends = self._releases[key]
+            self._releases[key] = SendRelease.of(schedule, dist.get_rank(self.group))  # None: torch's own loops
+            for stage in stages:  # a multi-stage runtime's sends waited for as soon as they must have completed
+                stage.sends = self._releases[key]
             self._schedules[key] = schedule
         return self._schedules[key]
 
@@ -571,12 +568,8 @@ class PipelineRunner:
         call = schedule.step if train else schedule.eval
         release = self._releases.get(("train" if train else "eval", tuple(inputs.shape)))
         # return_outputs=False: else the last stage keeps every micro-batch's output (the logits) to the step's end
-        with compat.pipeline_send_works(release.works) if release is not None else contextlib.nullcontext():
-            try:
-                self._timed(lambda: call(*args, target=target, losses=losses, return_outputs=False))
-            finally:
-                if release is not None:
-                    release.end_step()
+        with release.step() if release is not None else contextlib.nullcontext():
+            self._timed(lambda: call(*args, target=target, losses=losses, return_outputs=False))
         if train:
             self._gradients_in_parameter_placements()
         # Every pipeline rank must allocate the dtype the last stage sends: the model's (float64 under "64-true").

@@ -13,7 +13,7 @@ follows is waited for at the step's end, as torch does.
 
 :class:`SendRelease` runs them: ``sending(kind, stage, microbatch)`` names the send batch a stage is about to make
 (from its ``get_fwd_send_ops`` / ``get_bwd_send_ops``), :meth:`SendRelease.works` wraps the works torch's
-``_batch_p2p`` returns for it (``compat.pipeline_send_works``, while a step runs), and ``before(kind, stage,
+``_batch_p2p`` returns for it (``compat.pipeline_send_works``, inside :meth:`SendRelease.step`), and ``before(kind, stage,
 microbatch)``, called as a stage starts a forward (``"F"``) or a backward (``"B"``), waits for the sends released there
 and drops their works (their tensors with them). The same points on a real process group and on the planner's fake
 one, so the plan's memory is the run's. No Lightning imports.
@@ -22,8 +22,11 @@ one, so the plan's memory is the run's. No Lightning imports.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, Optional
+
+from lightning_ciuic import compat
 
 Action = tuple[str, int, int]  # (kind, stage, micro-batch): kinds "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 Key = tuple[str, int, int]  # a send ("SEND_F" | "SEND_B", stage, micro-batch), or a computation ("F" | "B", stage, mb)
@@ -87,6 +90,24 @@ class SendRelease:
         self._in_flight: dict[Key, list[_ReleasableWork]] = {}
         self.waited_early = 0  # send batches waited for before the step's end, over the runner's steps
 
+    @classmethod
+    def of(cls, schedule: Any, rank: int) -> Optional["SendRelease"]:
+        """Pipeline rank ``rank``'s release points in ``schedule``; ``None`` for a schedule without a runtime order."""
+        order = compat.pipeline_order_with_comms(schedule)
+        if order is None:
+            return None
+        actions, stage_rank = order
+        return cls(release_points(actions, rank, stage_rank))
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Inside, one step of the schedule: its send batches' works kept for an early wait; forgotten after."""
+        try:
+            with compat.pipeline_send_works(self.works):
+                yield
+        finally:
+            self._in_flight.clear()
+
     def sending(self, kind: str, stage: int, microbatch: int) -> None:
         """The next send batch is ``kind`` (``"SEND_F"`` or ``"SEND_B"``) of ``stage`` and ``microbatch``."""
         self._naming = (kind, stage, microbatch)
@@ -108,6 +129,3 @@ class SendRelease:
             for work in works:
                 work.wait()
             self.waited_early += bool(works)
-
-    def end_step(self) -> None:
-        self._in_flight.clear()
