@@ -3,8 +3,8 @@
 Contract: torch's runtime of the multi-stage schedules (interleaved 1F1B, looped BFS, the zero-bubble ones, DualPipeV;
 ``_PipelineScheduleRuntime``, torch 2.13) waits for its point-to-point sends only at the end of the step, and a send's
 work keeps its tensor until it is waited for: every activation and output gradient a rank sends would stay until the
-step ends, memory that grows with the micro-batches (0.83 GiB a micro-batch on a rank of DeepSeek-V3 under interleaved
-1F1B, docs/plan.md). :func:`release_points` reads the schedule's order with its communication (every rank's actions,
+step ends, memory that grows with the micro-batches (8 sends of 56 MiB a micro-batch on a rank of DeepSeek-V3 under
+interleaved 1F1B over 8 ranks of 4 stages, docs/plan.md). :func:`release_points` reads the schedule's order with its communication (every rank's actions,
 ``compat.pipeline_order_with_comms``) and gives, for each of a rank's computations, the sends of that rank it may wait
 for before running it: a send to rank ``P`` at the first computation after it that reads a receive from ``P`` which
 ``P`` sent after posting its receive of ours. By then ``P`` has posted that receive, so the send completes without

@@ -5,6 +5,7 @@ import pytest
 from torch.distributed.pipelining import schedules
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
+from lightning_ciuic import compat
 from lightning_ciuic.parallel.pipeline_sends import SendRelease, release_points
 
 MULTI_STAGE = [  # (schedule, placement, whether its sends in flight are bounded whatever the micro-batches)
@@ -15,14 +16,14 @@ MULTI_STAGE = [  # (schedule, placement, whether its sends in flight are bounded
 
 
 def _order(name: str, style: str, pp: int, microbatches: int) -> tuple[dict, dict]:
-    """Every rank's actions, communication included, as torch's runtime executes them (built on mock stages)."""
-    ops = get_schedule_ops(getattr(schedules, name), pp, microbatches, 2, with_comms=True)
-    order = {
-        rank: [(p.computation_type.value, p.stage_index, p.microbatch_index)
-               for a in actions if a is not None for p in (a.sub_actions or (a,)) if p.microbatch_index is not None]
-        for rank, actions in enumerate(ops)
-    }
-    return order, schedules.generate_stage_to_rank_mapping(pp, 2 * pp, style=style)
+    """Every rank's actions, communication included, as torch's runtime executes them (built on mock stages, read as
+    the runner reads a schedule's)."""
+
+    class Runtime:
+        pipeline_order_with_comms = dict(enumerate(get_schedule_ops(getattr(schedules, name), pp, microbatches, 2, with_comms=True)))
+        stage_index_to_group_rank = schedules.generate_stage_to_rank_mapping(pp, 2 * pp, style=style)
+
+    return compat.pipeline_order_with_comms(Runtime())
 
 
 def _play(order: dict, stage_rank: dict, points: dict) -> dict[int, int]:
@@ -45,7 +46,8 @@ def _play(order: dict, stage_rank: dict, points: dict) -> dict[int, int]:
                     needs = ("SEND_F", stage - 1, mb) if kind == "F" else ("SEND_B", stage + 1, mb)
                     source = stage_rank.get(needs[1])
                     released = points.get(("F" if kind == "F" else "B", stage, mb), ())
-                    if source is not None and source != rank and ("RECV_F" if kind == "F" else "RECV_B", stage, mb) in done[rank] and needs not in done[source]:
+                    received = ("RECV_F" if kind == "F" else "RECV_B", stage, mb) in done[rank]
+                    if source not in (None, rank) and received and needs not in done[source]:
                         break
                     if any(receiver(s)[1] not in done[receiver(s)[0]] for s in released):
                         break
