@@ -7,9 +7,10 @@ action a stage runs (torch's ``forward_one_chunk``, ``backward_one_chunk``: a fu
 ``backward_weight_one_chunk``: a weight backward). Per rank: its peak and the action it follows; the memory after the
 rank's last forward (the end of the steady state, where every rank holds as many chunks as the order lets it); and
 the memory after each of its last actions. Writes the ``pipeline_memory_timeline_<schedule>`` section of
-docs/benchmarks.md (``..._fp8`` with FP8 GEMMs).
+docs/benchmarks.md (``..._fp8`` with FP8 GEMMs, ``..._deferred_<k>`` with ``--max-deferred``: the strategy's
+``max_deferred_weight_backwards``).
 
-    .venv/bin/python benchmarks/pipeline_memory_timeline.py [--schedule dualpipev] [--pp 4] [--microbatches 8] [--layers 14] [--gemm-precision fp8]
+    .venv/bin/python benchmarks/pipeline_memory_timeline.py [--schedule dualpipev] [--pp 4] [--microbatches 8] [--layers 14] [--gemm-precision fp8] [--max-deferred 1]
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def recorded_step(args: argparse.Namespace) -> dict[int, list[tuple[str, int, in
                 "--model.init_args.config.num_hidden_layers", str(args.layers),
                 "--model.init_args.config.first_k_dense_replace", "0",
                 *(["--trainer.strategy.init_args.gemm_precision", args.gemm_precision] if args.gemm_precision else []),
+                *(["--trainer.strategy.init_args.max_deferred_weight_backwards", str(args.max_deferred)] if args.max_deferred is not None else []),
             ],
         )
     finally:
@@ -88,6 +90,7 @@ def main() -> None:
     parser.add_argument("--sequence-length", type=int, default=1024)
     parser.add_argument("--recompute", default='{"recompute": ["norm", "mla_up"]}', help="gradient_checkpointing, as YAML")
     parser.add_argument("--gemm-precision", default=None, help="fp8: the strategy's FP8 GEMMs")
+    parser.add_argument("--max-deferred", type=int, default=None, help="the strategy's max_deferred_weight_backwards")
     args = parser.parse_args()
     rows = []
     for rank, events in enumerate(recorded_step(args).values()):
@@ -103,11 +106,13 @@ def main() -> None:
     command = shlex.join([".venv/bin/python", "benchmarks/pipeline_memory_timeline.py", *sys.argv[1:]])
     table = "\n".join(rows)
     fp8 = "_fp8" if args.gemm_precision == "fp8" else ""
-    write_section(f"pipeline_memory_timeline_{args.schedule}{fp8}", f"""## Where a pipeline rank's memory peaks: {args.schedule}{" with FP8 GEMMs" if fp8 else ""}
+    limited = "" if args.max_deferred is None else f"_deferred_{args.max_deferred}"
+    limit_text = "" if args.max_deferred is None else f", at most {args.max_deferred} weight backwards deferred"
+    write_section(f"pipeline_memory_timeline_{args.schedule}{fp8}{limited}", f"""## Where a pipeline rank's memory peaks: {args.schedule}{" with FP8 GEMMs" if fp8 else ""}{limit_text}
 
 Command: `{command}` (machine: {machine()}). The planner's step of DeepSeek-V3 with {args.layers} MoE layers over pp
 {args.pp} x 16, {args.microbatches} micro-batches of 1 x {args.sequence_length} tokens, `gradient_checkpointing`
-`{args.recompute}`, ZeRO-1, {args.schedule}{", FP8 GEMMs" if fp8 else ""}: the memory held (GiB, fake tensors, the step's tracker) after each action of a rank's
+`{args.recompute}`, ZeRO-1, {args.schedule}{", FP8 GEMMs" if fp8 else ""}{limit_text}: the memory held (GiB, fake tensors, the step's tracker) after each action of a rank's
 stages. `F`: forward; `B`: full or input backward; `W`: weight backward; `<action><stage>.<micro-batch>`.
 
 | rank | stages | peak | after its last forward | peak - that | from its last forward on |

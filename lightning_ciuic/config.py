@@ -46,6 +46,7 @@ from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.experts import DISPATCH_COMPRESSIONS, DISPATCH_MODES, DispatchCompression, DispatchMode
 from lightning_ciuic.parallel.fsdp import ShardingConfig, check_offload
+from lightning_ciuic.parallel.pipeline import SCHEDULES
 from lightning_ciuic.parallel.pipeline_module import PipelineConfig
 from lightning_ciuic.parallel.recompute import GradientCheckpointing, Recompute
 from lightning_ciuic.validation import check_int
@@ -54,7 +55,7 @@ Degree = Union[int, Literal["auto"]]
 SHARDED_REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # the reduce-scatter's dtype
 MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # Lightning's precision -> compute dtype
 SHARDED_CODECS = ("int8", "nf4")  # the reduce-scatter as a quantized all-to-all
-SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+SPLIT_BACKWARD_SCHEDULES = tuple(name for name, kind in SCHEDULES.items() if kind.split_backward)
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 COMPRESSION_BACKENDS = (None, "gloo", "nccl")  # all_to_all, all_gather_single and point-to-point sends
 WEIGHT_CODECS = ("none", "int8")
@@ -72,6 +73,7 @@ STRATEGY_ARGS: dict[str, tuple[str, str]] = {
     "num_microbatches": ("pipeline", "num_microbatches"),
     "stages_per_rank": ("pipeline", "stages_per_rank"),
     "pipeline_split_points": ("pipeline", "split_points"),
+    "max_deferred_weight_backwards": ("pipeline", "max_deferred_weight_backwards"),
     "fsdp_units": ("sharding", "units"),
     "zero_stage": ("sharding", "zero_stage"),
     "reshard_after_forward": ("sharding", "zero_stage"),  # the older spelling: True is zero_stage 3, False 2

@@ -33,7 +33,8 @@ Touch points:
   through an FSDP2 root, so its hooks run once per step); a pipeline schedule's warm-up (``_warmup_p2p``, replaced where
   the planner gives stages their metadata), its point-to-point batches (``schedules._batch_p2p``: on the fake process
   group, their works made to hold their tensors; on any, a send's work waited for early: ``pipeline_send_works``), its
-  order of actions with their communication (``pipeline_order_with_comms``) and ``MemTracker``'s module tracker (``_mod_tracker``: none for a
+  order of actions with their communication (``pipeline_order_with_comms``; ``reorder_pipeline``: its compute
+  reordered and its communication lowered again) and ``MemTracker``'s module tracker (``_mod_tracker``: none for a
   pipeline's steps), and its runtime's state around DualPipeV's forward-backward pairs (``run_pairs_with``:
   receives, losses, backward counts, as torch 2.13's runtime keeps them); a thread's dispatch modes (``dispatch_modes``,
   handed to a helper thread); fake tensors' rules (``fake_impls.op_implementations_dict``) and the meta kernel of
@@ -83,6 +84,7 @@ from lightning_ciuic.compat.distributed import (
     pipeline_send_works,
     pipeline_sends_held,
     release_receive_buffers,
+    reorder_pipeline,
     resolve_process_group,
     run_pairs_with,
     static_pipeline_warmup,
@@ -244,6 +246,7 @@ __all__ = [
     "pipeline_send_works",
     "pipeline_sends_held",
     "private_op_flop_formulas",
+    "reorder_pipeline",
     "reset_optimizers_and_schedulers",
     "resolve_process_group",
     "rewind_step_counters",

@@ -282,15 +282,26 @@ def run_pairs_with(schedule: Any, run_pair: Callable[[Callable[[], None], Callab
     schedule.register_custom_function(schedules.OVERLAP_F_B, pair)
 
 
+def reorder_pipeline(schedule: Any, reorder: Callable[[list[Any]], list[Any]]) -> None:
+    """A multi-stage schedule's compute actions on every rank replaced by ``reorder(actions)`` (its ``pipeline_order``
+    of ``_Action`` or ``None``), and its communication lowered again from them (``_PipelineScheduleRuntime.
+    _prepare_schedule_with_comms``, torch 2.5+, which the schedules' constructors call)."""
+    order = {rank: reorder(list(actions)) for rank, actions in schedule.pipeline_order.items()}
+    schedule.pipeline_order = order
+    schedule._prepare_schedule_with_comms(order)
+
+
 def pipeline_schedule_order(
     class_name: str, pp_size: int, num_microbatches: int, stages_per_rank: int,
+    reorder: Callable[[list[Any]], list[Any]] = list,
 ) -> list[list[tuple[tuple[str, int, int], ...]]]:
     """The compute actions torch's multi-stage schedule ``class_name`` (of ``torch.distributed.pipelining.schedules``)
     runs on each of ``pp_size`` ranks, in order (its ``pipeline_order``, which its runtime executes): per action its
     parts ``(kind, stage, micro-batch)`` (``kind``: ``"F"``, ``"B"`` (full backward), ``"I"`` (input), ``"W"``
     (weight); DualPipeV's ``OVERLAP_F_B`` is its two parts). Built on mock stages, as torch's
-    ``_schedule_visualizer.get_schedule_ops`` does (torch 2.6+); other actions left out. (A single-stage schedule's
-    ``pipeline_order`` is a drawing: its runtime follows its own loop.)"""
+    ``_schedule_visualizer.get_schedule_ops`` does (torch 2.6+), each rank's ``reorder``-ed as
+    :func:`reorder_pipeline` does; other actions left out. (A single-stage schedule's ``pipeline_order`` is a
+    drawing: its runtime follows its own loop.)"""
     from torch.distributed.pipelining import schedules
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
@@ -298,7 +309,7 @@ def pipeline_schedule_order(
     compute = ("F", "B", "I", "W")
     return [
         [tuple((p.computation_type.value, p.stage_index, p.microbatch_index) for p in (a.sub_actions or (a,)))
-         for a in actions if a is not None and (a.sub_actions or a.computation_type.value in compute)]
+         for a in reorder(list(actions)) if a is not None and (a.sub_actions or a.computation_type.value in compute)]
         for actions in order
     ]
 

@@ -57,7 +57,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from lightning_ciuic import compat
 from lightning_ciuic.timeline import timeline
 from lightning_ciuic.validation import check_int
-from lightning_ciuic.parallel import paired_overlap
+from lightning_ciuic.parallel import paired_overlap, weight_backlog
 from lightning_ciuic.parallel.axes import Axis
 from lightning_ciuic.parallel.fp8 import weight_gradients_deferred
 from lightning_ciuic.parallel.fsdp import holds_gradients
@@ -73,6 +73,7 @@ PipelineScheduleName = Literal[
 class _ScheduleKind:
     cls_name: str
     placement: Literal["single", "loop", "v"]  # one stage per rank; virtual stages looped or V-shaped
+    split_backward: bool = False  # input and weight backwards apart (the weight's deferred: weight_backlog)
 
 
 SCHEDULES: dict[str, _ScheduleKind] = {
@@ -80,9 +81,9 @@ SCHEDULES: dict[str, _ScheduleKind] = {
     "1f1b": _ScheduleKind("Schedule1F1B", "single"),
     "interleaved_1f1b": _ScheduleKind("ScheduleInterleaved1F1B", "loop"),
     "looped_bfs": _ScheduleKind("ScheduleLoopedBFS", "loop"),
-    "interleaved_zero_bubble": _ScheduleKind("ScheduleInterleavedZeroBubble", "loop"),
-    "zbv_zero_bubble": _ScheduleKind("ScheduleZBVZeroBubble", "v"),
-    "dualpipev": _ScheduleKind("ScheduleDualPipeV", "v"),
+    "interleaved_zero_bubble": _ScheduleKind("ScheduleInterleavedZeroBubble", "loop", split_backward=True),
+    "zbv_zero_bubble": _ScheduleKind("ScheduleZBVZeroBubble", "v", split_backward=True),
+    "dualpipev": _ScheduleKind("ScheduleDualPipeV", "v", split_backward=True),
 }
 
 
@@ -125,11 +126,7 @@ def forwards_in_flight(schedule: str, stage: int, stages: int, microbatches: int
     """The most micro-batches whose forward ``stage`` has run and whose backward it has not yet, under a schedule of
     one stage per rank: GPipe all of them, 1F1B its warm-up (one for itself and one for each stage after it, at most
     all); ``None`` under the multi-stage schedules, whose stages' orders differ by more than one count."""
-    if schedule == "gpipe":
-        return microbatches
-    if schedule == "1f1b":
-        return min(microbatches, stages - stage)
-    return None
+    return {"gpipe": microbatches, "1f1b": min(microbatches, stages - stage)}.get(schedule)
 
 
 PIPELINE_COMPUTE = "pp_compute"  # timeline category of a stage's forward / backward chunk
@@ -447,6 +444,7 @@ class PipelineRunner:
         self.stage_metadata: Optional[Mapping[int, tuple[torch.Tensor, torch.Tensor]]] = None  # stage -> (input, output)
         self.sequence_shards = 1  # sequence parallelism: the tp ranks each stage's activations split the sequence over
         self.overlap_pairs = False  # DualPipeV's forward-backward pairs interleaved at their expert all-to-alls
+        self.max_deferred_weight_backwards: Optional[int] = None  # weight_backlog's limit on split-backward schedules
         pp_size = dist.get_world_size(group)
         last_stage_rank = next(r for r in range(pp_size) if num_stages - 1 in self._ids_of(r, pp_size))
         self._last_stage_rank = dist.get_global_rank(group, last_stage_rank)
@@ -521,6 +519,7 @@ class PipelineRunner:
                 ) from err
             if self.stage_metadata is not None:
                 compat.use_static_pipeline_warmup(schedule)
+            weight_backlog.limit_schedule(schedule, self.max_deferred_weight_backwards if mode == "train" else None)
             if self.overlap_pairs and mode == "train":
                 compat.run_pairs_with(schedule, self._run_pair)
             self._releases[key] = SendRelease.of(schedule, dist.get_rank(self.group))  # None: torch's own loops

@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_ciuic import compat
 from lightning_ciuic.validation import check_int
 from lightning_ciuic.parallel.pipeline import (
+    SCHEDULES,
     BlockCall,
     OnAnotherStage,
     PipelineRunner,
@@ -155,10 +156,19 @@ class PipelineConfig:
     num_microbatches: int = 4
     stages_per_rank: Optional[int] = None
     split_points: Optional[tuple[str, ...]] = None
+    max_deferred_weight_backwards: Optional[int] = None  # split-backward schedules: parallel/weight_backlog.py
 
     def __post_init__(self) -> None:
         check_int("num_microbatches", self.num_microbatches)
         resolve_stages_per_rank(self.schedule, self.stages_per_rank)
+        check_int("max_deferred_weight_backwards", self.max_deferred_weight_backwards, minimum=0, allowed=(None,))
+        if self.max_deferred_weight_backwards is not None and not SCHEDULES[self.schedule].split_backward:
+            split = sorted(name for name, kind in SCHEDULES.items() if kind.split_backward)
+            raise ValueError(
+                f"max_deferred_weight_backwards={self.max_deferred_weight_backwards} bounds the weight backwards a"
+                f" schedule defers, and pipeline_schedule={self.schedule!r} runs whole backwards and defers none; use"
+                f" one of {split}, or max_deferred_weight_backwards=None."
+            )
 
     @property
     def local_stages(self) -> int:
@@ -215,5 +225,6 @@ def build_pipeline(
         stages, my_stages, num_stages, config.schedule, config.num_microbatches, module.pipeline_loss,
         pp_mesh.get_group(), device,
     )
+    runner.max_deferred_weight_backwards = config.max_deferred_weight_backwards
     module.attach_pipeline(runner)
     return runner

@@ -30,20 +30,26 @@ from typing import Optional
 
 from lightning_ciuic import compat
 from lightning_ciuic.parallel.pipeline import SCHEDULES, forwards_in_flight, resolve_stages_per_rank
+from lightning_ciuic.parallel.weight_backlog import limit_deferred_weight_backwards
 
 _COST = {"F": 1, "B": 2, "I": 1, "W": 1}  # in forwards of one stage
 
 
 @functools.lru_cache(maxsize=64)
-def schedule_bubble(schedule: str, pp_size: int, num_microbatches: int, stages_per_rank: int | None = None) -> float:
-    """The idle fraction of a step of ``schedule`` on ``pp_size`` ranks (see the module docstring)."""
+def schedule_bubble(
+    schedule: str, pp_size: int, num_microbatches: int, stages_per_rank: int | None = None,
+    max_deferred_weight_backwards: int | None = None,
+) -> float:
+    """The idle fraction of a step of ``schedule`` on ``pp_size`` ranks (see the module docstring), its weight
+    backwards limited as the runner limits them (:mod:`~lightning_ciuic.parallel.weight_backlog`)."""
     if pp_size == 1:
         return 0.0
     local = resolve_stages_per_rank(schedule, stages_per_rank)
     if SCHEDULES[schedule].placement == "single":
         order = [_single_stage_order(schedule, stage, pp_size, num_microbatches) for stage in range(pp_size)]
     else:
-        order = compat.pipeline_schedule_order(SCHEDULES[schedule].cls_name, pp_size, num_microbatches, local)
+        limited = functools.partial(limit_deferred_weight_backwards, limit=max_deferred_weight_backwards)
+        order = compat.pipeline_schedule_order(SCHEDULES[schedule].cls_name, pp_size, num_microbatches, local, limited)
     last_stage = pp_size * local - 1
     ended: dict[tuple[str, int, int], float] = {}  # ("F" | "B" (either backward: the input's gradient) | "W", ...)
 

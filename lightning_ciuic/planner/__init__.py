@@ -64,6 +64,7 @@ def plan_layout(
         largest_units={l.stage: l.largest_unit for l in layouts if l.largest_unit[1]}, hardware=hardware,
         num_microbatches=parallelism.pipeline.num_microbatches, pipeline_schedule=parallelism.pipeline.schedule,
         stages_per_rank=parallelism.pipeline.local_stages, expert_overlap=parallelism.expert_dispatch_overlap,
+        max_deferred_weight_backwards=parallelism.pipeline.max_deferred_weight_backwards,
     )
     warning = imbalance(layouts)
     if warning:

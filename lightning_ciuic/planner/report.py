@@ -66,6 +66,7 @@ class Plan:
     num_microbatches: int = 1  # per step, under pipeline parallelism
     pipeline_schedule: str = "1f1b"  # and its schedule, with the stages each rank holds
     stages_per_rank: int = 1
+    max_deferred_weight_backwards: Optional[int] = None
     hardware: Optional[Hardware] = None
     expert_overlap: bool = False  # the expert dispatch's two chunks per micro-batch (expert_dispatch_overlap)
     not_modelled: tuple[str, ...] = NOT_MODELLED
@@ -97,10 +98,17 @@ class Plan:
             return None
         return self._estimate_of(self.pacing_stage)
 
+    @property
+    def _deferred_limit(self) -> str:
+        limit = self.max_deferred_weight_backwards
+        return "" if limit is None else f", at most {limit} weight backwards deferred"
+
     def _estimate_of(self, stage: int) -> StepEstimate:
         """The estimate of a step at the pace of ``stage``'s rank (see :attr:`estimate`)."""
         figures, d = self.steps[stage], self.dims
-        bubble = schedule_bubble(self.pipeline_schedule, d.pp, self.num_microbatches, self.stages_per_rank)
+        bubble = schedule_bubble(
+            self.pipeline_schedule, d.pp, self.num_microbatches, self.stages_per_rank, self.max_deferred_weight_backwards
+        )
         paired = paired_fraction(self.pipeline_schedule, d.pp, self.num_microbatches, stage, self.stages_per_rank)
         model_forward = sum(f.forward_flops for f in self.steps.values()) / len(self.steps)
         return estimate_step(
@@ -208,7 +216,7 @@ class Plan:
                 lines.append(
                     f"pipeline: stage {self.pacing_stage} sets the pace (the longest modelled step); the schedule's bubble"
                     f" {estimate.bubble:.1%} of the step ({self.pipeline_schedule}, pp={self.dims.pp}, {self.num_microbatches}"
-                    " micro-batches)"
+                    f" micro-batches{self._deferred_limit})"
                 )
             lines.append(
                 f"step time: {estimate.overlapped_seconds * 1e3:.2f} ms (communication hidden) to"

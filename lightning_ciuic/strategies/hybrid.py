@@ -95,6 +95,9 @@ class HybridParallelStrategy(ParallelStrategy):
             ``"interleaved_zero_bubble"``, ``"zbv_zero_bubble"`` or ``"dualpipev"`` (torch's schedules).
         num_microbatches: micro-batches each batch is cut into for the pipeline; must divide the batch size.
         stages_per_rank: virtual stages per rank (interleaved schedules need >= 2; V schedules use 2).
+        max_deferred_weight_backwards: under the split-backward schedules (the zero-bubble ones, DualPipeV), at most
+            this many weight backwards left pending on a rank, each run earlier where more would be: less memory at
+            the schedule's end, a larger bubble (docs/pipeline.md). ``None``: the schedule's own order.
         gradient_checkpointing: activations recomputed in backward instead of kept: ``False``, ``True``/``"full"``
             (each block), ``"full:<k>"`` (every k-th block), ``"selective"`` (torchtitan's op-level policy) or
             ``{"recompute": ["norm", "mla_up", <sub-module patterns>]}`` (docs/hybrid_parallel_strategy.md).
@@ -178,6 +181,7 @@ class HybridParallelStrategy(ParallelStrategy):
         pipeline_schedule: PipelineScheduleName = "1f1b",
         num_microbatches: int = 4,
         stages_per_rank: Optional[int] = None,
+        max_deferred_weight_backwards: Optional[int] = None,
         gradient_checkpointing: GradientCheckpointing = False,
         pipeline_split_points: Optional[list[str]] = None,
         bucket_size_mb: float = 25.0,

@@ -44,14 +44,16 @@ def _reference(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, dict
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-SCHEDULES = [
-    ("gpipe", "none"),
-    ("1f1b", "full"),  # with activation checkpointing
-    ("interleaved_1f1b", "none"),
-    ("looped_bfs", "none"),
-    ("interleaved_zero_bubble", "full"),
-    ("zbv_zero_bubble", "selective"),  # split backward: two passes through each recomputed region
-    ("dualpipev", "selective"),
+SCHEDULES = [  # (schedule, gradient checkpointing, max_deferred_weight_backwards)
+    ("gpipe", "none", None),
+    ("1f1b", "full", None),  # with activation checkpointing
+    ("interleaved_1f1b", "none", None),
+    ("looped_bfs", "none", None),
+    ("interleaved_zero_bubble", "full", None),
+    ("zbv_zero_bubble", "selective", None),  # split backward: two passes through each recomputed region
+    ("dualpipev", "selective", None),
+    ("dualpipev", "selective", 0),  # the weight backwards run earlier (parallel/weight_backlog.py)
+    ("interleaved_zero_bubble", "none", 1),
 ]
 
 
@@ -60,7 +62,7 @@ def _check_every_schedule(rank: int, world: int) -> None:
     inputs, targets = torch.randn(8, 6), torch.randn(8, 6)
     ref_loss, ref_grads = _reference(inputs, targets)
     reference_outputs = Stack()(inputs).detach()
-    for schedule, checkpointing in SCHEDULES:
+    for schedule, checkpointing, deferred in SCHEDULES:
         model = Stack()
         per_rank = resolve_stages_per_rank(schedule, 2 if schedule in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble") else None)
         num_stages = world * per_rank
@@ -68,6 +70,7 @@ def _check_every_schedule(rank: int, world: int) -> None:
         stages = partition(model, BLOCKS, balanced_split([1] * 8, num_stages), my_stages)
         recompute_blocks([block for stage in stages for block in stage.blocks], Recompute.parse(checkpointing))
         runner = PipelineRunner(stages, my_stages, num_stages, schedule, 4, _loss, dist.group.WORLD, torch.device("cpu"))
+        runner.max_deferred_weight_backwards = deferred
         for accumulation in (1, 2):  # the second run accumulates on top of the first: grads add up like plain backward
             loss = runner.run(inputs, targets, train=True, loss_divisor=2.0 if accumulation == 2 else 1.0)
             assert loss.item() == pytest.approx(ref_loss, rel=1e-5), schedule
@@ -83,6 +86,21 @@ def _check_every_schedule(rank: int, world: int) -> None:
         waited_early = sum(release.waited_early for release in runner._releases.values() if release is not None)
         assert (waited_early > 0) == (schedule not in ("gpipe", "1f1b")), (schedule, waited_early)
         assert 0.0 <= runner.bubble < 1.0
+        if deferred is not None:
+            assert _most_deferred(runner._schedules["train", (8, 6)].pipeline_order_with_comms[rank]) <= deferred, schedule
+
+
+def _most_deferred(actions: list) -> int:
+    """The most weight backwards an order leaves pending when another computation starts."""
+    pending = most = 0
+    for action in actions:
+        kind = action.computation_type.value
+        if kind == "W":
+            pending -= 1
+        elif kind in ("F", "B", "I", "OVERLAP_F_B"):
+            most = max(most, pending)
+            pending += kind == "I"
+    return most
 
 
 def _receive_buffers_held(runner: PipelineRunner) -> list[int]:
@@ -98,6 +116,7 @@ def _receive_buffers_held(runner: PipelineRunner) -> list[int]:
 
 def test_every_schedule_matches_single_process():
     """On 2 processes, each schedule's loss and gradients (also accumulated over two calls, the second at half
-    weight), its evaluation loss and its forward output equal single-process computation; the multi-stage schedules
+    weight), its evaluation loss and its forward output equal single-process computation, with the split-backward
+    schedules' weight backwards limited too (the order run defers no more); the multi-stage schedules
     wait for their sends early (parallel/pipeline_sends.py) and hold no receive buffer between steps."""
     run_workers(_check_every_schedule, 2)

@@ -334,6 +334,11 @@ RECOMPUTE_STEP_LAYOUTS = {
         pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2, pipeline=PipelineConfig("dualpipev"),
         gradient_checkpointing={"recompute": ["norm", "mla_up"]},
     )),
+    # and its weight backwards run right after their input backwards (max_deferred_weight_backwards 0): the order both run
+    "deepseek-recipe-pp2-dp2-ep2-dualpipev-deferred-0": ("deepseek-mini", dict(
+        pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2,
+        pipeline=PipelineConfig("dualpipev", max_deferred_weight_backwards=0), gradient_checkpointing={"recompute": ["norm", "mla_up"]},
+    )),
     # and its forward-backward pairs interleaved at their all-to-alls (expert_dispatch_overlap): the plan steps them so
     "deepseek-recipe-pp2-dp2-ep2-dualpipev-pairs": ("deepseek-mini", dict(
         pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2, pipeline=PipelineConfig("dualpipev"),
