@@ -67,6 +67,7 @@ from lightning_ciuic.compat.distributed import (
     FSDPReduceScatter,
     all_gather_single,
     allocate_receive_buffers,
+    detach_pipeline_loss,
     fake_store,
     flatten_mesh,
     forget_dtensor_meshes,

@@ -212,6 +212,17 @@ def release_receive_buffers(receive_infos: Any) -> None:
             info.buffer = info.buffer.new_empty(0)
 
 
+def detach_pipeline_loss(loss: Any) -> None:
+    """A pipeline's last stage's loss of one micro-batch, detached in place (its value kept) once its backward, or its
+    input pass under a split backward (whose weight pass reads the graph's intermediates, not the loss), has run; ``None``
+    (another stage's) left alone. The schedule keeps every micro-batch's loss to the step's end (``_internal_losses``,
+    then the step's ``losses``, torch 2.13), and with it the loss's graph, whose ``AccumulateGrad`` node of the stage's
+    input holds that input: one activation a micro-batch (torch detaches the stage's output after its backward, not the
+    loss, which still reaches the graph through it)."""
+    if isinstance(loss, torch.Tensor) and loss.grad_fn is not None and not loss._is_view():
+        loss.detach_()
+
+
 def allocate_receive_buffers(receive_infos: Any, device: torch.device) -> None:
     """Each received tensor of ``receive_infos`` (as :func:`release_receive_buffers`) given a fresh buffer of its
     metadata's shape, as torch's stage allocates it at set-up (``_make_tensor_from_meta``, torch 2.13)."""

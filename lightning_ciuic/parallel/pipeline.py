@@ -305,7 +305,7 @@ def partition(
 
 
 class _Stage(PipelineStage):
-    """torch's ``PipelineStage`` with seven changes:
+    """torch's ``PipelineStage`` with eight changes:
 
     * Shape inference feeds zeros, not uninitialized memory, to stages after the first. Tensor-parallel
       ranks of a stage must compute the same thing: with garbage inputs a mixture-of-experts router sends
@@ -323,8 +323,8 @@ class _Stage(PipelineStage):
       not at the step's end (``sends``, a :class:`~lightning_ciuic.parallel.pipeline_sends.SendRelease`).
     * A sharded stage inside :func:`~lightning_ciuic.parallel.fsdp.gradients_held` (an accumulation micro-step)
       ends the schedule's backward without the reduce torch runs after it: the gradients stay unreduced and the
-      weights gathered (the module's parameters are then the gathered ones) until the optimizer step's last
-      micro-step.
+      weights gathered (the module's parameters are then the gathered ones) until the optimizer step's last micro-step.
+    * The last stage's loss, which the schedule keeps to the step's end, lets go of its graph once its backward ran.
     """
 
     def __init__(self, *args: Any, clock: list[float], forward_only: bool, **kwargs: Any) -> None:
@@ -395,6 +395,7 @@ class _Stage(PipelineStage):
                 return self._timed(super().backward_one_chunk, bwd_chunk_id, *args, **kwargs)
         finally:  # the gradient received is read: what the weight pass needs of it, its input pass keeps
             compat.release_receive_buffers(self.grad_recv_info.get(bwd_chunk_id, ()))
+            compat.detach_pipeline_loss(kwargs.get("loss", args[0] if args else None))  # the last stage's; else None
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
