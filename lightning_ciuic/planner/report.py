@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.experts.overlap import CHUNKS
+from lightning_ciuic.parallel.pipeline import SCHEDULES
 from lightning_ciuic.parallel.schedule_bubble import paired_fraction, schedule_bubble
 from lightning_ciuic.planner.estimate import Hardware, StepEstimate, estimate_step
 from lightning_ciuic.planner.layout import RankBytes
@@ -129,6 +130,22 @@ class Plan:
     def all_fit(self) -> bool:
         return all(self.fits(c) for c in self.classes)
 
+    @property
+    def advice(self) -> list[str]:
+        """What to change that the plan can tell: under a split-backward schedule whose deferred weight backwards are
+        not limited, with ranks whose stepped peak does not fit, ``max_deferred_weight_backwards`` and its bubble."""
+        d = self.dims
+        over = [c for c in self.classes if c.peak is not None and not self.fits(c)]
+        if d.pp == 1 or not over or not SCHEDULES[self.pipeline_schedule].split_backward or self.max_deferred_weight_backwards is not None:
+            return []
+        bubble = [schedule_bubble(self.pipeline_schedule, d.pp, self.num_microbatches, self.stages_per_rank, k) for k in (None, 1)]
+        return [
+            f"{len(over)} rank class{'es' if len(over) > 1 else ''} do{'' if len(over) > 1 else 'es'} not fit, and {self.pipeline_schedule} lets a rank defer weight backwards to the"
+            " step's end, each keeping its chunk's graph and output gradients until it runs:"
+            f" max_deferred_weight_backwards: 1 bounds them, the bubble {bubble[0]:.1%} -> {bubble[1]:.1%}"
+            " (docs/pipeline.md)."
+        ]
+
     def layout(self) -> dict[str, int]:
         d = self.dims
         return {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp, "ep": d.ep}
@@ -174,6 +191,7 @@ class Plan:
             ],
             "step_estimate": estimate.to_json() if (estimate := self.estimate) is not None else None,
             "warnings": self.warnings,
+            "advice": self.advice,
             "not_modelled": list(self.not_modelled),
         }
 
@@ -249,6 +267,7 @@ class Plan:
                 f"FLOPs per step of one rank: {self.pacing_step.flops:.4g} (give --flops and --link for a step-time estimate)"
             )
         lines += [f"warning: {w}" for w in self.warnings]
+        lines += [f"advice: {a}" for a in self.advice]
         lines.append("not modelled: " + ", ".join(self.not_modelled) + ".")
         return "\n".join(lines)
 

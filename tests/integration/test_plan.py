@@ -648,3 +648,26 @@ def test_the_hierarchical_dispatch_plans_its_hops_on_their_links_with_fewer_inte
             assert planned.estimate.axis_link_bytes["ep_node"] == dispatch["ep_node"]
         inter[mode] = sum(by["inter"] for by in dispatch.values())
     assert inter["hierarchical"] <= 0.6 * inter["flat"], inter
+
+
+def test_a_split_backward_plan_that_does_not_fit_is_told_to_limit_its_deferred_weight_backwards():
+    """The plan's advice: under DualPipeV with ranks over the device's memory, max_deferred_weight_backwards and what
+    it costs in bubble; none once the limit is set, or where every rank fits."""
+    from lightning_ciuic.parallel.schedule_bubble import schedule_bubble
+
+    def planned(device_memory: int, limit=None):
+        pipeline = PipelineConfig("dualpipev", num_microbatches=4, max_deferred_weight_backwards=limit)
+        config = ParallelismConfig(pipeline_parallel_size=2, pipeline=pipeline)
+        return plan_layout(_build_llama, config, 2, optimizers=optimizers_of, step=STEP, device_memory=device_memory)
+
+    tight = planned(2**20)
+    over = sum(not tight.fits(c) for c in tight.classes)
+    assert over >= 1
+    bubble = [schedule_bubble("dualpipev", 2, 4, 2, limit) for limit in (None, 1)]
+    assert tight.advice == [
+        f"{over} rank class{'es do' if over > 1 else ' does'} not fit, and dualpipev lets a rank defer weight backwards to"
+        " the step's end, each keeping its chunk's graph and output gradients until it runs: max_deferred_weight_backwards:"
+        f" 1 bounds them, the bubble {bubble[0]:.1%} -> {bubble[1]:.1%} (docs/pipeline.md)."
+    ]
+    assert f"advice: {tight.advice[0]}" in tight.table() and tight.to_json()["advice"] == tight.advice
+    assert planned(2**20, limit=1).advice == [] and planned(80 * 2**30).advice == []
