@@ -46,7 +46,7 @@ from lightning_ciuic.comm.hooks import GradientQuantizer
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.experts import DISPATCH_COMPRESSIONS, DISPATCH_MODES, DispatchCompression, DispatchMode
 from lightning_ciuic.parallel.fsdp import ShardingConfig, check_offload
-from lightning_ciuic.parallel.pipeline import SCHEDULES
+from lightning_ciuic.parallel.pipeline import SPLIT_BACKWARD_SCHEDULES
 from lightning_ciuic.parallel.pipeline_module import PipelineConfig
 from lightning_ciuic.parallel.recompute import GradientCheckpointing, Recompute
 from lightning_ciuic.validation import check_int
@@ -55,7 +55,6 @@ Degree = Union[int, Literal["auto"]]
 SHARDED_REDUCE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # the reduce-scatter's dtype
 MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}  # Lightning's precision -> compute dtype
 SHARDED_CODECS = ("int8", "nf4")  # the reduce-scatter as a quantized all-to-all
-SPLIT_BACKWARD_SCHEDULES = tuple(name for name, kind in SCHEDULES.items() if kind.split_backward)
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 COMPRESSION_BACKENDS = (None, "gloo", "nccl")  # all_to_all, all_gather_single and point-to-point sends
 WEIGHT_CODECS = ("none", "int8")

@@ -85,6 +85,7 @@ SCHEDULES: dict[str, _ScheduleKind] = {
     "zbv_zero_bubble": _ScheduleKind("ScheduleZBVZeroBubble", "v", split_backward=True),
     "dualpipev": _ScheduleKind("ScheduleDualPipeV", "v", split_backward=True),
 }
+SPLIT_BACKWARD_SCHEDULES = tuple(name for name, kind in SCHEDULES.items() if kind.split_backward)
 
 
 def resolve_stages_per_rank(schedule: str, stages_per_rank: Optional[int]) -> int:

@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_ciuic import compat
 from lightning_ciuic.validation import check_int
 from lightning_ciuic.parallel.pipeline import (
-    SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
     BlockCall,
     OnAnotherStage,
     PipelineRunner,
@@ -162,12 +162,11 @@ class PipelineConfig:
         check_int("num_microbatches", self.num_microbatches)
         resolve_stages_per_rank(self.schedule, self.stages_per_rank)
         check_int("max_deferred_weight_backwards", self.max_deferred_weight_backwards, minimum=0, allowed=(None,))
-        if self.max_deferred_weight_backwards is not None and not SCHEDULES[self.schedule].split_backward:
-            split = sorted(name for name, kind in SCHEDULES.items() if kind.split_backward)
+        if self.max_deferred_weight_backwards is not None and self.schedule not in SPLIT_BACKWARD_SCHEDULES:
             raise ValueError(
                 f"max_deferred_weight_backwards={self.max_deferred_weight_backwards} bounds the weight backwards a"
                 f" schedule defers, and pipeline_schedule={self.schedule!r} runs whole backwards and defers none; use"
-                f" one of {split}, or max_deferred_weight_backwards=None."
+                f" one of {sorted(SPLIT_BACKWARD_SCHEDULES)}, or max_deferred_weight_backwards=None."
             )
 
     @property

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from lightning_ciuic.parallel.dims import ParallelDims
 from lightning_ciuic.parallel.experts.overlap import CHUNKS
-from lightning_ciuic.parallel.pipeline import SCHEDULES
+from lightning_ciuic.parallel.pipeline import SPLIT_BACKWARD_SCHEDULES
 from lightning_ciuic.parallel.schedule_bubble import paired_fraction, schedule_bubble
 from lightning_ciuic.planner.estimate import Hardware, StepEstimate, estimate_step
 from lightning_ciuic.planner.layout import RankBytes
@@ -136,7 +136,7 @@ class Plan:
         not limited, with ranks whose stepped peak does not fit, ``max_deferred_weight_backwards`` and its bubble."""
         d = self.dims
         over = [c for c in self.classes if c.peak is not None and not self.fits(c)]
-        if d.pp == 1 or not over or not SCHEDULES[self.pipeline_schedule].split_backward or self.max_deferred_weight_backwards is not None:
+        if d.pp == 1 or not over or self.pipeline_schedule not in SPLIT_BACKWARD_SCHEDULES or self.max_deferred_weight_backwards is not None:
             return []
         bubble = [schedule_bubble(self.pipeline_schedule, d.pp, self.num_microbatches, self.stages_per_rank, k) for k in (None, 1)]
         return [

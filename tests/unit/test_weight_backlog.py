@@ -6,12 +6,12 @@ import pytest
 from torch.distributed.pipelining import schedules
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-from lightning_ciuic.parallel.pipeline import SCHEDULES
+from lightning_ciuic.parallel.pipeline import SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 from lightning_ciuic.parallel.pipeline_module import PipelineConfig
 from lightning_ciuic.parallel.schedule_bubble import schedule_bubble
 from lightning_ciuic.parallel.weight_backlog import limit_deferred_weight_backwards
 
-SPLIT = [name for name, kind in SCHEDULES.items() if kind.split_backward]
+SPLIT = list(SPLIT_BACKWARD_SCHEDULES)
 
 
 def _kind(action) -> str:
