@@ -78,6 +78,24 @@ def test_the_early_waits_never_deadlock_and_bound_the_sends_in_flight(name, styl
     assert (most[8] == most[16]) == bounded, most  # bounded: twice the micro-batches, no more sends in flight
 
 
+
+def test_a_send_waited_for_at_the_next_computation_can_deadlock_where_the_release_points_cannot():
+    """The player does catch a deadlock, and release_points avoids it: rank 1 posts its receive of micro-batch 0 only
+    after micro-batch 1's, so rank 0 waiting for its first send before its next forward never sends the second; the
+    release points wait for both only before the backward whose gradient rank 1 sent after posting those receives."""
+    order = {
+        0: [("F", 0, 0), ("SEND_F", 0, 0), ("F", 0, 1), ("SEND_F", 0, 1), ("RECV_B", 0, 0), ("B", 0, 0),
+            ("RECV_B", 0, 1), ("B", 0, 1)],
+        1: [("RECV_F", 1, 1), ("F", 1, 1), ("RECV_F", 1, 0), ("F", 1, 0), ("B", 1, 0), ("SEND_B", 1, 0), ("B", 1, 1),
+            ("SEND_B", 1, 1)],
+    }
+    stage_rank = {0: 0, 1: 1}
+    with pytest.raises(AssertionError, match="stalled"):
+        _play(order, stage_rank, {("F", 0, 1): [("SEND_F", 0, 0)]})  # waited for at the next computation
+    points = release_points(order, 0, stage_rank)
+    assert points == {("B", 0, 0): [("SEND_F", 0, 0), ("SEND_F", 0, 1)], ("B", 0, 1): []}
+    assert _play(order, stage_rank, points)[0] == 2
+
 class _Work:
     def __init__(self):
         self.waits = 0
