@@ -341,7 +341,9 @@ class HybridParallelStrategy(ParallelStrategy):
         self.pipeline = self.parallelized.pipeline
         if self.pipeline is not None:
             pipeline = config.pipeline
-            rank_zero_info(f"HybridParallelStrategy: {pipeline.schedule} pipeline, {pipeline.num_microbatches} micro-batches")
+            limit = pipeline.max_deferred_weight_backwards
+            deferred = "" if limit is None else f", at most {limit} weight backwards deferred"
+            rank_zero_info(f"HybridParallelStrategy: {pipeline.schedule} pipeline, {pipeline.num_microbatches} micro-batches{deferred}")
         if self.parallelized.user_sharded:
             rank_zero_info(
                 f"HybridParallelStrategy: {type(self.model).__name__} shards itself (fully_shard in configure_model):"
