@@ -293,6 +293,14 @@ def run_pairs_with(schedule: Any, run_pair: Callable[[Callable[[], None], Callab
     schedule.register_custom_function(schedules.OVERLAP_F_B, pair)
 
 
+def full_backward_of(input_backward: Any) -> Any:
+    """A pipeline schedule's input backward (``_Action`` of ``BACKWARD_INPUT``) as the full backward of the same stage
+    and micro-batch (``FULL_BACKWARD``, torch 2.5+)."""
+    from torch.distributed.pipelining import schedules
+
+    return input_backward._replace(computation_type=schedules.FULL_BACKWARD)
+
+
 def reorder_pipeline(schedule: Any, reorder: Callable[[list[Any]], list[Any]]) -> None:
     """A multi-stage schedule's compute actions on every rank replaced by ``reorder(actions)`` (its ``pipeline_order``
     of ``_Action`` or ``None``), and its communication lowered again from them (``_PipelineScheduleRuntime.

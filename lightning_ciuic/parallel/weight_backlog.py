@@ -15,7 +15,10 @@ backward needs nothing but its input backward, and sends and receives nothing, s
 communication is unchanged and the schedule can stall no more than torch's. The step computes the same gradients;
 it idles where the moved passes no longer fill the bubble
 (:func:`~lightning_ciuic.parallel.schedule_bubble.schedule_bubble` plays the limited order: DualPipeV at pp 16 x 32
-micro-batches, 13.5% with torch's order, 16.2% at a limit of 1). ``limit=None`` returns the order as it is.
+micro-batches, 13.5% with torch's order, 16.2% at a limit of 1). A limit of 0 defers none: each input backward and
+its weight backward run as one full backward, the schedule's split undone. That drops the weight pass's own peak (it
+traverses the chunk's graph a second time) and sends the input's gradient after the whole backward (27.8% at pp 16 x
+32). ``limit=None`` returns the order as it is.
 :func:`limit_schedule(schedule, limit)` does it to every rank's order of a built schedule (its communication lowered again:
 :func:`~lightning_ciuic.compat.reorder_pipeline`).
 
@@ -52,7 +55,22 @@ def limit_deferred_weight_backwards(actions: list[Any], limit: Optional[int]) ->
             pending.append(weight_pass[action.stage_index, action.microbatch_index])
             while len(pending) > limit:
                 limited.append(pending.pop(0))
-    return limited
+    return _merged(limited) if limit == 0 else limited
+
+
+def _merged(actions: list[Any]) -> list[Any]:
+    """Each input backward followed at once by its own weight backward as one full backward (the same computation,
+    one pass through the chunk's graph instead of two, its gradient sent after both)."""
+    merged: list[Any] = []
+    for action in actions:
+        last = merged[-1] if merged else None
+        if _kind(action) == "W" and _kind(last) == "I" and (last.stage_index, last.microbatch_index) == (
+            action.stage_index, action.microbatch_index
+        ):
+            merged[-1] = compat.full_backward_of(last)
+        else:
+            merged.append(action)
+    return merged
 
 
 def limit_schedule(schedule: Any, limit: Optional[int]) -> None:

@@ -138,12 +138,12 @@ class Plan:
         over = [c for c in self.classes if c.peak is not None and not self.fits(c)]
         if d.pp == 1 or not over or self.pipeline_schedule not in SPLIT_BACKWARD_SCHEDULES or self.max_deferred_weight_backwards is not None:
             return []
-        bubble = [schedule_bubble(self.pipeline_schedule, d.pp, self.num_microbatches, self.stages_per_rank, k) for k in (None, 1)]
+        bubble = [schedule_bubble(self.pipeline_schedule, d.pp, self.num_microbatches, self.stages_per_rank, k) for k in (None, 1, 0)]
         return [
             f"{len(over)} rank class{'es' if len(over) > 1 else ''} do{'' if len(over) > 1 else 'es'} not fit, and {self.pipeline_schedule} lets a rank defer weight backwards to the"
             " step's end, each keeping its chunk's graph and output gradients until it runs:"
-            f" max_deferred_weight_backwards: 1 bounds them, the bubble {bubble[0]:.1%} -> {bubble[1]:.1%}"
-            " (docs/pipeline.md)."
+            f" max_deferred_weight_backwards: 1 bounds them, the bubble {bubble[0]:.1%} -> {bubble[1]:.1%}; 0 runs whole"
+            f" backwards, without a weight pass's own peak, the bubble {bubble[2]:.1%} (docs/pipeline.md)."
         ]
 
     def layout(self) -> dict[str, int]:
