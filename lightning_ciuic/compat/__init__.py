@@ -34,7 +34,7 @@ Touch points:
   the planner gives stages their metadata), its point-to-point batches (``schedules._batch_p2p``: on the fake process
   group, their works made to hold their tensors; on any, a send's work waited for early: ``pipeline_send_works``), its
   order of actions with their communication (``pipeline_order_with_comms``; ``reorder_pipeline``: its compute
-  reordered and its communication lowered again) and ``MemTracker``'s module tracker (``_mod_tracker``: none for a
+  reordered and its communication lowered again; ``full_backward_of``: an input backward as the full one) and ``MemTracker``'s module tracker (``_mod_tracker``: none for a
   pipeline's steps), and its runtime's state around DualPipeV's forward-backward pairs (``run_pairs_with``:
   receives, losses, backward counts, as torch 2.13's runtime keeps them); a thread's dispatch modes (``dispatch_modes``,
   handed to a helper thread); fake tensors' rules (``fake_impls.op_implementations_dict``) and the meta kernel of

@@ -441,3 +441,29 @@ def test_a_schedules_order_with_its_communication_and_its_send_batches_are_where
     with compat.pipeline_send_works(lambda sends_only, works: seen.append(sends_only) or ["wrapped", *works]):
         assert schedules._batch_p2p([]) == ["wrapped"]
     assert schedules._batch_p2p is torchs and seen == [True]
+
+
+def test_a_schedules_order_is_reordered_and_lowered_again_where_the_pack_limits_its_weight_backwards():
+    """reorder_pipeline replaces a runtime schedule's compute order on every rank and lowers its communication again
+    (``_prepare_schedule_with_comms``); full_backward_of makes an input backward the full one of its stage and
+    micro-batch; pipeline_schedule_order reorders each rank's order the same way."""
+    from unittest import mock
+
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 1, 2, None, 4
+    schedule = schedules.ScheduleDualPipeV([stage, stage], 4)
+    assert compat.full_backward_of(schedules._Action(2, schedules.BACKWARD_INPUT, 3)) == schedules._Action(2, schedules.FULL_BACKWARD, 3)
+
+    def whole_backwards(actions):
+        return [compat.full_backward_of(a) if a is not None and a.computation_type == schedules.BACKWARD_INPUT else a
+                for a in actions if a is None or a.computation_type != schedules.BACKWARD_WEIGHT]
+
+    expected = whole_backwards(schedule.pipeline_order[1])
+    compat.reorder_pipeline(schedule, whole_backwards)
+    assert schedule.pipeline_order[1] == expected
+    lowered = [str(a) for a in schedule.pipeline_order_with_comms[1]]
+    assert "2B3" in lowered and "2I3" not in lowered and not any(a.endswith("W3") for a in lowered)
+    order = compat.pipeline_schedule_order("ScheduleDualPipeV", 2, 4, 2, whole_backwards)
+    assert not any(kind in ("I", "W") for actions in order for parts in actions for kind, _, _ in parts)
