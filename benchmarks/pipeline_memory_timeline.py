@@ -117,11 +117,12 @@ def main() -> None:
     fp8 = "_fp8" if args.gemm_precision == "fp8" else ""
     limited = ("" if args.max_deferred is None else f"_deferred_{args.max_deferred}") + ("" if args.ep == 16 else f"_ep{args.ep}")
     limit_text = "" if args.max_deferred is None else f", at most {args.max_deferred} weight backwards deferred"
+    plan_text = f", plan arguments `{shlex.join(extra)}`" if extra else ""
     write_section(f"pipeline_memory_timeline_{args.schedule}{fp8}{limited}", f"""## Where a pipeline rank's memory peaks: {args.schedule}{" with FP8 GEMMs" if fp8 else ""}{limit_text}
 
 Command: `{command}` (machine: {machine()}). The planner's step of DeepSeek-V3 with {args.layers} MoE layers over pp
 {args.pp} x {args.ep}, {args.microbatches} micro-batches of 1 x {args.sequence_length} tokens, `gradient_checkpointing`
-`{args.recompute}`, ZeRO-1, {args.schedule}{", FP8 GEMMs" if fp8 else ""}{limit_text}{"".join(" " + a for a in extra)}: the memory held (GiB, fake tensors, the step's tracker) after each action of a rank's
+`{args.recompute}`, ZeRO-1, {args.schedule}{", FP8 GEMMs" if fp8 else ""}{limit_text}{plan_text}: the memory held (GiB, fake tensors, the step's tracker) after each action of a rank's
 stages, and the step's peak (inside an action too). `F`: forward; `B`: full or input backward; `W`: weight backward; `<action><stage>.<micro-batch>`.
 
 | rank | stages | most after an action | the step's peak | after its last forward | most after - that | from its last forward on |
