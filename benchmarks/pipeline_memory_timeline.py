@@ -1,10 +1,11 @@
-"""Where a pipeline rank's memory peaks in the schedule: the planner's step, action by action.
+r"""Where a pipeline rank's memory peaks in the schedule: the planner's step, action by action.
 
 Plans DeepSeek-V3 (``examples/configs/plan/deepseek_v3.yaml``, shortened to ``--layers`` MoE layers: every pipeline
-rank but the first holds the same layers) over ``--pp`` pipeline ranks x ``--ep`` (16) data-parallel ranks, the experts over them, with DeepSeek's
-recomputation recipe (or ``--recompute``) and ZeRO-1, under ``--schedule`` (with ``--gemm-precision fp8``: FP8 GEMMs), and records the memory the step's tracker holds after each
-action a stage runs (torch's ``forward_one_chunk``, ``backward_one_chunk``: a full or an input backward,
-``backward_weight_one_chunk``: a weight backward). Per rank: the most it holds after an action, and which; the step's
+rank but the first holds the same layers) over ``--pp`` pipeline ranks x ``--ep`` (16) data-parallel ranks, the
+experts over them, with DeepSeek's recomputation recipe (or ``--recompute``) and ZeRO-1, under ``--schedule`` (with
+``--gemm-precision fp8``: FP8 GEMMs), and records the memory the step's tracker holds after each action a stage runs
+(torch's ``forward_one_chunk``, ``backward_one_chunk``: a full or an input backward, ``backward_weight_one_chunk``: a
+weight backward). Per rank: the most it holds after an action, and which; the step's
 peak (the tracker's, inside an action too), and during which action; the memory after the rank's last forward (the
 end of the steady state, where every rank holds as many chunks as the order lets it); and the memory after each of its
 last actions. Other arguments go to the plan as they are (``--trainer.strategy.init_args.expert_input_storage fp8``).
@@ -12,7 +13,8 @@ Writes the ``pipeline_memory_timeline_<schedule>`` section of docs/benchmarks.md
 ``..._deferred_<k>`` with ``--max-deferred``: the strategy's ``max_deferred_weight_backwards``, ``..._ep<n>`` with
 ``--ep``).
 
-    .venv/bin/python benchmarks/pipeline_memory_timeline.py [--schedule dualpipev] [--pp 4] [--microbatches 8] [--layers 14] [--gemm-precision fp8] [--max-deferred 1] [--ep 64] [plan arguments]
+    .venv/bin/python benchmarks/pipeline_memory_timeline.py [--schedule dualpipev] [--pp 4] [--microbatches 8] \
+        [--layers 14] [--gemm-precision fp8] [--max-deferred 1] [--ep 64] [plan arguments]
 """
 
 from __future__ import annotations

@@ -10,17 +10,18 @@ last of 16 ranks at DeepSeek-V3's shapes).
 Contract: :func:`limit_deferred_weight_backwards(actions, limit)` takes one rank's order of compute actions
 (torch's ``_Action`` or ``None``, as a schedule's ``pipeline_order`` holds them) and returns it with weight backwards
 moved earlier, so that when any other computation starts at most ``limit`` of them are pending (run but for their
-weight backward): each moved to right after the input backward that would leave more (the oldest first). Only weight backwards move, and only earlier, after their own input backward: a weight
-backward needs nothing but its input backward, and sends and receives nothing, so the order of every rank's
-communication is unchanged and the schedule can stall no more than torch's. The step computes the same gradients;
+weight backward): each moved to right after the input backward that would leave more (the oldest first). Only weight
+backwards move, and only earlier, after their own input backward: a weight backward needs nothing but its input
+backward, and sends and receives nothing, so the order of every rank's communication is unchanged and the schedule
+can stall no more than torch's. The step computes the same gradients;
 it idles where the moved passes no longer fill the bubble
 (:func:`~lightning_ciuic.parallel.schedule_bubble.schedule_bubble` plays the limited order: DualPipeV at pp 16 x 32
 micro-batches, 13.5% with torch's order, 16.2% at a limit of 1). A limit of 0 defers none: each input backward and
 its weight backward run as one full backward, the schedule's split undone. That drops the weight pass's own peak (it
 traverses the chunk's graph a second time) and sends the input's gradient after the whole backward (27.8% at pp 16 x
 32). ``limit=None`` returns the order as it is.
-:func:`limit_schedule(schedule, limit)` does it to every rank's order of a built schedule (its communication lowered again:
-:func:`~lightning_ciuic.compat.reorder_pipeline`).
+:func:`limit_schedule(schedule, limit)` does it to every rank's order of a built schedule (its communication lowered
+again: :func:`~lightning_ciuic.compat.reorder_pipeline`).
 
 No Lightning imports.
 """
