@@ -334,10 +334,12 @@ RECOMPUTE_STEP_LAYOUTS = {
         pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2, pipeline=PipelineConfig("dualpipev"),
         gradient_checkpointing={"recompute": ["norm", "mla_up"]},
     )),
-    # and its weight backwards run right after their input backwards (max_deferred_weight_backwards 0): the order both run
+    # and its weight backwards run right after their input backwards (max_deferred_weight_backwards 0): the order both
+    # run; with the shared experts recomputed too, the recipe whose 2048-rank plan fits (docs/plan.md)
     "deepseek-recipe-pp2-dp2-ep2-dualpipev-deferred-0": ("deepseek-mini", dict(
         pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2,
-        pipeline=PipelineConfig("dualpipev", max_deferred_weight_backwards=0), gradient_checkpointing={"recompute": ["norm", "mla_up"]},
+        pipeline=PipelineConfig("dualpipev", max_deferred_weight_backwards=0),
+        gradient_checkpointing={"recompute": ["norm", "mla_up", "ffn.shared"]},
     )),
     # and its forward-backward pairs interleaved at their all-to-alls (expert_dispatch_overlap): the plan steps them so
     "deepseek-recipe-pp2-dp2-ep2-dualpipev-pairs": ("deepseek-mini", dict(
