@@ -27,6 +27,9 @@ Touch points:
   (``set_custom_reduce_scatter`` is public, the class it takes is not), and the mesh of a user's ``fully_shard``
   unit (its state's parameter group); selective checkpointing's storage (the ``storage`` of the modes
   ``create_selective_checkpoint_contexts`` returns: kept for the zero-bubble schedules' second backward);
+  non-reentrant checkpointing's unpack hook (``_checkpoint_hook``, its frames and holders: a region recomputed once
+  for a split backward's two passes, ``share_recomputations``) and the weight groups of ``stage_backward_input``
+  (``param_group_nodes_observed``);
   autograd's current graph task (``in_backward``: an activation-checkpointing
   recompute runs a module's forward again inside backward); ``DeviceMesh._unflatten`` (the expert view of a mesh
   axis, as torchtitan splits ``dp_shard`` into ``efsdp x ep``); ``nn.Module``'s own forward-hook tables (suspended while a step is routed
@@ -72,6 +75,7 @@ from lightning_ciuic.compat.distributed import (
     flatten_mesh,
     forget_dtensor_meshes,
     full_backward_of,
+    param_group_nodes_observed,
     fsdp_gathered_params,
     fsdp_mesh,
     fsdp_end_backward,
@@ -134,6 +138,8 @@ from lightning_ciuic.compat.modules import (
     saved_tensors_hooks_outside,
     selective_checkpoint_contexts,
     is_torch_checkpoint_hook,
+    RecomputationShared,
+    share_recomputations,
 )
 from lightning_ciuic.compat.tracing import (
     TorchDispatchMode,
@@ -184,6 +190,9 @@ TESTED = {"torch": ((2, 13), (2, 15)), "lightning": ((2, 6), (2, 7))}
 
 __all__ = [
     "ATTENTION_OPS",
+    "RecomputationShared",
+    "share_recomputations",
+    "param_group_nodes_observed",
     "SCALED_MM_OP",
     "scaled_mm",
     "FUNCTIONAL_REDUCE_SCATTER",

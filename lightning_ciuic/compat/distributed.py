@@ -293,6 +293,27 @@ def run_pairs_with(schedule: Any, run_pair: Callable[[Callable[[], None], Callab
     schedule.register_custom_function(schedules.OVERLAP_F_B, pair)
 
 
+@contextmanager
+def param_group_nodes_observed(observe: Callable[[set], None]) -> Iterator[None]:
+    """Inside, each time torch's ``stage_backward_input`` groups a stage's weights (its private ``get_param_groups``
+    in ``torch.distributed.pipelining._backward``), ``observe`` gets the groups' intermediates: the autograd nodes
+    that its weight pass (``stage_backward_weight``) runs again."""
+    from torch.distributed.pipelining import _backward
+
+    torch_groups = _backward.get_param_groups
+
+    def observed(*args: Any, **kwargs: Any) -> list:
+        groups = torch_groups(*args, **kwargs)
+        observe({node for group in groups for node in group["intermediates"]})
+        return groups
+
+    _backward.get_param_groups = observed
+    try:
+        yield
+    finally:
+        _backward.get_param_groups = torch_groups
+
+
 def full_backward_of(input_backward: Any) -> Any:
     """A pipeline schedule's input backward (``_Action`` of ``BACKWARD_INPUT``) as the full backward of the same stage
     and micro-batch (``FULL_BACKWARD``, torch 2.5+)."""

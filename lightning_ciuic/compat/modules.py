@@ -73,6 +73,93 @@ class _FirstValueKept(dict):
             super().__setitem__(key, value)
 
 
+class RecomputationShared:
+    """One checkpointed graph's backward run in two calls (a zero-bubble schedule's input pass, then its weight pass),
+    each region recomputed once for both.
+
+    torch's non-reentrant checkpoint recomputes a region once per backward call (its graph task), storing every tensor
+    the region saved whose node is alive, and frees one when a node of that call unpacks it. The input pass keeps the
+    graph, so the weight pass recomputed each region again, and held all of it (the input pass's nodes keep their
+    saved tensors) until it ended: 3 GiB a DeepSeek-V3 layer at 4096 tokens, besides the compute.
+
+    Inside :meth:`first_call`, the tensors unpacked by a node of ``again`` (the nodes the second call runs again,
+    :func:`~lightning_ciuic.compat.distributed.param_group_nodes_observed`) stay recomputed; inside
+    :meth:`second_call`, an unpack takes what the first call recomputed (once: it is let go there), else recomputes as
+    torch does (a node the second call runs that is not in ``again``: torch's weight pass runs the input pass's nodes
+    between two intermediates of one weight group again, a weight read twice in a region). Outside both, torch's
+    behaviour. Regions are shared only when their forward ran after :func:`share_recomputations` (a pipeline stage's
+    set-up calls it)."""
+
+    def __init__(self) -> None:
+        self.again: set = set()  # autograd nodes
+        self._first_tasks: set[int] = set()
+
+    @contextmanager
+    def first_call(self) -> Iterator[None]:
+        try:
+            with _sharing(self, first=True):
+                yield
+        finally:
+            self.again.clear()  # the nodes are the graph's: held here, they would keep it past the second call
+
+    @contextmanager
+    def second_call(self) -> Iterator[None]:
+        with _sharing(self, first=False):
+            yield
+
+    def unpack(self, frame: Any, holder: Any, torch_unpack: Any, first: bool) -> torch.Tensor:
+        from torch.utils.checkpoint import _Handle
+
+        if not first:
+            for task in self._first_tasks:
+                handle = holder.handles.get(task)
+                if handle is not None and handle in frame.recomputed[task]:
+                    holder.handles[task] = None
+                    return frame.recomputed[task].pop(handle)
+            return torch_unpack(holder)
+        task = torch._C._current_graph_task_id()
+        value = torch_unpack(holder)
+        self._first_tasks.add(task)
+        if torch._C._current_autograd_node() in self.again:
+            holder.handles[task] = _Handle()
+            frame.recomputed[task][holder.handles[task]] = value
+        return value
+
+
+_SHARING: list[tuple[RecomputationShared, bool]] = []  # not thread-local: CUDA's backward runs on autograd's threads
+
+
+@contextmanager
+def _sharing(share: RecomputationShared, first: bool) -> Iterator[None]:
+    _SHARING.append((share, first))
+    try:
+        yield
+    finally:
+        _SHARING.pop()
+
+
+@functools.cache
+def share_recomputations() -> None:
+    """From now on, torch's non-reentrant checkpoint (its private ``_checkpoint_hook``: a region's saved-tensor hooks)
+    unpacks through the :class:`RecomputationShared` in force, if any; once per process."""
+    from torch.utils import checkpoint as torch_checkpoint
+
+    class SharingCheckpointHook(torch_checkpoint._checkpoint_hook):
+        def __init__(self, frame: Any) -> None:
+            super().__init__(frame)
+            torch_unpack = self.unpack_hook
+
+            def unpack(holder: Any) -> torch.Tensor:
+                if not _SHARING:
+                    return torch_unpack(holder)
+                share, first = _SHARING[-1]
+                return share.unpack(frame, holder, torch_unpack, first)
+
+            self.unpack_hook = unpack
+
+    torch_checkpoint._checkpoint_hook = SharingCheckpointHook
+
+
 def view_base(tensor: torch.Tensor) -> Any:
     """The tensor ``tensor`` is a view of (autograd's ``_base``, a private attribute: the root, for a view of a view),
     else ``None``."""

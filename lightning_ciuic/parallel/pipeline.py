@@ -31,11 +31,9 @@ Contract:
 * ``overlap_pairs`` (the strategy sets it with ``expert_dispatch_overlap``): DualPipeV's forward-backward pairs
   (``OVERLAP_F_B``) run interleaved, one micro-batch's expert all-to-alls in flight while the other computes
   (:mod:`~lightning_ciuic.parallel.paired_overlap`), not one after the other; the same gradients.
-* The runner times each stage's compute and reports ``bubble``: the fraction of the step this rank spent
-  not computing (waiting for its neighbours), to compare with
-  :func:`~lightning_ciuic.parallel.schedule_bubble.schedule_bubble`. The compute chunks and
-  the gaps between them (sends, receives, waits) go to :data:`lightning_ciuic.timeline.timeline` (the monitor's
-  Chrome trace).
+* The runner times each stage's compute and reports ``bubble``: the fraction of the step this rank spent not computing
+  (waiting for its neighbours), to compare with :func:`~lightning_ciuic.parallel.schedule_bubble.schedule_bubble`. The
+  compute chunks and the gaps between them (sends, receives, waits) go to :data:`lightning_ciuic.timeline.timeline`.
 
 No Lightning imports.
 """
@@ -59,9 +57,9 @@ from lightning_ciuic.timeline import timeline
 from lightning_ciuic.validation import check_int
 from lightning_ciuic.parallel import paired_overlap, weight_backlog
 from lightning_ciuic.parallel.axes import Axis
-from lightning_ciuic.parallel.fp8 import weight_gradients_deferred
 from lightning_ciuic.parallel.fsdp import holds_gradients
 from lightning_ciuic.parallel.pipeline_sends import SendRelease
+from lightning_ciuic.parallel.split_backward import BackwardPasses
 from lightning_ciuic.parallel.tensor import gradient_to_parameter_placements, local_loss
 
 PipelineScheduleName = Literal[
@@ -318,8 +316,8 @@ class _Stage(PipelineStage):
       gradient), not from set-up for the run, one per micro-batch, as torch's stages keep them: what the forward
       and an input pass keep of them is all that stays (a ``2 m``-buffer floor otherwise, 13 GiB a rank at
       DeepSeek-V3's shapes and 120 micro-batches).
-    * A zero-bubble schedule's input pass runs inside :func:`~lightning_ciuic.parallel.fp8.weight_gradients_deferred`:
-      FP8 linears leave their weights' gradients to the weight pass.
+    * Its backward passes run in a :class:`~lightning_ciuic.parallel.split_backward.BackwardPasses`: on the calling
+      thread; a weight pass recomputes nothing, and FP8 linears leave it their weights' gradients.
     * Under a multi-stage schedule's runtime, a send is waited for (its tensor let go) as soon as it must have completed,
       not at the step's end (``sends``, a :class:`~lightning_ciuic.parallel.pipeline_sends.SendRelease`).
     * A sharded stage inside :func:`~lightning_ciuic.parallel.fsdp.gradients_held` (an accumulation micro-step)
@@ -332,6 +330,7 @@ class _Stage(PipelineStage):
         super().__init__(*args, **kwargs)
         self._compute_clock, self._forward_only = clock, forward_only
         self.sends: Optional[SendRelease] = None
+        self._passes = BackwardPasses()
 
     def _to_tensor(self, arg: Any) -> torch.Tensor:
         tensor = super()._to_tensor(arg)
@@ -392,14 +391,15 @@ class _Stage(PipelineStage):
         if self.sends is not None:
             self.sends.before("B", self.stage_index, bwd_chunk_id)
         try:
-            with contextlib.nullcontext() if full else weight_gradients_deferred():  # an input pass: FP8 weights wait
+            with self._passes.backward(bwd_chunk_id, full):
                 return self._timed(super().backward_one_chunk, bwd_chunk_id, *args, **kwargs)
         finally:  # the gradient received is read: what the weight pass needs of it, its input pass keeps
             compat.release_receive_buffers(self.grad_recv_info.get(bwd_chunk_id, ()))
             compat.detach_pipeline_loss(kwargs.get("loss", args[0] if args else None))  # the last stage's; else None
 
-    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with self._passes.weight(bwd_chunk_id):
+            return self._timed(super().backward_weight_one_chunk, bwd_chunk_id, *args, **kwargs)
 
     def get_local_bwd_output(self, mb_index: int) -> Any:
         return None if self._forward_only else super().get_local_bwd_output(mb_index)

@@ -467,3 +467,42 @@ def test_a_schedules_order_is_reordered_and_lowered_again_where_the_pack_limits_
     assert "2B3" in lowered and "2I3" not in lowered and not any(a.endswith("W3") for a in lowered)
     order = compat.pipeline_schedule_order("ScheduleDualPipeV", 2, 4, 2, whole_backwards)
     assert not any(kind in ("I", "W") for actions in order for parts in actions for kind, _, _ in parts)
+
+
+def test_a_checkpointed_region_is_recomputed_once_for_a_split_backwards_two_passes():
+    """share_recomputations wraps torch's non-reentrant checkpoint's unpack (``_checkpoint_hook``, its frames'
+    ``recomputed`` tables and holders' ``handles``); param_group_nodes_observed sees stage_backward_input's weight
+    groups (``get_param_groups``). In a RecomputationShared's first call, what the observed nodes unpack stays; its
+    second call takes it: the region's forward runs twice (forward, input pass), not four times, and the gradients are
+    torch's to the bit. Outside, torch's behaviour (the second call recomputes, once per weight group)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from torch.utils.checkpoint import checkpoint
+
+    compat.share_recomputations()
+    torch.manual_seed(0)
+    weights = [torch.randn(8, 8, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    weights.append(torch.randn(8, dtype=torch.float64, requires_grad=True))  # a bias
+    runs = []
+
+    def block(inputs):
+        runs.append(1)
+        return torch.tanh(inputs @ weights[0] + weights[2]) @ weights[1]
+
+    def passes(share):
+        runs.clear()
+        x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        out = checkpoint(block, x, use_reentrant=False).square().sum()
+        observed = compat.param_group_nodes_observed(share.again.update) if share else contextlib.nullcontext()
+        with observed, share.first_call() if share else contextlib.nullcontext():
+            _, groups = stage_backward_input([out], None, [x], iter(weights))
+        with share.second_call() if share else contextlib.nullcontext():
+            stage_backward_weight(iter(weights), groups)
+        grads = [x.grad] + [w.grad for w in weights]
+        for w in weights:
+            w.grad = None
+        return len(runs), grads
+
+    torch_runs, expected = passes(None)
+    runs_shared, grads = passes(compat.RecomputationShared())
+    assert (torch_runs, runs_shared) == (4, 2)  # torch's weight pass: once per weight group (two: w1 and bias, w2)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))

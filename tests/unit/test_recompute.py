@@ -1,6 +1,7 @@
 """Activation recomputation modes (parallel/recompute.py): parsed and refused, and each one's gradients equal to
 keeping every activation (float64, one process), with the recomputation it promises happening in backward."""
 
+import contextlib
 import copy
 from collections import Counter
 
@@ -148,3 +149,52 @@ def test_activation_checkpointing_recomputes_in_backward_with_equal_gradients():
     assert len(calls) == 2, "forward once, then once more in backward"
     torch.testing.assert_close(recomputed[0].weight.grad, plain[0].weight.grad)
     assert set(recomputed.state_dict()) == set(plain.state_dict())
+
+
+def _split_backward(model: DeepSeekTransformer, mode, shared: bool) -> tuple[dict, Counter, Counter]:
+    """A zero-bubble schedule's backward of the example's layers, norm and head (a pipeline stage after the embedding:
+    its input needs a gradient), torch's input pass then its weight pass, each in a
+    :class:`~lightning_ciuic.parallel.split_backward.BackwardPasses` pass (``shared``) or bare: the stage's input and
+    weight gradients, and the ops each pass ran."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from lightning_ciuic.parallel.split_backward import BackwardPasses
+
+    names = model.block_names()
+    recompute_blocks([model.get_submodule(n) for n in names], Recompute.parse(mode), names)
+    split = BackwardPasses()  # before the forward, as a pipeline stage is built before it runs
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    x = model.embed(tokens).detach().requires_grad_()
+    stage = nn.Sequential(*model.layers, model.norm, model.head)
+    loss = stage(x).logsumexp(-1).mean()
+    with _Ops() as input_ops, split.backward(0, full=False) if shared else contextlib.nullcontext():
+        _, groups = stage_backward_input([loss], None, [x], stage.parameters())
+    with _Ops() as weight_ops, split.weight(0) if shared else contextlib.nullcontext():
+        stage_backward_weight(stage.parameters(), groups)
+    grads = {n: p.grad for n, p in stage.named_parameters()} | {"input": x.grad}
+    return grads, Counter(input_ops.ran), Counter(weight_ops.ran)
+
+
+@pytest.mark.parametrize("mode", [True, "full:2", "selective", RECIPE])
+def test_a_split_backwards_weight_pass_recomputes_nothing_and_computes_the_same_gradients(mode):
+    """The weight pass takes what the input pass recomputed (the inputs of the nodes it runs again) instead of running
+    the recomputed forwards once more, as torch's passes did (once per weight group they touch); the input pass
+    recomputes what it did, and the gradients are the same to the bit."""
+    model = _model()
+    whole = copy.deepcopy(model)
+    names = whole.block_names()
+    recompute_blocks([whole.get_submodule(n) for n in names], Recompute.parse(mode), names)
+    bare, bare_input, bare_weight = _split_backward(copy.deepcopy(model), mode, shared=False)
+    grads, input_ops, weight_ops = _split_backward(model, mode, shared=True)
+    assert bare_weight["aten.rsqrt"] > 0, bare_weight  # torch's weight pass runs the norms' forwards again
+    assert weight_ops["aten.rsqrt"] == 0 and weight_ops.total() < bare_weight.total(), (weight_ops, bare_weight)
+    assert input_ops == bare_input
+    for name, grad in bare.items():
+        assert torch.equal(grads[name], grad), name
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    x = whole.embed(tokens).detach().requires_grad_()
+    stage = nn.Sequential(*whole.layers, whole.norm, whole.head)
+    stage(x).logsumexp(-1).mean().backward()  # one backward, whole
+    expected = {n: p.grad for n, p in stage.named_parameters()} | {"input": x.grad}
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-13, msg=lambda m: f"{name}: {m}")
