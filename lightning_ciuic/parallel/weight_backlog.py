@@ -17,9 +17,8 @@ can stall no more than torch's. The step computes the same gradients;
 it idles where the moved passes no longer fill the bubble
 (:func:`~lightning_ciuic.parallel.schedule_bubble.schedule_bubble` plays the limited order: DualPipeV at pp 16 x 32
 micro-batches, 13.5% with torch's order, 16.2% at a limit of 1). A limit of 0 defers none: each input backward and
-its weight backward run as one full backward, the schedule's split undone. That drops the weight pass's own peak (it
-traverses the chunk's graph a second time) and sends the input's gradient after the whole backward (27.8% at pp 16 x
-32). ``limit=None`` returns the order as it is.
+its weight backward run as one full backward, the schedule's split undone: nothing pending, but the input's gradient
+sent after the whole backward (27.8% at pp 16 x 32). ``limit=None`` returns the order as it is.
 :func:`limit_schedule(schedule, limit)` does it to every rank's order of a built schedule (its communication lowered
 again: :func:`~lightning_ciuic.compat.reorder_pipeline`).
 

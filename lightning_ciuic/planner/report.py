@@ -143,7 +143,7 @@ class Plan:
             f"{len(over)} rank class{'es' if len(over) > 1 else ''} do{'' if len(over) > 1 else 'es'} not fit, and {self.pipeline_schedule} lets a rank defer weight backwards to the"
             " step's end, each keeping its chunk's graph and output gradients until it runs:"
             f" max_deferred_weight_backwards: 1 bounds them, the bubble {bubble[0]:.1%} -> {bubble[1]:.1%}; 0 runs whole"
-            f" backwards, without a weight pass's own peak, the bubble {bubble[2]:.1%} (docs/pipeline.md)."
+            f" backwards, none pending, the bubble {bubble[2]:.1%} (docs/pipeline.md)."
         ]
 
     def layout(self) -> dict[str, int]:

@@ -669,8 +669,8 @@ def test_a_split_backward_plan_that_does_not_fit_is_told_to_limit_its_deferred_w
     assert tight.advice == [
         f"{over} rank class{'es do' if over > 1 else ' does'} not fit, and dualpipev lets a rank defer weight backwards to"
         " the step's end, each keeping its chunk's graph and output gradients until it runs: max_deferred_weight_backwards:"
-        f" 1 bounds them, the bubble {bubble[0]:.1%} -> {bubble[1]:.1%}; 0 runs whole backwards, without a weight pass's"
-        f" own peak, the bubble {bubble[2]:.1%} (docs/pipeline.md)."
+        f" 1 bounds them, the bubble {bubble[0]:.1%} -> {bubble[1]:.1%}; 0 runs whole backwards, none pending,"
+        f" the bubble {bubble[2]:.1%} (docs/pipeline.md)."
     ]
     assert f"advice: {tight.advice[0]}" in tight.table() and tight.to_json()["advice"] == tight.advice
     assert planned(2**20, limit=1).advice == [] and planned(80 * 2**30).advice == []

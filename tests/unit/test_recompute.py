@@ -198,3 +198,15 @@ def test_a_split_backwards_weight_pass_recomputes_nothing_and_computes_the_same_
     expected = {n: p.grad for n, p in stage.named_parameters()} | {"input": x.grad}
     for name, grad in expected.items():
         torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-13, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_stages_backward_passes_run_on_the_calling_thread():
+    """Whole, input and weight passes turn autograd's device worker threads off (an accelerator's backward runs on
+    the caller's thread, where the pass's thread-local state is set), and back on after."""
+    from lightning_ciuic.parallel.split_backward import BackwardPasses
+
+    passes = BackwardPasses()
+    for context in (passes.backward(0, full=True), passes.backward(1, full=False), passes.weight(1)):
+        with context:
+            assert not torch._C._is_multithreading_enabled()
+        assert torch._C._is_multithreading_enabled()
