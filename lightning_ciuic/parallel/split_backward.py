@@ -13,8 +13,8 @@ weight pass (``backward_weight_one_chunk``) inside :meth:`BackwardPasses.weight`
   for the two passes (:class:`~lightning_ciuic.compat.RecomputationShared`): the input pass keeps, of what it
   recomputed, what the weight pass reads (the inputs of the nodes it runs again: a linear's input for its weight's
   gradient), and the weight pass takes it instead of running the region's forward again, as torch's did once per
-  weight group. The gradients are the same to the bit; the weight pass no longer holds a recomputed region at once,
-  nor computes it (3 GiB and a sixth of the pass's operations a DeepSeek-V3 layer at 4096 tokens, 2026-12-07).
+  weight group. The gradients are the same to the bit; the weight pass no longer holds a recomputed region at once
+  (3 GiB a DeepSeek-V3 layer at 4096 tokens, 2026-12-07), nor computes it.
 
 No Lightning imports.
 """
