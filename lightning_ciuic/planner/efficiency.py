@@ -190,7 +190,7 @@ MOE_CHECKED_ON = (
         MEGATRON_MODELZOO_QWEN3 + ", 17.6 s a step", 2048 * 4096 / 256 / 17.6, 64 * 4096 * 32 // 256, "overlapped",
         18.27342319644399,
     ),
-    PlannedRun(  # DualPipeV at 120 micro-batches does not fit the plan's memory: planned under 1F1B, whose bubble is larger
+    PlannedRun(  # planned under 1F1B: DualPipeV with whole backwards (fits since 2026-12-07) bounds it at 26.06 s, 1% less
         "DeepSeek-V3 as its report trains it: PP 16 x EP 64 x DP 128 on 2048 H800, 120 micro-batches of 1 x 4096, FP8"
         " GEMMs, node-limited dispatch, DualPipe hiding the all-to-alls; planned under 1F1B with the recipe of"
         " docs/plan.md",
