@@ -13,8 +13,9 @@ weight pass (``backward_weight_one_chunk``) inside :meth:`BackwardPasses.weight`
   for the two passes (:class:`~lightning_ciuic.compat.RecomputationShared`): the input pass keeps, of what it
   recomputed, what the weight pass reads (the inputs of the nodes it runs again: a linear's input for its weight's
   gradient), and the weight pass takes it instead of running the region's forward again, as torch's did once per
-  weight group. The gradients are the same to the bit; the weight pass no longer holds a recomputed region at once
-  (3 GiB a DeepSeek-V3 layer at 4096 tokens, 2026-12-07), nor computes it.
+  weight group. The gradients are the same to the bit; the weight pass no longer holds a recomputed region at once,
+  nor computes it (DeepSeek-V3 at pp 4, 4096 tokens: 2.9-3.8 GiB off ranks 1-3's step peaks,
+  ``benchmarks/pipeline_memory_timeline.py --max-deferred 1``, 2026-12-07; docs/pipeline.md).
 
 No Lightning imports.
 """
