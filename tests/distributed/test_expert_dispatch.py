@@ -63,7 +63,9 @@ def _exact(rank: int, world: int) -> None:
             dist.all_reduce(routed)
             assert out["layout"].stats.received_tokens == (int(routed) * K if rank == 0 else 0)
         stats = out["layout"].stats
-        assert 0 < stats.exposed_seconds <= stats.seconds + 1e-9 and (overlap or stats.exposed_seconds == stats.seconds)
+        # blocked no longer than the exchanges took (overlapped, they may all have arrived before their waits)
+        assert 0 < stats.seconds and 0 <= stats.exposed_seconds <= stats.seconds, (overlap, stats)
+        assert overlap or stats.exposed_seconds == stats.seconds, stats
 
 
 def test_dispatch_and_combine_equal_the_experts_own_forward_with_empty_ranks():

@@ -26,10 +26,11 @@ Contract:
   other micro-batch computes while it is in flight.
 * Time (into ``layout.stats``): an asynchronous all-to-all's wall time is from its issue to its completion (on the
   CPU the moment its completion callback runs, on a GPU the moment the stream passes its wait: an upper bound), added
-  to ``seconds``; the time the caller spent blocked in ``wait()`` (on a GPU: the stream's stall there, CUDA events)
-  to ``exposed_seconds``; a synchronous one adds its time to both (:func:`~lightning_ciuic.parallel.experts.dispatch.
-  all_to_all_timed`). The hidden part of the all-to-alls is ``1 - exposed_seconds / seconds``. On the CPU each wait
-  is a span of the process timeline's ``ep collectives`` track (the training thread blocked there).
+  to ``seconds``; the time the caller spent blocked in ``wait()`` until that completion (on a GPU: the stream's stall
+  there, CUDA events) to ``exposed_seconds``, never more than ``seconds``; a synchronous one adds its time to both
+  (:func:`~lightning_ciuic.parallel.experts.dispatch.all_to_all_timed`). The hidden part of the all-to-alls is
+  ``1 - exposed_seconds / seconds``. On the CPU each wait is a span of the process timeline's ``ep collectives``
+  track (the training thread blocked there).
 
 No Lightning imports.
 """
@@ -133,11 +134,13 @@ class _InFlight:
         start = clock.mark()
         self.work.wait()
         end = clock.mark()
-        clock.add(start, end, stats.add_exposed)
         if clock.cuda:
+            clock.add(start, end, stats.add_exposed)
             clock.add(self.issued, end, stats.add_seconds)
-        else:
-            stats.add_seconds(min(self.done if self.done is not None else end, end) - self.issued)
+        else:  # blocked until it completed: the wake-up after its callback is the scheduler's, not the exchange's
+            completed = min(self.done if self.done is not None else end, end)
+            stats.add_seconds(completed - self.issued)
+            stats.add_exposed(max(0.0, completed - start))
             timeline.record(f"ep {self.name}", Axis.EP, start, end, track="ep collectives")
         self.send = None
         return self.received
